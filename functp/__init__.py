@@ -1,0 +1,28 @@
+"""functp: JAX-style functional sharding for PyTorch.
+
+A model becomes a pure function over a parameter pytree (:func:`functionalize`), a
+spec per leaf says how it is split over a named mesh (:class:`P`, :func:`make_mesh`),
+and :func:`shard_map` runs a per-shard program with explicit collectives whose
+gradients are those of the unsharded model. See ``docs/`` for the model.
+"""
+from __future__ import annotations
+
+from ._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
+                           axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter, pvary)
+from ._comm_log import CommEvent, comm_log
+from ._errors import ShardingError
+from ._functional import functionalize
+from ._mesh import Mesh, make_mesh
+from ._shard_map import shard_map
+from ._sharding import shard, unshard
+from ._spec import P
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mesh", "make_mesh", "P", "ShardingError",
+    "functionalize", "shard", "unshard", "shard_map",
+    "psum", "pmean", "pmax", "pmin", "pvary", "all_gather", "all_gather_invariant",
+    "psum_scatter", "all_to_all", "ppermute", "axis_index", "axis_size",
+    "comm_log", "CommEvent",
+]

@@ -1,0 +1,45 @@
+"""The shard_map body currently running on this process (its mesh and mode).
+
+Only the *forward* of a collective reads this: it resolves axis names to groups and
+stores them in its autograd context, so a backward that runs later (tape autograd
+after shard_map returned, or an outer transform) needs nothing from here.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from ._errors import ShardingError
+from ._mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Frame:
+    mesh: Mesh
+    check_vma: bool
+
+
+_STACK: list[Frame] = []
+
+
+def current(what: str) -> Frame:
+    if not _STACK:
+        raise ShardingError(
+            f"functp.{what} was called outside a shard_map body. Collectives name mesh "
+            f"axes, which are bound only while a function wrapped by "
+            f"functp.shard_map(fn, mesh, in_specs, out_specs) runs; call it from inside "
+            f"that function")
+    return _STACK[-1]
+
+
+def active() -> bool:
+    return bool(_STACK)
+
+
+@contextlib.contextmanager
+def frame(mesh: Mesh, check_vma: bool):
+    _STACK.append(Frame(mesh, check_vma))
+    try:
+        yield _STACK[-1]
+    finally:
+        _STACK.pop()

@@ -1,0 +1,199 @@
+"""Named device meshes: ``make_mesh`` and the process group behind every axis tuple."""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ._errors import ShardingError
+
+__all__ = ["Mesh", "make_mesh", "AxisGroup"]
+
+
+class AxisGroup(NamedTuple):
+    """Everything a collective over a tuple of mesh axes needs, resolved once.
+
+    Collectives keep this in their autograd context, so their backward never reads
+    ambient state (the backward may run after ``shard_map`` has returned).
+    ``order[i]`` is the process-group rank of the member whose index along ``axes``
+    (major to minor, in the order given) is ``i``; ``None`` when they coincide.
+    """
+    axes: tuple[str, ...]
+    size: int
+    index: int
+    group_name: str
+    order: tuple[int, ...] | None
+
+    def group_rank(self, i: int) -> int:
+        return i if self.order is None else self.order[i]
+
+
+class Mesh:
+    """An n-d grid of ranks with named axes, over a ``torch.distributed.DeviceMesh``.
+
+    Build one with :func:`make_mesh` or :meth:`Mesh.from_device_mesh`. ``mesh.shape``
+    maps axis names to sizes; ``mesh.coordinate`` is this rank's position.
+    """
+
+    def __init__(self, device_mesh: DeviceMesh):
+        names = device_mesh.mesh_dim_names
+        if not names:
+            raise ShardingError(
+                "functp needs a DeviceMesh with named dimensions: build it with "
+                "init_device_mesh(..., mesh_dim_names=(...)) or use functp.make_mesh")
+        self.device_mesh = device_mesh
+        self.axis_names: tuple[str, ...] = tuple(names)
+        self.axis_sizes: tuple[int, ...] = tuple(int(s) for s in device_mesh.mesh.shape)
+        self.shape: dict[str, int] = dict(zip(self.axis_names, self.axis_sizes))
+        self.device_type: str = device_mesh.device_type
+        coord = device_mesh.get_coordinate()
+        if coord is None:
+            raise ShardingError(
+                f"this rank ({dist.get_rank()}) is not part of the mesh {device_mesh}; "
+                f"every process that calls shard_map must belong to its mesh")
+        self.coordinate: dict[str, int] = dict(zip(self.axis_names, coord))
+        self._groups = self._build_groups()
+        self._axis_groups: dict[tuple[str, ...], AxisGroup] = {}
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh: DeviceMesh) -> "Mesh":
+        """Wraps an existing DeviceMesh (its dimensions must be named)."""
+        return cls(device_mesh)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.axis_sizes)
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in self.shape.items())
+        return f"Mesh({axes}; {self.device_type})"
+
+    # Every subset of axes gets its process group up front: creating a group is a
+    # collective over the whole world, so doing it lazily inside a step could make
+    # ranks disagree (and would break torch.compile tracing).
+    def _build_groups(self) -> dict[frozenset, dist.ProcessGroup]:
+        dm = self.device_mesh
+        groups = {frozenset([n]): dm.get_group(n) for n in self.axis_names}
+        for k in range(2, len(self.axis_names) + 1):
+            for sub in itertools.combinations(self.axis_names, k):
+                groups[frozenset(sub)] = dm[sub]._flatten().get_group()
+        return groups
+
+    def _check_axes(self, axis_name, what: str) -> tuple[str, ...]:
+        axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        if not axes or not all(isinstance(a, str) for a in axes):
+            raise ShardingError(
+                f"{what}: axis_name must be a mesh axis name or a non-empty tuple of "
+                f"names, got {axis_name!r}")
+        for a in axes:
+            if a not in self.shape:
+                raise ShardingError(
+                    f"{what}: unknown mesh axis '{a}'; the mesh has axes "
+                    f"{self.axis_names}")
+        if len(set(axes)) != len(axes):
+            raise ShardingError(f"{what}: axis tuple {axes} names an axis twice")
+        return axes
+
+    def axis_group(self, axis_name, what: str = "collective") -> AxisGroup:
+        """The resolved group for one axis name or a tuple of them (major to minor)."""
+        key = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        hit = self._axis_groups.get(key)
+        if hit is not None:
+            return hit
+        axes = self._check_axes(axis_name, what)
+        pg = self._groups[frozenset(axes)]
+        members = dist.get_process_group_ranks(pg)
+        mesh = self.device_mesh.mesh
+        desired = []
+        for r in members:
+            pos = (mesh == r).nonzero()[0].tolist()
+            c = dict(zip(self.axis_names, pos))
+            desired.append(self._linear(axes, c))
+        order = [0] * len(members)
+        for g, d in enumerate(desired):
+            order[d] = g
+        ag = AxisGroup(axes, math.prod(self.shape[a] for a in axes),
+                       self._linear(axes, self.coordinate), pg.group_name,
+                       None if order == list(range(len(order))) else tuple(order))
+        self._axis_groups[key] = ag
+        return ag
+
+    def _linear(self, axes: Sequence[str], coord: dict[str, int]) -> int:
+        i = 0
+        for a in axes:
+            i = i * self.shape[a] + coord[a]
+        return i
+
+    def axis_index(self, axis_name) -> int:
+        """This rank's index along an axis (a tuple: the flattened index, major first)."""
+        return self._linear(self._check_axes(axis_name, "axis_index"), self.coordinate)
+
+    def axis_size(self, axis_name) -> int:
+        """Number of ranks along an axis (a tuple: the product of their sizes)."""
+        return math.prod(self.shape[a] for a in self._check_axes(axis_name, "axis_size"))
+
+
+_MESHES: dict[tuple, Mesh] = {}
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ensure_process_group(device_type: str, needed: int) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    elif needed == 1:
+        # A one-process mesh needs no launcher: handy for the unsharded reference run.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        raise ShardingError(
+            f"a mesh of {needed} ranks needs {needed} processes, but this one was not "
+            f"started by torchrun (RANK and WORLD_SIZE are unset); run "
+            f"`torchrun --standalone --nproc-per-node {needed} your_script.py`")
+
+
+def make_mesh(shape: Sequence[int], axis_names: Sequence[str],
+              device_type: str | None = None) -> Mesh:
+    """Builds a named mesh over all processes, joining the process group if needed.
+
+    **Arguments:** ``shape`` – ranks along each axis (their product must equal the
+    world size); ``axis_names`` – one unique name per axis; ``device_type`` – ``"cpu"``
+    (gloo) or ``"cuda"`` (nccl), by default cuda when available.
+
+    Calling it again with the same arguments returns the same mesh (groups are made
+    once). Example, under ``torchrun --nproc-per-node 4``::
+
+        mesh = functp.make_mesh((2, 2), ("dp", "tp"))
+        mesh.shape        # {'dp': 2, 'tp': 2}
+    """
+    shape = tuple(int(s) for s in shape)
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    if len(shape) != len(names):
+        raise ShardingError(
+            f"make_mesh{shape, names}: {len(shape)} sizes but {len(names)} axis names; "
+            f"give one name per mesh axis")
+    if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+        raise ShardingError(f"make_mesh: axis names {names} must be distinct non-empty strings")
+    if any(s < 1 for s in shape):
+        raise ShardingError(f"make_mesh: every axis size must be >= 1, got {shape}")
+    device_type = device_type or _default_device_type()
+    _ensure_process_group(device_type, math.prod(shape))
+    world = dist.get_world_size()
+    if math.prod(shape) != world:
+        raise ShardingError(
+            f"make_mesh{shape, names}: the mesh has {math.prod(shape)} ranks but the world "
+            f"has {world} processes; choose a shape whose sizes multiply to {world}")
+    key = (shape, names, device_type, id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = Mesh(init_device_mesh(device_type, shape, mesh_dim_names=names))
+    return _MESHES[key]

@@ -1,0 +1,140 @@
+"""Partition specs: ``P``, DTensor placement lists, and their checks against a mesh."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ._errors import ShardingError
+
+__all__ = ["P", "is_spec", "normalize_spec", "format_spec"]
+
+
+class P(tuple):
+    """How a tensor is split over named mesh axes: one entry per tensor dimension.
+
+    Each entry is ``None`` (that dimension is not split), a mesh axis name, or a tuple
+    of axis names (the dimension is split over their flattened product, major to
+    minor). Missing trailing entries mean ``None``. Mesh axes that the spec does not
+    mention hold the same block on every rank (the value is replicated over them).
+
+    Example::
+
+        >>> from functp import P
+        >>> P("dp", None)
+        P('dp', None)
+        >>> P(("dp", "tp"))[0]
+        ('dp', 'tp')
+    """
+
+    def __new__(cls, *entries: str | tuple[str, ...] | None) -> "P":
+        for e in entries:
+            ok = e is None or isinstance(e, str) or (
+                isinstance(e, tuple) and all(isinstance(a, str) for a in e))
+            if not ok:
+                raise ShardingError(
+                    f"P{entries!r}: every entry must be None, a mesh axis name or a tuple "
+                    f"of axis names, got {e!r} ({type(e).__name__})")
+        return super().__new__(cls, entries)
+
+    def __repr__(self) -> str:
+        return "P(" + ", ".join(repr(e) for e in self) + ")"
+
+    def __reduce__(self):
+        return (P, tuple(self))
+
+    def dim_axes(self, dim: int) -> tuple[str, ...]:
+        """The mesh axes that split tensor dimension ``dim`` (``()`` if none)."""
+        if dim >= len(self):
+            return ()
+        e = self[dim]
+        return () if e is None else (e,) if isinstance(e, str) else tuple(e)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every mesh axis the spec mentions, in order of appearance."""
+        return tuple(a for d in range(len(self)) for a in self.dim_axes(d))
+
+
+def _is_placement(x: Any) -> bool:
+    from torch.distributed.tensor.placement_types import Placement
+    return isinstance(x, Placement)
+
+
+def is_spec(x: Any) -> bool:
+    """True for a spec leaf: a ``P`` or a non-empty list/tuple of DTensor placements."""
+    if isinstance(x, P):
+        return True
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(_is_placement(p) for p in x)
+
+
+def format_spec(spec: Any) -> str:
+    if isinstance(spec, P):
+        return repr(spec)
+    if isinstance(spec, (list, tuple)):
+        return "[" + ", ".join(map(str, spec)) + "]"
+    return repr(spec)
+
+
+def placements_to_spec(placements: Sequence[Any], axis_names: Sequence[str], where: str) -> P:
+    """``[Shard(0), Replicate()]`` on mesh axes ``(dp, tp)`` -> ``P('dp')``.
+
+    Several mesh axes sharding one dimension are listed major to minor in mesh order,
+    which is DTensor's default (left-to-right) nesting.
+    """
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+    if len(placements) != len(axis_names):
+        raise ShardingError(
+            f"{where}: placements {format_spec(placements)} give {len(placements)} entries "
+            f"but the mesh has {len(axis_names)} axes {tuple(axis_names)}; give one "
+            f"placement per mesh axis, or use P(...)")
+    dims: dict[int, list[str]] = {}
+    for name, p in zip(axis_names, placements):
+        if isinstance(p, Partial):
+            raise ShardingError(
+                f"{where}: Partial is not a valid input spec (placements "
+                f"{format_spec(placements)}); reduce the value first, or pass its local "
+                f"contribution with a spec that mentions '{name}' and psum it in the body")
+        if type(p) is Shard:
+            if p.dim < 0:
+                raise ShardingError(f"{where}: Shard({p.dim}) needs a non-negative dim")
+            dims.setdefault(p.dim, []).append(name)
+        elif not isinstance(p, Replicate):
+            raise ShardingError(
+                f"{where}: placement {p} is not supported; use Shard(d), Replicate() or P(...)")
+    n = max(dims) + 1 if dims else 0
+    return P(*[None if d not in dims else dims[d][0] if len(dims[d]) == 1
+               else tuple(dims[d]) for d in range(n)])
+
+
+def normalize_spec(spec: Any, axis_names: Sequence[str], where: str,
+                   shape: Sequence[int] | None = None) -> P:
+    """Checks ``spec`` against the mesh (and a tensor shape, if given); returns a ``P``.
+
+    ``where`` names the leaf in the error messages (``"in_specs for args[0]['w']"``).
+    """
+    shp = "" if shape is None else f" (shape {tuple(shape)})"
+    mesh_txt = f"mesh axes {tuple(axis_names)}"
+    if not isinstance(spec, P):
+        if is_spec(spec):
+            spec = placements_to_spec(spec, axis_names, where + shp)
+        else:
+            hint = " (use P() for a replicated value)" if spec is None else ""
+            raise ShardingError(
+                f"{where}{shp}: expected a P(...) or a list of DTensor placements, got "
+                f"{spec!r}{hint}")
+    seen: set[str] = set()
+    for name in spec.axes:
+        if name not in axis_names:
+            raise ShardingError(
+                f"{where}{shp}: {spec!r} names mesh axis '{name}', but the {mesh_txt} do "
+                f"not include it; use one of {tuple(axis_names)}")
+        if name in seen:
+            raise ShardingError(
+                f"{where}{shp}: {spec!r} uses mesh axis '{name}' twice; a mesh axis can "
+                f"split at most one dimension once")
+        seen.add(name)
+    if shape is not None and len(spec) > len(shape):
+        raise ShardingError(
+            f"{where}{shp}: {spec!r} has {len(spec)} entries but the tensor has "
+            f"{len(shape)} dimensions; give at most one entry per dimension")
+    return spec
