@@ -73,26 +73,25 @@ class _Pextremum(Function):
         ctx.save_for_forward(x, output)
 
     @staticmethod
-    def _route(ctx, v, reduce_v: bool):
+    def _route(ctx, v, sum_v: bool):
+        """``v`` (summed over ranks first if ``sum_v``) to the extremum's holders."""
         x, out = ctx.saved_tensors
         mask = (x == out).to(v.dtype)
-        if reduce_v:   # one collective for both the cotangent sum and the tie count
-            both = prim.all_reduce(torch.stack([v * mask, mask]), ctx.g)
-            return both[0] / both[1]
-        return v * mask / prim.all_reduce(mask, ctx.g)
+        if sum_v:   # one collective for both the sum and the tie count
+            both = _Psum.apply(torch.stack([v, mask]), ctx.g, False, True)
+            return both[0] * mask / both[1]
+        return v * mask / _Psum.apply(mask, ctx.g, False, True)
 
     @staticmethod
     def backward(ctx, ct):
-        if ctx.sum_mode:
-            x, out = ctx.saved_tensors
-            mask = (x == out).to(ct.dtype)
-            both = prim.all_reduce(torch.stack([ct, mask]), ctx.g)
-            return both[0] * mask / both[1], None, None, None
-        return _Pextremum._route(ctx, ct, False), None, None, None
+        return _Pextremum._route(ctx, ct, ctx.sum_mode), None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
-        return _Pextremum._route(ctx, t, True)
+        x, out = ctx.saved_tensors
+        mask = (x == out).to(t.dtype)
+        both = _Psum.apply(torch.stack([t * mask, mask]), ctx.g, False, True)
+        return both[0] / both[1]
 
     @staticmethod
     def vmap(info, in_dims, x, g, op, sum_mode):

@@ -1,0 +1,52 @@
+"""Helpers that test bodies run on every rank: seeded data and the float64 oracle."""
+from __future__ import annotations
+
+import optree
+import torch
+import torch.distributed as dist
+
+import functp
+from functp import P
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def randn(*shape, seed: int = 0) -> torch.Tensor:
+    """The same float64 tensor on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def assert_tree_close(actual, expected, what: str = "value") -> None:
+    a_paths, a, _ = optree.tree_flatten_with_path(actual)
+    e_paths, e, _ = optree.tree_flatten_with_path(expected)
+    assert a_paths == e_paths, f"{what}: structures differ: {a_paths} vs {e_paths}"
+    for p, x, y in zip(a_paths, a, e):
+        torch.testing.assert_close(x, y, **TOL, msg=lambda m: f"rank {dist.get_rank()} {what}{list(p)}: {m}")
+
+
+def check_program(mesh, global_fn, local_fn, args, in_specs, *, check_vma=False):
+    """Loss and gradients of a shard_map'd scalar program equal the unsharded oracle.
+
+    ``global_fn(*full_args)`` is the single-device program, ``local_fn`` the per-shard
+    one returning a replicated scalar. Checks ``torch.func.grad`` and tape autograd.
+    Returns the comm_log of the ``torch.func`` step.
+    """
+    argnums = tuple(range(len(args)))
+    ref_grads, ref_loss = torch.func.grad_and_value(global_fn, argnums=argnums)(*args)
+    local = functp.shard(args, mesh, in_specs)
+    step = functp.shard_map(local_fn, mesh, in_specs=in_specs, out_specs=P(), check_vma=check_vma)
+
+    with functp.comm_log() as log:
+        grads, loss = torch.func.grad_and_value(step, argnums=argnums)(*local)
+    assert_tree_close(loss, ref_loss, "loss (torch.func)")
+    assert_tree_close(functp.unshard(grads, mesh, in_specs), ref_grads, "grad (torch.func)")
+
+    leaves, spec = optree.tree_flatten(local)
+    leaves = [x.detach().clone().requires_grad_() for x in leaves]
+    loss2 = step(*optree.tree_unflatten(spec, leaves))
+    tape = torch.autograd.grad(loss2, leaves)
+    assert_tree_close(loss2.detach(), ref_loss, "loss (autograd)")
+    assert_tree_close(functp.unshard(optree.tree_unflatten(spec, list(tape)), mesh, in_specs),
+                      ref_grads, "grad (autograd)")
+    return log
