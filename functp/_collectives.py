@@ -27,10 +27,29 @@ __all__ = ["psum", "pmean", "pmax", "pmin", "pvary", "all_gather", "all_gather_i
            "psum_scatter", "all_to_all", "ppermute", "axis_index", "axis_size"]
 
 
+_EAGER: dict[str, type] = {}
+_NO_JVP: dict[str, type] = {}
+
+
+def _traceable(cls: type) -> type:
+    """Registers ``cls`` and a twin without its ``jvp``: Dynamo refuses to trace a
+    Function that defines one, and forward-mode AD is not used under compile."""
+    _EAGER[cls.__name__] = cls
+    _NO_JVP[cls.__name__] = type(cls.__name__ + "NoJvp", (cls,),
+                                 {"jvp": Function.jvp, "__module__": cls.__module__})
+    return cls
+
+
+def _apply(name: str, *args):
+    """``Function.apply`` by class name (a string, which Dynamo can use as a key)."""
+    return (_NO_JVP if torch.compiler.is_compiling() else _EAGER)[name].apply(*args)
+
+
 def _move_bdim(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
     return x if bdim in (None, 0) else x.movedim(bdim, 0)
 
 
+@_traceable
 class _Psum(Function):
     """psum (``mean=False``) or pmean (``mean=True``) over ``g``."""
 
@@ -46,18 +65,19 @@ class _Psum(Function):
     @staticmethod
     def backward(ctx, ct):
         if ctx.sum_mode:
-            return _Psum.apply(ct, ctx.g, ctx.mean, True), None, None, None
+            return _apply("_Psum", ct, ctx.g, ctx.mean, True), None, None, None
         return (ct / ctx.g.size if ctx.mean else ct), None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
-        return _Psum.apply(t, ctx.g, ctx.mean, ctx.sum_mode)
+        return _apply("_Psum", t, ctx.g, ctx.mean, ctx.sum_mode)
 
     @staticmethod
     def vmap(info, in_dims, x, g, mean, sum_mode):
-        return _Psum.apply(x, g, mean, sum_mode), in_dims[0]
+        return _apply("_Psum", x, g, mean, sum_mode), in_dims[0]
 
 
+@_traceable
 class _Pextremum(Function):
     """pmax/pmin. The gradient goes to the ranks that hold the extremum, split evenly
     among ties (as ``torch.amax`` does within one tensor)."""
@@ -78,9 +98,9 @@ class _Pextremum(Function):
         x, out = ctx.saved_tensors
         mask = (x == out).to(v.dtype)
         if sum_v:   # one collective for both the sum and the tie count
-            both = _Psum.apply(torch.stack([v, mask]), ctx.g, False, True)
+            both = _apply("_Psum", torch.stack([v, mask]), ctx.g, False, True)
             return both[0] * mask / both[1]
-        return v * mask / _Psum.apply(mask, ctx.g, False, True)
+        return v * mask / _apply("_Psum", mask, ctx.g, False, True)
 
     @staticmethod
     def backward(ctx, ct):
@@ -90,14 +110,15 @@ class _Pextremum(Function):
     def jvp(ctx, t, *_):
         x, out = ctx.saved_tensors
         mask = (x == out).to(t.dtype)
-        both = _Psum.apply(torch.stack([t * mask, mask]), ctx.g, False, True)
+        both = _apply("_Psum", torch.stack([t * mask, mask]), ctx.g, False, True)
         return both[0] / both[1]
 
     @staticmethod
     def vmap(info, in_dims, x, g, op, sum_mode):
-        return _Pextremum.apply(x, g, op, sum_mode), in_dims[0]
+        return _apply("_Pextremum", x, g, op, sum_mode), in_dims[0]
 
 
+@_traceable
 class _Pvary(Function):
     """Identity forward on several tensors; backward sums their cotangents over ``g``
     with one all-reduce per dtype (a gradient bucket, as DDP does)."""
@@ -112,7 +133,12 @@ class _Pvary(Function):
 
     @staticmethod
     def backward(ctx, *cts):
-        return (None, *_bucketed_psum(cts, ctx.g))
+        # only the inputs being differentiated join the bucket
+        want = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
+        grads: list[Any] = [None] * len(cts)
+        for i, gi in zip(want, _bucketed_psum([cts[i] for i in want], ctx.g)):
+            grads[i] = gi
+        return (None, *grads)
 
     @staticmethod
     def jvp(ctx, g_t, *ts):
@@ -120,7 +146,7 @@ class _Pvary(Function):
 
     @staticmethod
     def vmap(info, in_dims, g, *xs):
-        return _Pvary.apply(g, *xs), tuple(in_dims[1:])
+        return _apply("_Pvary", g, *xs), tuple(in_dims[1:])
 
 
 def _bucketed_psum(ts: Sequence[torch.Tensor], g: AxisGroup) -> list[torch.Tensor]:
@@ -130,14 +156,15 @@ def _bucketed_psum(ts: Sequence[torch.Tensor], g: AxisGroup) -> list[torch.Tenso
         by_dtype.setdefault(t.dtype, []).append(i)
     for idx in by_dtype.values():
         if len(idx) == 1:
-            out[idx[0]] = _Psum.apply(ts[idx[0]], g, False, True)
+            out[idx[0]] = _apply("_Psum", ts[idx[0]], g, False, True)
             continue
-        flat = _Psum.apply(torch.cat([ts[i].reshape(-1) for i in idx]), g, False, True)
+        flat = _apply("_Psum", torch.cat([ts[i].reshape(-1) for i in idx]), g, False, True)
         for i, piece in zip(idx, flat.split([ts[i].numel() for i in idx])):
             out[i] = piece.view(ts[i].shape)
     return out
 
 
+@_traceable
 class _AllGather(Function):
     """all_gather; ``invariant_T`` picks the transpose of all_gather_invariant in vma
     mode (keep this rank's slice) instead of psum_scatter."""
@@ -157,18 +184,19 @@ class _AllGather(Function):
             gx = (ct.narrow(dim, g.index * (ct.shape[dim] // g.size), ct.shape[dim] // g.size)
                   if ctx.tiled else ct.select(dim, g.index))
         else:
-            gx = _PsumScatter.apply(ct, g, dim, ctx.tiled)
+            gx = _apply("_PsumScatter", ct, g, dim, ctx.tiled)
         return gx, None, None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
-        return _AllGather.apply(t, ctx.g, ctx.dim, ctx.tiled, ctx.invariant_T)
+        return _apply("_AllGather", t, ctx.g, ctx.dim, ctx.tiled, ctx.invariant_T)
 
     @staticmethod
     def vmap(info, in_dims, x, g, dim, tiled, invariant_T):
-        return _AllGather.apply(_move_bdim(x, in_dims[0]), g, dim + 1, tiled, invariant_T), 0
+        return _apply("_AllGather", _move_bdim(x, in_dims[0]), g, dim + 1, tiled, invariant_T), 0
 
 
+@_traceable
 class _PsumScatter(Function):
     @staticmethod
     def forward(x, g: AxisGroup, dim: int, tiled: bool):
@@ -181,17 +209,18 @@ class _PsumScatter(Function):
 
     @staticmethod
     def backward(ctx, ct):
-        return _AllGather.apply(ct, ctx.g, ctx.dim, ctx.tiled, False), None, None, None
+        return _apply("_AllGather", ct, ctx.g, ctx.dim, ctx.tiled, False), None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
-        return _PsumScatter.apply(t, ctx.g, ctx.dim, ctx.tiled)
+        return _apply("_PsumScatter", t, ctx.g, ctx.dim, ctx.tiled)
 
     @staticmethod
     def vmap(info, in_dims, x, g, dim, tiled):
-        return _PsumScatter.apply(_move_bdim(x, in_dims[0]), g, dim + 1, tiled), 0
+        return _apply("_PsumScatter", _move_bdim(x, in_dims[0]), g, dim + 1, tiled), 0
 
 
+@_traceable
 class _AllToAll(Function):
     @staticmethod
     def forward(x, g: AxisGroup, split: int, concat: int, tiled: bool):
@@ -207,17 +236,18 @@ class _AllToAll(Function):
 
     @staticmethod
     def backward(ctx, ct):
-        return _AllToAll.apply(ct, ctx.g, ctx.concat, ctx.split, ctx.tiled), None, None, None, None
+        return _apply("_AllToAll", ct, ctx.g, ctx.concat, ctx.split, ctx.tiled), None, None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
-        return _AllToAll.apply(t, ctx.g, ctx.split, ctx.concat, ctx.tiled)
+        return _apply("_AllToAll", t, ctx.g, ctx.split, ctx.concat, ctx.tiled)
 
     @staticmethod
     def vmap(info, in_dims, x, g, split, concat, tiled):
-        return _AllToAll.apply(_move_bdim(x, in_dims[0]), g, split + 1, concat + 1, tiled), 0
+        return _apply("_AllToAll", _move_bdim(x, in_dims[0]), g, split + 1, concat + 1, tiled), 0
 
 
+@_traceable
 class _Ppermute(Function):
     @staticmethod
     def forward(x, g: AxisGroup, perm: tuple):
@@ -230,17 +260,18 @@ class _Ppermute(Function):
     @staticmethod
     def backward(ctx, ct):
         inverse = tuple((d, s) for s, d in ctx.perm)
-        return _Ppermute.apply(ct, ctx.g, inverse), None, None
+        return _apply("_Ppermute", ct, ctx.g, inverse), None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
-        return _Ppermute.apply(t, ctx.g, ctx.perm)
+        return _apply("_Ppermute", t, ctx.g, ctx.perm)
 
     @staticmethod
     def vmap(info, in_dims, x, g, perm):
-        return _Ppermute.apply(x, g, perm), in_dims[0]
+        return _apply("_Ppermute", x, g, perm), in_dims[0]
 
 
+@_traceable
 class _ScaleGrad(Function):
     """Identity forward; multiplies the cotangent by ``factor``."""
 
@@ -262,7 +293,7 @@ class _ScaleGrad(Function):
 
     @staticmethod
     def vmap(info, in_dims, x, factor):
-        return _ScaleGrad.apply(x, factor), in_dims[0]
+        return _apply("_ScaleGrad", x, factor), in_dims[0]
 
 
 # ---------------------------------------------------------------------------------
@@ -299,28 +330,28 @@ def psum(x, axis_name):
     ``c * axis_size(axis_name)``.
     """
     fr, g = _group(axis_name, "psum")
-    return _map(lambda t: _Psum.apply(t, g, False, not fr.check_vma)
+    return _map(lambda t: _apply("_Psum", t, g, False, not fr.check_vma)
                 if isinstance(t, torch.Tensor) else t * g.size, x)
 
 
 def pmean(x, axis_name):
     """All-reduce mean over ``axis_name``; backward divides the cotangent by the size."""
     fr, g = _group(axis_name, "pmean")
-    return _map(lambda t: _Psum.apply(t, g, True, not fr.check_vma)
+    return _map(lambda t: _apply("_Psum", t, g, True, not fr.check_vma)
                 if isinstance(t, torch.Tensor) else t, x)
 
 
 def pmax(x, axis_name):
     """All-reduce max; the gradient flows to the ranks holding the maximum (ties share)."""
     fr, g = _group(axis_name, "pmax")
-    return _map(lambda t: _Pextremum.apply(_need_tensor(t, "pmax"), g, "max",
+    return _map(lambda t: _apply("_Pextremum", _need_tensor(t, "pmax"), g, "max",
                                            not fr.check_vma), x)
 
 
 def pmin(x, axis_name):
     """All-reduce min; the gradient flows to the ranks holding the minimum (ties share)."""
     fr, g = _group(axis_name, "pmin")
-    return _map(lambda t: _Pextremum.apply(_need_tensor(t, "pmin"), g, "min",
+    return _map(lambda t: _apply("_Pextremum", _need_tensor(t, "pmin"), g, "min",
                                            not fr.check_vma), x)
 
 
@@ -333,7 +364,7 @@ def pvary(x, axis_name):
     if not fr.check_vma:
         return x
     leaves, spec = optree.tree_flatten(x)
-    return optree.tree_unflatten(spec, list(_Pvary.apply(g, *leaves)))
+    return optree.tree_unflatten(spec, list(_apply("_Pvary", g, *leaves)))
 
 
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
@@ -348,7 +379,7 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
     def one(t):
         t = _need_tensor(t, "all_gather")
         d = _dim(axis, t.ndim + (0 if tiled else 1), "all_gather", "axis", t.shape)
-        return _AllGather.apply(t, g, d, tiled, False)
+        return _apply("_AllGather", t, g, d, tiled, False)
     return _map(one, x)
 
 
@@ -360,7 +391,7 @@ def all_gather_invariant(x, axis_name, *, axis: int = 0, tiled: bool = False):
     def one(t):
         t = _need_tensor(t, "all_gather_invariant")
         d = _dim(axis, t.ndim + (0 if tiled else 1), "all_gather_invariant", "axis", t.shape)
-        return _AllGather.apply(t, g, d, tiled, fr.check_vma)
+        return _apply("_AllGather", t, g, d, tiled, fr.check_vma)
     return _map(one, x)
 
 
@@ -376,7 +407,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
         t = _need_tensor(t, "psum_scatter")
         d = _dim(scatter_dimension, t.ndim, "psum_scatter", "scatter_dimension", t.shape)
         _check_split(t, d, g, tiled, "psum_scatter", "scatter_dimension")
-        return _PsumScatter.apply(t, g, d, tiled)
+        return _apply("_PsumScatter", t, g, d, tiled)
     return _map(one, x)
 
 
@@ -395,7 +426,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
         s = _dim(split_axis, t.ndim, "all_to_all", "split_axis", t.shape)
         c = _dim(concat_axis, t.ndim, "all_to_all", "concat_axis", t.shape)
         _check_split(t, s, g, tiled, "all_to_all", "split_axis")
-        return _AllToAll.apply(t, g, s, c, tiled)
+        return _apply("_AllToAll", t, g, s, c, tiled)
     return _map(one, x)
 
 
@@ -414,7 +445,7 @@ def ppermute(x, axis_name, perm):
         raise ShardingError(
             f"functp.ppermute: perm {list(perm)} has index {bad[0]} outside "
             f"0..{g.size - 1} (the size of {g.axes})")
-    return _map(lambda t: _Ppermute.apply(_need_tensor(t, "ppermute"), g, perm), x)
+    return _map(lambda t: _apply("_Ppermute", _need_tensor(t, "ppermute"), g, perm), x)
 
 
 def axis_index(axis_name) -> int:

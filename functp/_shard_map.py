@@ -9,7 +9,7 @@ import optree
 import torch
 
 from . import _context
-from ._collectives import _Pvary, _ScaleGrad
+from ._collectives import _apply
 from ._errors import ShardingError
 from ._mesh import Mesh
 from ._spec import P, normalize_spec
@@ -60,7 +60,11 @@ def shard_map(f: Callable | None = None, mesh: Mesh | None = None, in_specs: Any
                 f"shard_map: {name} is required; use P() for replicated values")
     in_specs = tuple(in_specs) if isinstance(in_specs, list) else in_specs
     body = _Body(f, mesh, in_specs, out_specs, check_vma)
-    return functools.wraps(f)(body)
+
+    @functools.wraps(f)
+    def mapped(*args, **kwargs):
+        return body(*args, **kwargs)
+    return mapped
 
 
 class _Body:
@@ -111,7 +115,7 @@ class _Body:
                     buckets.setdefault(missing, []).append(i)
         for axes, idx in buckets.items():
             g = self.mesh.axis_group(axes)
-            for i, y in zip(idx, _Pvary.apply(g, *[local[i] for i in idx])):
+            for i, y in zip(idx, _apply("_Pvary", g, *[local[i] for i in idx])):
                 local[i] = y
 
     def _exit(self, path: str, y, spec):
@@ -121,8 +125,8 @@ class _Body:
         if not self.check_vma:
             # Each rank's copy of a replicated output counts once in the global value,
             # so its cotangent (arriving on every rank) is split between the copies.
-            n = math.prod(self.mesh.shape[a] for a in self.mesh.axis_names
-                          if a not in spec.axes)
+            n = math.prod([self.mesh.shape[a] for a in self.mesh.axis_names
+                           if a not in spec.axes])
             if n > 1 and (y.is_floating_point() or y.is_complex()):
-                y = _ScaleGrad.apply(y, 1.0 / n)
+                y = _apply("_ScaleGrad", y, 1.0 / n)
         return y
