@@ -50,3 +50,13 @@ def check_program(mesh, global_fn, local_fn, args, in_specs, *, check_vma=False)
     assert_tree_close(functp.unshard(optree.tree_unflatten(spec, list(tape)), mesh, in_specs),
                       ref_grads, "grad (autograd)")
     return log
+
+
+def comm_stats(log) -> dict[str, tuple[int, int]]:
+    """``{"all_reduce:dp": (count, nbytes)}`` for a comm_log."""
+    out: dict[str, tuple[int, int]] = {}
+    for e in log.events:
+        k = f"{e.op}:{'+'.join(e.axes)}"
+        c, b = out.get(k, (0, 0))
+        out[k] = (c + 1, b + e.nbytes)
+    return out

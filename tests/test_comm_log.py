@@ -7,11 +7,13 @@ import pytest
 import functp
 from test_layouts import _dp_body, _fsdp_body, _megatron_body, _sp_body, _two_d_body
 
-PARAM_BYTES = (16 * 8 + 16 + 8 * 16 + 8) * 8    # the MLP of test_layouts, float64
+F64 = 8
+PARAM_BYTES = (16 * 8 + 16 + 8 * 16 + 8) * F64    # the MLP of test_layouts
+DATA_BYTES = 2 * 8 * 8 * F64                       # x and y, (8, 8) each
 
 
-def _counts(log):
-    return {f"{op}:{'+'.join(axes)}": n for (op, axes), n in log.items()}
+def _counts(stats):
+    return {k: c for k, (c, _) in stats.items()}
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -19,14 +21,19 @@ def test_data_parallel_counts(run, n):
     # forward: the loss pmean; backward: its transpose, and ONE bucketed all-reduce
     # for all four parameter gradients (plus the inputs, which check_program
     # differentiates too)
-    assert _counts(run(n, _dp_body, n, False)[0]) == {"all_reduce:dp": 3}
+    stats = run(n, _dp_body, n, False)[0]
+    assert _counts(stats) == {"all_reduce:dp": 3}
+    # two scalar all-reduces and one bucket: all parameters at once
+    assert stats["all_reduce:dp"][1] == 2 * F64 + PARAM_BYTES
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_fsdp_counts(run, n):
     # one all_gather per parameter forward, one reduce_scatter per parameter backward
-    assert _counts(run(n, _fsdp_body, n, False)[0]) == {
-        "all_gather:dp": 4, "reduce_scatter:dp": 4, "all_reduce:dp": 2}
+    stats = run(n, _fsdp_body, n, False)[0]
+    assert _counts(stats) == {"all_gather:dp": 4, "reduce_scatter:dp": 4, "all_reduce:dp": 2}
+    assert stats["all_gather:dp"][1] == PARAM_BYTES // n        # each rank sends its shard
+    assert stats["reduce_scatter:dp"][1] == PARAM_BYTES         # full-size gradient input
 
 
 def test_megatron_counts(run):

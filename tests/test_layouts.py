@@ -10,7 +10,7 @@ import torch
 
 import functp
 from functp import P
-from _oracle import check_program, randn
+from _oracle import check_program, comm_stats, randn
 
 H, F, B = 8, 16, 8     # hidden, ffn width, batch: divisible by every mesh size used
 
@@ -31,10 +31,10 @@ def _mse(out, y):
 def _dp_body(n, check_vma):
     mesh = functp.make_mesh((n,), ("dp",))
     x, y = randn(B, H, seed=1), randn(B, H, seed=2)
-    return check_program(
+    return comm_stats(check_program(
         mesh, lambda p, x, y: _mse(_mlp(p, x), y),
         lambda p, x, y: functp.pmean(_mse(_mlp(p, x), y), "dp"),
-        (_mlp_params(), x, y), (P(), P("dp"), P("dp")), check_vma=check_vma).summary()
+        (_mlp_params(), x, y), (P(), P("dp"), P("dp")), check_vma=check_vma))
 
 
 def _fsdp_body(n, check_vma):
@@ -44,9 +44,9 @@ def _fsdp_body(n, check_vma):
     def local(p, x, y):
         full = {k: functp.all_gather(v, "dp", tiled=True) for k, v in p.items()}
         return functp.pmean(_mse(_mlp(full, x), y), "dp")
-    return check_program(mesh, lambda p, x, y: _mse(_mlp(p, x), y), local,
+    return comm_stats(check_program(mesh, lambda p, x, y: _mse(_mlp(p, x), y), local,
                          (_mlp_params(), x, y), (P("dp"), P("dp"), P("dp")),
-                         check_vma=check_vma).summary()
+                         check_vma=check_vma))
 
 
 TP_SPECS = {"w1": P("tp", None), "b1": P("tp"), "w2": P(None, "tp"), "b2": P()}
@@ -62,18 +62,18 @@ def _megatron_local(p, x, y, dp=None):
 def _megatron_body(n, check_vma):
     mesh = functp.make_mesh((n,), ("tp",))
     x, y = randn(B, H, seed=1), randn(B, H, seed=2)
-    return check_program(mesh, lambda p, x, y: _mse(_mlp(p, x), y), _megatron_local,
+    return comm_stats(check_program(mesh, lambda p, x, y: _mse(_mlp(p, x), y), _megatron_local,
                          (_mlp_params(), x, y), (TP_SPECS, P(), P()),
-                         check_vma=check_vma).summary()
+                         check_vma=check_vma))
 
 
 def _two_d_body(shape, check_vma):
     mesh = functp.make_mesh(shape, ("dp", "tp"))
     x, y = randn(B, H, seed=1), randn(B, H, seed=2)
-    return check_program(mesh, lambda p, x, y: _mse(_mlp(p, x), y),
+    return comm_stats(check_program(mesh, lambda p, x, y: _mse(_mlp(p, x), y),
                          lambda p, x, y: _megatron_local(p, x, y, dp="dp"),
                          (_mlp_params(), x, y), (TP_SPECS, P("dp"), P("dp")),
-                         check_vma=check_vma).summary()
+                         check_vma=check_vma))
 
 
 S = 8   # sequence length
@@ -105,8 +105,8 @@ def _sp_local(p, x):
 def _sp_body(n, check_vma):
     mesh = functp.make_mesh((n,), ("tp",))
     specs = {"norm": P(), **TP_SPECS}
-    return check_program(mesh, _sp_global, _sp_local, (_sp_params(), randn(2, S, H, seed=3)),
-                         (specs, P(None, "tp")), check_vma=check_vma).summary()
+    return comm_stats(check_program(mesh, _sp_global, _sp_local, (_sp_params(), randn(2, S, H, seed=3)),
+                         (specs, P(None, "tp")), check_vma=check_vma))
 
 
 def _ring_body(n, check_vma):
@@ -126,8 +126,8 @@ def _ring_body(n, check_vma):
         accs = [blocks[i] * w + sum(torch.sin(blocks[j]) * w for j in range(n) if j != i)
                 for i in range(n)]
         return sum((a ** 2).sum() for a in accs)
-    return check_program(mesh, glob, local, (randn(2 * n, 3, seed=1), randn(2, 3, seed=2)),
-                         (P("x"), P()), check_vma=check_vma).summary()
+    return comm_stats(check_program(mesh, glob, local, (randn(2 * n, 3, seed=1), randn(2, 3, seed=2)),
+                         (P("x"), P()), check_vma=check_vma))
 
 
 def _attention(q, k, v):
@@ -146,18 +146,18 @@ def _ulysses_body(n, check_vma):
         o = _attention(to_heads(q), to_heads(k), to_heads(v))
         o = functp.all_to_all(o, "sp", 1, 2, tiled=True)      # back to sequence shards
         return functp.psum((o.sin() ** 2).sum(), "sp")
-    return check_program(mesh, lambda q, k, v: (_attention(q, k, v).sin() ** 2).sum(), local,
-                         (q, k, v), P(None, "sp"), check_vma=check_vma).summary()
+    return comm_stats(check_program(mesh, lambda q, k, v: (_attention(q, k, v).sin() ** 2).sum(), local,
+                         (q, k, v), P(None, "sp"), check_vma=check_vma))
 
 
 def _multi_axis_body(shape, check_vma):
     mesh = functp.make_mesh(shape, ("dp", "tp"))
     n = math.prod(shape)
-    return check_program(
+    return comm_stats(check_program(
         mesh, lambda x, w: ((x.view(n, 2, 3).sum(0) * w).tanh()).sum(),
         lambda x, w: ((functp.psum(x, ("dp", "tp")) * w).tanh()).sum(),
         (randn(2 * n, 3, seed=1), randn(2, 3, seed=2)), (P(("dp", "tp")), P()),
-        check_vma=check_vma).summary()
+        check_vma=check_vma))
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
