@@ -66,6 +66,7 @@ class _Psum(Function):
     def backward(ctx, ct):
         if ctx.sum_mode:
             return _apply("_Psum", ct, ctx.g, ctx.mean, True), None, None, None
+        ct = _vary(ct, ctx.g)      # psumᵀ = pvary: identity, but psum when transposed again
         return (ct / ctx.g.size if ctx.mean else ct), None, None, None
 
     @staticmethod
@@ -100,7 +101,7 @@ class _Pextremum(Function):
         if sum_v:   # one collective for both the sum and the tie count
             both = _apply("_Psum", torch.stack([v, mask]), ctx.g, False, True)
             return both[0] * mask / both[1]
-        return v * mask / _apply("_Psum", mask, ctx.g, False, True)
+        return _vary(v, ctx.g) * mask / _apply("_Psum", mask, ctx.g, False, True)
 
     @staticmethod
     def backward(ctx, ct):
@@ -124,41 +125,74 @@ class _Pvary(Function):
     with one all-reduce per dtype (a gradient bucket, as DDP does)."""
 
     @staticmethod
-    def forward(g: AxisGroup, *xs):
+    def forward(g: AxisGroup, sum_mode: bool, *xs):
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.g = inputs[0]
+        ctx.g, ctx.sum_mode = inputs[:2]
 
     @staticmethod
     def backward(ctx, *cts):
         # only the inputs being differentiated join the bucket
-        want = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
+        want = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
         grads: list[Any] = [None] * len(cts)
-        for i, gi in zip(want, _bucketed_psum([cts[i] for i in want], ctx.g)):
+        summed = _bucketed_psum([cts[i] for i in want], ctx.g, ctx.sum_mode)
+        for i, gi in zip(want, summed):
             grads[i] = gi
-        return (None, *grads)
+        return (None, None, *grads)
 
     @staticmethod
-    def jvp(ctx, g_t, *ts):
+    def jvp(ctx, g_t, mode_t, *ts):
         return tuple(ts)
 
     @staticmethod
-    def vmap(info, in_dims, g, *xs):
-        return _apply("_Pvary", g, *xs), tuple(in_dims[1:])
+    def vmap(info, in_dims, g, sum_mode, *xs):
+        return _apply("_Pvary", g, sum_mode, *xs), tuple(in_dims[2:])
 
 
-def _bucketed_psum(ts: Sequence[torch.Tensor], g: AxisGroup) -> list[torch.Tensor]:
+def _vary(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """pvary inside a vma-mode backward: an invariant cotangent becoming varying."""
+    return _apply("_Pvary", g, False, t)[0]
+
+
+@_traceable
+class _PvaryInplace(Function):
+    """pvary of a tensor that is about to be mutated in place by a more varying value:
+    marks it dirty, so its later uses (and its views) see the new autograd history."""
+
+    @staticmethod
+    def forward(x, g: AxisGroup):
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_dirty(inputs[0])
+        ctx.g = inputs[1]
+
+    @staticmethod
+    def backward(ctx, ct):
+        return _apply("_Psum", ct, ctx.g, False, False), None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return t
+
+    @staticmethod
+    def vmap(info, in_dims, x, g):
+        return _apply("_PvaryInplace", x, g), in_dims[0]
+
+
+def _bucketed_psum(ts: Sequence[torch.Tensor], g: AxisGroup, sum_mode: bool) -> list[torch.Tensor]:
     out: list[Any] = [None] * len(ts)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(ts):
         by_dtype.setdefault(t.dtype, []).append(i)
     for idx in by_dtype.values():
         if len(idx) == 1:
-            out[idx[0]] = _apply("_Psum", ts[idx[0]], g, False, True)
+            out[idx[0]] = _apply("_Psum", ts[idx[0]], g, False, sum_mode)
             continue
-        flat = _apply("_Psum", torch.cat([ts[i].reshape(-1) for i in idx]), g, False, True)
+        flat = _apply("_Psum", torch.cat([ts[i].reshape(-1) for i in idx]), g, False, sum_mode)
         for i, piece in zip(idx, flat.split([ts[i].numel() for i in idx])):
             out[i] = piece.view(ts[i].shape)
     return out
@@ -181,6 +215,7 @@ class _AllGather(Function):
     def backward(ctx, ct):
         g, dim = ctx.g, ctx.dim
         if ctx.invariant_T:
+            ct = _vary(ct, g)
             gx = (ct.narrow(dim, g.index * (ct.shape[dim] // g.size), ct.shape[dim] // g.size)
                   if ctx.tiled else ct.select(dim, g.index))
         else:
@@ -322,49 +357,89 @@ def _need_tensor(x, what: str) -> torch.Tensor:
     return x
 
 
+def _collective(fr: _context.Frame, g: AxisGroup, what: str, t, name: str, *args,
+                reduces: bool, needs_varying: bool = False):
+    """Applies collective Function ``name`` to ``t`` and sets the result's vma.
+
+    With vma tracking, the input must vary over the collective's axes: a reduction
+    (``needs_varying``) of a value invariant over them raises, the other collectives
+    pvary it implicitly, as any op does. The result varies over the input's axes,
+    minus the collective's axes when it ``reduces`` them.
+    """
+    tr = fr.tracker
+    if tr is None:
+        return _apply(name, t, g, *args)
+    with tr.paused():
+        v = tr.get(t)
+        missing = tuple(a for a in g.axes if a not in v)
+        if missing and needs_varying:
+            raise ShardingError(_invariant_reduction_message(what, g, missing, t))
+        if missing:
+            t = tr.pvary(t, missing)
+            v = v | frozenset(missing)
+        out = _apply(name, t, g, *args)
+        tr.set(out, v - frozenset(g.axes) if reduces else v)
+    return out
+
+
+def _invariant_reduction_message(what: str, g: AxisGroup, missing, t) -> str:
+    axes = missing[0] if len(missing) == 1 else missing
+    return (
+        f"functp.{what} over {g.axes!r}: the value (shape {tuple(t.shape)}) is invariant "
+        f"over mesh axis {axes!r} (every rank along it holds the same value), so "
+        f"summing it would multiply it by the axis size. If that product is what you "
+        f"mean, write x * functp.axis_size({axes!r}); if each rank's copy really is a "
+        f"separate contribution, mark it with functp.pvary(x, {axes!r}) first; otherwise "
+        f"leave out {axes!r} from the axes")
+
+
 def psum(x, axis_name):
     """All-reduce sum over ``axis_name`` (a name or a tuple); ``x`` may be a pytree.
 
-    Backward: identity with vma tracking (the result is invariant over the axes), a
-    ``psum`` of the cotangents with ``check_vma=False``. A Python number ``c`` gives
-    ``c * axis_size(axis_name)``.
+    The result is invariant over the axes; its backward is the identity (with
+    ``check_vma=False``: a ``psum`` of the cotangents). Summing a value that is
+    already invariant over an axis raises (JAX silently multiplies by the size).
+    A Python number ``c`` gives ``c * axis_size(axis_name)``.
     """
     fr, g = _group(axis_name, "psum")
-    return _map(lambda t: _apply("_Psum", t, g, False, not fr.check_vma)
+    return _map(lambda t: _collective(fr, g, "psum", t, "_Psum", False, fr.tracker is None,
+                                      reduces=True, needs_varying=True)
                 if isinstance(t, torch.Tensor) else t * g.size, x)
 
 
 def pmean(x, axis_name):
-    """All-reduce mean over ``axis_name``; backward divides the cotangent by the size."""
+    """All-reduce mean over ``axis_name``; backward divides the cotangent by the size.
+    (The mean of a value invariant over the axes is that value.)"""
     fr, g = _group(axis_name, "pmean")
-    return _map(lambda t: _apply("_Psum", t, g, True, not fr.check_vma)
+    return _map(lambda t: _collective(fr, g, "pmean", t, "_Psum", True, fr.tracker is None,
+                                      reduces=True)
                 if isinstance(t, torch.Tensor) else t, x)
 
 
 def pmax(x, axis_name):
     """All-reduce max; the gradient flows to the ranks holding the maximum (ties share)."""
     fr, g = _group(axis_name, "pmax")
-    return _map(lambda t: _apply("_Pextremum", _need_tensor(t, "pmax"), g, "max",
-                                           not fr.check_vma), x)
+    return _map(lambda t: _collective(fr, g, "pmax", _need_tensor(t, "pmax"), "_Pextremum",
+                                      "max", fr.tracker is None, reduces=True), x)
 
 
 def pmin(x, axis_name):
     """All-reduce min; the gradient flows to the ranks holding the minimum (ties share)."""
     fr, g = _group(axis_name, "pmin")
-    return _map(lambda t: _apply("_Pextremum", _need_tensor(t, "pmin"), g, "min",
-                                           not fr.check_vma), x)
+    return _map(lambda t: _collective(fr, g, "pmin", _need_tensor(t, "pmin"), "_Pextremum",
+                                      "min", fr.tracker is None, reduces=True), x)
 
 
 def pvary(x, axis_name):
     """Marks ``x`` as varying over ``axis_name``: identity forward, ``psum`` of the
-    gradient backward. Needed only with vma tracking, which also inserts it
-    implicitly; with ``check_vma=False`` every value already counts as varying and
-    this returns ``x`` unchanged."""
+    gradient backward. vma tracking inserts it implicitly wherever an invariant value
+    meets a varying one, so it is rarely written by hand. With ``check_vma=False``
+    every value already counts as varying and this returns ``x`` unchanged."""
     fr, g = _group(axis_name, "pvary")
-    if not fr.check_vma:
+    if fr.tracker is None:
         return x
-    leaves, spec = optree.tree_flatten(x)
-    return optree.tree_unflatten(spec, list(_apply("_Pvary", g, *leaves)))
+    with fr.tracker.paused():
+        return _map(lambda t: fr.tracker.pvary(t, g.axes), x)
 
 
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
@@ -372,26 +447,28 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
 
     ``tiled=False`` stacks them in a new dimension ``axis`` (of size
     ``axis_size(axis_name)``); ``tiled=True`` concatenates them along ``axis``.
-    Backward: ``psum_scatter`` of the cotangent.
+    The result still counts as varying over the axes (use
+    :func:`all_gather_invariant` for one that does not). Backward: ``psum_scatter``.
     """
     fr, g = _group(axis_name, "all_gather")
 
     def one(t):
         t = _need_tensor(t, "all_gather")
         d = _dim(axis, t.ndim + (0 if tiled else 1), "all_gather", "axis", t.shape)
-        return _apply("_AllGather", t, g, d, tiled, False)
+        return _collective(fr, g, "all_gather", t, "_AllGather", d, tiled, False, reduces=False)
     return _map(one, x)
 
 
 def all_gather_invariant(x, axis_name, *, axis: int = 0, tiled: bool = False):
-    """Like :func:`all_gather`, but the result is typed invariant over ``axis_name``;
-    with vma tracking its backward keeps this rank's slice (no communication)."""
+    """Like :func:`all_gather`, but the result is invariant over ``axis_name``; with
+    vma tracking its backward keeps this rank's slice (no communication)."""
     fr, g = _group(axis_name, "all_gather_invariant")
 
     def one(t):
         t = _need_tensor(t, "all_gather_invariant")
         d = _dim(axis, t.ndim + (0 if tiled else 1), "all_gather_invariant", "axis", t.shape)
-        return _apply("_AllGather", t, g, d, tiled, fr.check_vma)
+        return _collective(fr, g, "all_gather_invariant", t, "_AllGather", d, tiled,
+                           fr.tracker is not None, reduces=True)
     return _map(one, x)
 
 
@@ -400,6 +477,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
 
     ``tiled=False``: that dimension must have size ``axis_size`` and is removed;
     ``tiled=True``: it must be divisible by it and shrinks. Backward: ``all_gather``.
+    Like :func:`psum`, it refuses a value that is invariant over the axes.
     """
     fr, g = _group(axis_name, "psum_scatter")
 
@@ -407,7 +485,8 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
         t = _need_tensor(t, "psum_scatter")
         d = _dim(scatter_dimension, t.ndim, "psum_scatter", "scatter_dimension", t.shape)
         _check_split(t, d, g, tiled, "psum_scatter", "scatter_dimension")
-        return _apply("_PsumScatter", t, g, d, tiled)
+        return _collective(fr, g, "psum_scatter", t, "_PsumScatter", d, tiled,
+                           reduces=False, needs_varying=True)
     return _map(one, x)
 
 
@@ -426,7 +505,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
         s = _dim(split_axis, t.ndim, "all_to_all", "split_axis", t.shape)
         c = _dim(concat_axis, t.ndim, "all_to_all", "concat_axis", t.shape)
         _check_split(t, s, g, tiled, "all_to_all", "split_axis")
-        return _apply("_AllToAll", t, g, s, c, tiled)
+        return _collective(fr, g, "all_to_all", t, "_AllToAll", s, c, tiled, reduces=False)
     return _map(one, x)
 
 
@@ -445,7 +524,8 @@ def ppermute(x, axis_name, perm):
         raise ShardingError(
             f"functp.ppermute: perm {list(perm)} has index {bad[0]} outside "
             f"0..{g.size - 1} (the size of {g.axes})")
-    return _map(lambda t: _apply("_Ppermute", _need_tensor(t, "ppermute"), g, perm), x)
+    return _map(lambda t: _collective(fr, g, "ppermute", _need_tensor(t, "ppermute"),
+                                      "_Ppermute", perm, reduces=False), x)
 
 
 def axis_index(axis_name) -> int:

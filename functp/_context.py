@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 from ._errors import ShardingError
 from ._mesh import Mesh
@@ -17,6 +18,7 @@ from ._mesh import Mesh
 class Frame:
     mesh: Mesh
     check_vma: bool
+    tracker: Any = None      # the vma Tracker when check_vma is on (and not compiling)
 
 
 _STACK: list[Frame] = []
@@ -37,8 +39,8 @@ def active() -> bool:
 
 
 @contextlib.contextmanager
-def frame(mesh: Mesh, check_vma: bool):
-    _STACK.append(Frame(mesh, check_vma))
+def frame(mesh: Mesh, check_vma: bool, tracker: Any = None):
+    _STACK.append(Frame(mesh, check_vma, tracker))
     try:
         yield _STACK[-1]
     finally:

@@ -14,19 +14,24 @@ from ._errors import ShardingError
 from ._mesh import Mesh
 from ._spec import P, normalize_spec
 from ._tree import match_specs
+from ._vma import Tracker, tracking
 
 __all__ = ["shard_map"]
 
 
 def shard_map(f: Callable | None = None, mesh: Mesh | None = None, in_specs: Any = None,
-              out_specs: Any = None, *, check_vma: bool = False) -> Callable:
+              out_specs: Any = None, *, check_vma: bool = True) -> Callable:
     """Maps ``f``, written for one rank's local blocks, over the mesh.
 
     **Arguments:** ``f`` – the per-shard program; it may call functp's collectives.
     ``mesh`` – a :class:`Mesh`. ``in_specs`` – a pytree prefix of the positional
     arguments (a tuple, one entry per argument, or one spec for all), each leaf a
     ``P`` or a DTensor placement list. ``out_specs`` – the same for ``f``'s result.
-    ``check_vma`` – with ``False``, sum-semantics boundary rules (DESIGN.md).
+    ``check_vma`` – track which mesh axes every value varies over (JAX's vma): the
+    fewest backward collectives, and an error when an output declared replicated is
+    not. ``False`` skips tracking and uses sum-semantics boundary rules instead (same
+    gradients, some extra backward all-reduces). Under ``torch.compile`` the body
+    always runs with the ``False`` rules (Dynamo cannot trace the tracking mode).
 
     **Returns:** a function taking and returning *local blocks*. Gradients through it
     (``torch.func.grad`` or ``torch.autograd``) are the local blocks of the gradient of
@@ -85,13 +90,33 @@ class _Body:
         paths, leaves, specs, treespec = match_specs(self.in_specs, args, "in_specs", "args")
         specs = [self._in_spec(p, x, s) for p, x, s in zip(paths, leaves, specs)]
         local = list(leaves)
-        if not self.check_vma:
+        tracker = None
+        if self.check_vma and not torch.compiler.is_compiling():
+            tracker = self._track_inputs(local, specs)
+        else:
             self._pvary_replicated(local, specs)
-        with _context.frame(self.mesh, self.check_vma):
-            out = self.f(*optree.tree_unflatten(treespec, local))
+        with _context.frame(self.mesh, self.check_vma, tracker):
+            if tracker is None:
+                out = self.f(*optree.tree_unflatten(treespec, local))
+            else:
+                with tracking(tracker):
+                    out = self.f(*optree.tree_unflatten(treespec, local))
         opaths, oleaves, ospecs, otree = match_specs(self.out_specs, out, "out_specs", "output")
         return optree.tree_unflatten(
-            otree, [self._exit(p, y, s) for p, y, s in zip(opaths, oleaves, ospecs)])
+            otree, [self._exit(p, y, s, tracker) for p, y, s in zip(opaths, oleaves, ospecs)])
+
+    def _track_inputs(self, local: list, specs: list) -> Tracker:
+        """Each input varies over the axes its spec mentions."""
+        tracker = Tracker(self.mesh)
+        seen: set[int] = set()
+        for i, (x, spec) in enumerate(zip(local, specs)):
+            if spec is None:
+                continue
+            if id(x) in seen:     # one tensor passed twice: give each use its own tag
+                x = local[i] = x.view_as(x)
+            seen.add(id(x))
+            tracker.set(x, frozenset(spec.axes))
+        return tracker
 
     def _in_spec(self, path: str, x, spec) -> P | None:
         if not isinstance(x, torch.Tensor):
@@ -115,14 +140,26 @@ class _Body:
                     buckets.setdefault(missing, []).append(i)
         for axes, idx in buckets.items():
             g = self.mesh.axis_group(axes)
-            for i, y in zip(idx, _apply("_Pvary", g, *[local[i] for i in idx])):
+            for i, y in zip(idx, _apply("_Pvary", g, True, *[local[i] for i in idx])):
                 local[i] = y
 
-    def _exit(self, path: str, y, spec):
+    def _exit(self, path: str, y, spec, tracker: Tracker | None):
         if not isinstance(y, torch.Tensor):
             return y
         spec = normalize_spec(spec, self.mesh.axis_names, f"out_specs for {path}", y.shape)
-        if not self.check_vma:
+        if tracker is not None:
+            with tracker.paused():
+                vma = tracker.get(y)
+                for a in self.mesh.axis_names:
+                    if a in vma and a not in spec.axes:
+                        raise ShardingError(
+                            f"{path} varies over mesh axis '{a}' but out_specs {spec!r} says "
+                            f"it is replicated over '{a}'; reduce it with "
+                            f"functp.psum/pmean(..., '{a}') or mention '{a}' in out_specs")
+                # an out_spec may split over an axis the value is invariant over: its
+                # blocks then carry separate cotangents, summed by this pvary
+                return tracker.pvary(y, frozenset(spec.axes) - vma)
+        else:
             # Each rank's copy of a replicated output counts once in the global value,
             # so its cotangent (arriving on every rank) is split between the copies.
             n = math.prod([self.mesh.shape[a] for a in self.mesh.axis_names

@@ -25,14 +25,17 @@ def assert_tree_close(actual, expected, what: str = "value") -> None:
         torch.testing.assert_close(x, y, **TOL, msg=lambda m: f"rank {dist.get_rank()} {what}{list(p)}: {m}")
 
 
-def check_program(mesh, global_fn, local_fn, args, in_specs, *, check_vma=False):
+def check_program(mesh, global_fn, local_fn, args, in_specs, *, check_vma=True, argnums=None):
     """Loss and gradients of a shard_map'd scalar program equal the unsharded oracle.
 
     ``global_fn(*full_args)`` is the single-device program, ``local_fn`` the per-shard
-    one returning a replicated scalar. Checks ``torch.func.grad`` and tape autograd.
-    Returns the comm_log of the ``torch.func`` step.
+    one returning a replicated scalar. Checks ``torch.func.grad`` and tape autograd,
+    differentiating the arguments ``argnums`` (default: all). Returns the comm_log of
+    the ``torch.func`` step.
     """
-    argnums = tuple(range(len(args)))
+    argnums = tuple(range(len(args))) if argnums is None else argnums
+    full_specs = in_specs if type(in_specs) is tuple else (in_specs,) * len(args)
+    grad_specs = tuple(full_specs[i] for i in argnums)
     ref_grads, ref_loss = torch.func.grad_and_value(global_fn, argnums=argnums)(*args)
     local = functp.shard(args, mesh, in_specs)
     step = functp.shard_map(local_fn, mesh, in_specs=in_specs, out_specs=P(), check_vma=check_vma)
@@ -40,14 +43,15 @@ def check_program(mesh, global_fn, local_fn, args, in_specs, *, check_vma=False)
     with functp.comm_log() as log:
         grads, loss = torch.func.grad_and_value(step, argnums=argnums)(*local)
     assert_tree_close(loss, ref_loss, "loss (torch.func)")
-    assert_tree_close(functp.unshard(grads, mesh, in_specs), ref_grads, "grad (torch.func)")
+    assert_tree_close(functp.unshard(grads, mesh, grad_specs), ref_grads, "grad (torch.func)")
 
-    leaves, spec = optree.tree_flatten(local)
-    leaves = [x.detach().clone().requires_grad_() for x in leaves]
-    loss2 = step(*optree.tree_unflatten(spec, leaves))
+    local = [optree.tree_map(lambda x: x.detach().clone().requires_grad_(i in argnums), a)
+             for i, a in enumerate(local)]
+    loss2 = step(*local)
+    leaves, spec = optree.tree_flatten(tuple(local[i] for i in argnums))
     tape = torch.autograd.grad(loss2, leaves)
     assert_tree_close(loss2.detach(), ref_loss, "loss (autograd)")
-    assert_tree_close(functp.unshard(optree.tree_unflatten(spec, list(tape)), mesh, in_specs),
+    assert_tree_close(functp.unshard(optree.tree_unflatten(spec, list(tape)), mesh, grad_specs),
                       ref_grads, "grad (autograd)")
     return log
 

@@ -45,12 +45,16 @@ def _case(name, mesh, axes, **kw):
         w = randn(2, 3, seed=2)
         return (lambda x, w: _readout(red(x.view(n, 2, 3)), w),
                 lambda x, w: _readout(coll(x, A), w), (x, w), (P(A), P()))
-    if name == "all_gather":
+    if name in ("all_gather", "all_gather_invariant"):
         axis, tiled = kw["axis"], kw["tiled"]
         join = torch.cat if tiled else torch.stack
         w = join(list(randn(n * 2, 3, seed=2).view(n, 2, 3)), axis)
-        return (lambda x, w: _readout(join(list(x.view(n, 2, 3)), axis), w),
-                lambda x, w: _readout(functp.all_gather(x, A, axis=axis, tiled=tiled), w),
+        if name == "all_gather":    # the result varies over A: every rank's copy is
+            # averaged back to one replicated value (pmean of identical copies)
+            loc = lambda x, w: functp.pmean(_readout(functp.all_gather(x, A, axis=axis, tiled=tiled), w), A)
+        else:
+            loc = lambda x, w: _readout(functp.all_gather_invariant(x, A, axis=axis, tiled=tiled), w)
+        return (lambda x, w: _readout(join(list(x.view(n, 2, 3)), axis), w), loc,
                 (x, w), (P(A), P()))
     if name == "psum_scatter":
         d, tiled = kw["dim"], kw["tiled"]
@@ -102,46 +106,55 @@ def _case(name, mesh, axes, **kw):
     raise KeyError(name)
 
 
-def _collective_body(shape, names, axes, name, kw):
+def _collective_body(shape, names, axes, name, kw, check_vma):
     mesh = functp.make_mesh(shape, names)
     glob, loc, args, specs = _case(name, mesh, axes, **kw)
-    check_program(mesh, glob, loc, args, specs)
+    check_program(mesh, glob, loc, args, specs, check_vma=check_vma)
 
 
+VMA = pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
+
+
+@VMA
 @pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
 @pytest.mark.parametrize("name", ["psum", "pmean", "pmax", "pmin"])
-def test_reductions_match_oracle(run, group, name):
+def test_reductions_match_oracle(run, group, name, check_vma):
     shape, names, axes = group
-    run(math.prod(shape), _collective_body, shape, names, axes, name, {})
+    run(math.prod(shape), _collective_body, shape, names, axes, name, {}, check_vma)
 
 
+@VMA
 @pytest.mark.parametrize("name", ["pmax", "pmin"])
-def test_extremum_gradient_is_shared_among_ties(run, name):
-    run(4, _collective_body, (4,), ("x",), ("x",), name, {"ties": True})
+def test_extremum_gradient_is_shared_among_ties(run, name, check_vma):
+    run(4, _collective_body, (4,), ("x",), ("x",), name, {"ties": True}, check_vma)
 
 
+@VMA
 @pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
 @pytest.mark.parametrize("axis,tiled", [(0, True), (0, False), (1, True), (2, False)])
-def test_all_gather_matches_oracle(run, group, axis, tiled):
+@pytest.mark.parametrize("name", ["all_gather", "all_gather_invariant"])
+def test_all_gather_matches_oracle(run, group, name, axis, tiled, check_vma):
     shape, names, axes = group
-    run(math.prod(shape), _collective_body, shape, names, axes, "all_gather",
-        {"axis": axis, "tiled": tiled})
+    run(math.prod(shape), _collective_body, shape, names, axes, name,
+        {"axis": axis, "tiled": tiled}, check_vma)
 
 
+@VMA
 @pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
 @pytest.mark.parametrize("dim,tiled", [(0, True), (1, True), (0, False), (1, False)])
-def test_psum_scatter_matches_oracle(run, group, dim, tiled):
+def test_psum_scatter_matches_oracle(run, group, dim, tiled, check_vma):
     shape, names, axes = group
     run(math.prod(shape), _collective_body, shape, names, axes, "psum_scatter",
-        {"dim": dim, "tiled": tiled})
+        {"dim": dim, "tiled": tiled}, check_vma)
 
 
+@VMA
 @pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
 @pytest.mark.parametrize("split,concat,tiled", [(1, 0, True), (0, 1, True), (0, 1, False)])
-def test_all_to_all_matches_oracle(run, group, split, concat, tiled):
+def test_all_to_all_matches_oracle(run, group, split, concat, tiled, check_vma):
     shape, names, axes = group
     run(math.prod(shape), _collective_body, shape, names, axes, "all_to_all",
-        {"split": split, "concat": concat, "tiled": tiled})
+        {"split": split, "concat": concat, "tiled": tiled}, check_vma)
 
 
 def _ring(n):
@@ -152,11 +165,12 @@ def _one_pair(n):
     return [(0, n - 1)]
 
 
+@VMA
 @pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
 @pytest.mark.parametrize("perm", [_ring, _one_pair], ids=["ring", "one-pair"])
-def test_ppermute_matches_oracle(run, group, perm):
+def test_ppermute_matches_oracle(run, group, perm, check_vma):
     shape, names, axes = group
-    run(math.prod(shape), _collective_body, shape, names, axes, "ppermute", {"perm": perm})
+    run(math.prod(shape), _collective_body, shape, names, axes, "ppermute", {"perm": perm}, check_vma)
 
 
 def _axis_index_body():

@@ -28,16 +28,16 @@ def _mse(out, y):
     return ((out - y) ** 2).mean()
 
 
-def _dp_body(n, check_vma):
+def _dp_body(n, check_vma, argnums=None):
     mesh = functp.make_mesh((n,), ("dp",))
     x, y = randn(B, H, seed=1), randn(B, H, seed=2)
     return comm_stats(check_program(
         mesh, lambda p, x, y: _mse(_mlp(p, x), y),
         lambda p, x, y: functp.pmean(_mse(_mlp(p, x), y), "dp"),
-        (_mlp_params(), x, y), (P(), P("dp"), P("dp")), check_vma=check_vma))
+        (_mlp_params(), x, y), (P(), P("dp"), P("dp")), check_vma=check_vma, argnums=argnums))
 
 
-def _fsdp_body(n, check_vma):
+def _fsdp_body(n, check_vma, argnums=None):
     mesh = functp.make_mesh((n,), ("dp",))
     x, y = randn(B, H, seed=1), randn(B, H, seed=2)
 
@@ -46,7 +46,7 @@ def _fsdp_body(n, check_vma):
         return functp.pmean(_mse(_mlp(full, x), y), "dp")
     return comm_stats(check_program(mesh, lambda p, x, y: _mse(_mlp(p, x), y), local,
                          (_mlp_params(), x, y), (P("dp"), P("dp"), P("dp")),
-                         check_vma=check_vma))
+                         check_vma=check_vma, argnums=argnums))
 
 
 TP_SPECS = {"w1": P("tp", None), "b1": P("tp"), "w2": P(None, "tp"), "b2": P()}
@@ -59,21 +59,21 @@ def _megatron_local(p, x, y, dp=None):
     return functp.pmean(loss, dp) if dp else loss
 
 
-def _megatron_body(n, check_vma):
+def _megatron_body(n, check_vma, argnums=None):
     mesh = functp.make_mesh((n,), ("tp",))
     x, y = randn(B, H, seed=1), randn(B, H, seed=2)
     return comm_stats(check_program(mesh, lambda p, x, y: _mse(_mlp(p, x), y), _megatron_local,
                          (_mlp_params(), x, y), (TP_SPECS, P(), P()),
-                         check_vma=check_vma))
+                         check_vma=check_vma, argnums=argnums))
 
 
-def _two_d_body(shape, check_vma):
+def _two_d_body(shape, check_vma, argnums=None):
     mesh = functp.make_mesh(shape, ("dp", "tp"))
     x, y = randn(B, H, seed=1), randn(B, H, seed=2)
     return comm_stats(check_program(mesh, lambda p, x, y: _mse(_mlp(p, x), y),
                          lambda p, x, y: _megatron_local(p, x, y, dp="dp"),
                          (_mlp_params(), x, y), (TP_SPECS, P("dp"), P("dp")),
-                         check_vma=check_vma))
+                         check_vma=check_vma, argnums=argnums))
 
 
 S = 8   # sequence length
@@ -102,14 +102,14 @@ def _sp_local(p, x):
     return functp.psum(((x + h) ** 2).sum(), "tp") / x.shape[0] / S / H
 
 
-def _sp_body(n, check_vma):
+def _sp_body(n, check_vma, argnums=None):
     mesh = functp.make_mesh((n,), ("tp",))
     specs = {"norm": P(), **TP_SPECS}
     return comm_stats(check_program(mesh, _sp_global, _sp_local, (_sp_params(), randn(2, S, H, seed=3)),
-                         (specs, P(None, "tp")), check_vma=check_vma))
+                         (specs, P(None, "tp")), check_vma=check_vma, argnums=argnums))
 
 
-def _ring_body(n, check_vma):
+def _ring_body(n, check_vma, argnums=None):
     """Each rank accumulates every block by passing its block around the ring."""
     mesh = functp.make_mesh((n,), ("x",))
     ring = [(i, (i + 1) % n) for i in range(n)]
@@ -127,7 +127,7 @@ def _ring_body(n, check_vma):
                 for i in range(n)]
         return sum((a ** 2).sum() for a in accs)
     return comm_stats(check_program(mesh, glob, local, (randn(2 * n, 3, seed=1), randn(2, 3, seed=2)),
-                         (P("x"), P()), check_vma=check_vma))
+                         (P("x"), P()), check_vma=check_vma, argnums=argnums))
 
 
 def _attention(q, k, v):
@@ -135,7 +135,7 @@ def _attention(q, k, v):
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v)
 
 
-def _ulysses_body(n, check_vma):
+def _ulysses_body(n, check_vma, argnums=None):
     """Sequence-sharded activations become head-sharded for attention and back."""
     mesh = functp.make_mesh((n,), ("sp",))
     heads, d = n * 2, 4
@@ -147,54 +147,65 @@ def _ulysses_body(n, check_vma):
         o = functp.all_to_all(o, "sp", 1, 2, tiled=True)      # back to sequence shards
         return functp.psum((o.sin() ** 2).sum(), "sp")
     return comm_stats(check_program(mesh, lambda q, k, v: (_attention(q, k, v).sin() ** 2).sum(), local,
-                         (q, k, v), P(None, "sp"), check_vma=check_vma))
+                         (q, k, v), P(None, "sp"), check_vma=check_vma, argnums=argnums))
 
 
-def _multi_axis_body(shape, check_vma):
+def _multi_axis_body(shape, check_vma, argnums=None):
     mesh = functp.make_mesh(shape, ("dp", "tp"))
     n = math.prod(shape)
     return comm_stats(check_program(
         mesh, lambda x, w: ((x.view(n, 2, 3).sum(0) * w).tanh()).sum(),
         lambda x, w: ((functp.psum(x, ("dp", "tp")) * w).tanh()).sum(),
         (randn(2 * n, 3, seed=1), randn(2, 3, seed=2)), (P(("dp", "tp")), P()),
-        check_vma=check_vma))
+        check_vma=check_vma, argnums=argnums))
 
 
+VMA = pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
+
+
+@VMA
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_data_parallel(run, n):
-    run(n, _dp_body, n, False)
+def test_data_parallel(run, n, check_vma):
+    run(n, _dp_body, n, check_vma)
 
 
+@VMA
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_fsdp(run, n):
-    run(n, _fsdp_body, n, False)
+def test_fsdp(run, n, check_vma):
+    run(n, _fsdp_body, n, check_vma)
 
 
+@VMA
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_megatron_mlp(run, n):
-    run(n, _megatron_body, n, False)
+def test_megatron_mlp(run, n, check_vma):
+    run(n, _megatron_body, n, check_vma)
 
 
+@VMA
 @pytest.mark.parametrize("shape", [(2, 2), (2, 4), (4, 2)])
-def test_two_d_dp_tp(run, shape):
-    run(math.prod(shape), _two_d_body, shape, False)
+def test_two_d_dp_tp(run, shape, check_vma):
+    run(math.prod(shape), _two_d_body, shape, check_vma)
 
 
+@VMA
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_sequence_parallel(run, n):
-    run(n, _sp_body, n, False)
+def test_sequence_parallel(run, n, check_vma):
+    run(n, _sp_body, n, check_vma)
 
 
+@VMA
 @pytest.mark.parametrize("n", [2, 4])
-def test_ppermute_ring(run, n):
-    run(n, _ring_body, n, False)
+def test_ppermute_ring(run, n, check_vma):
+    run(n, _ring_body, n, check_vma)
 
 
+@VMA
 @pytest.mark.parametrize("n", [2, 4])
-def test_all_to_all_sequence_head_parallel_attention(run, n):
-    run(n, _ulysses_body, n, False)
+def test_all_to_all_sequence_head_parallel_attention(run, n, check_vma):
+    run(n, _ulysses_body, n, check_vma)
 
 
+@VMA
 @pytest.mark.parametrize("shape", [(2, 2), (2, 4)])
-def test_multi_axis_psum(run, shape):
-    run(math.prod(shape), _multi_axis_body, shape, False)
+def test_multi_axis_psum(run, shape, check_vma):
+    run(math.prod(shape), _multi_axis_body, shape, check_vma)

@@ -16,6 +16,13 @@ def _mesh():
     return functp.make_mesh((N,), ("x",))
 
 
+def _shard_map(f, mesh, in_specs, out_specs):
+    return functp.shard_map(f, mesh, in_specs=in_specs, out_specs=out_specs, check_vma=_MODE[0])
+
+
+_MODE = [True]
+
+
 def _gather_program(x):
     # several collectives with dimension arguments, to exercise the vmap rules
     g = functp.all_gather(x, "x", axis=1, tiled=True)                 # (2, 3N)
@@ -27,7 +34,7 @@ def _gather_program(x):
 
 def _vmap_around_body():
     mesh = _mesh()
-    f = functp.shard_map(_gather_program, mesh, in_specs=P(), out_specs=P())
+    f = _shard_map(_gather_program, mesh, P(), P())
     xs = functp.shard(randn(5, 2 * N, 3, seed=1), mesh, P(None, "x"))
     batched = torch.vmap(f)(xs)
     assert_tree_close(batched, torch.stack([f(x) for x in xs]), "vmap(shard_map)")
@@ -40,9 +47,9 @@ def _vmap_inside_body():
 
     def body(xs):
         return torch.vmap(_gather_program)(xs)
-    f = functp.shard_map(body, mesh, in_specs=P(), out_specs=P())
-    g = functp.shard_map(lambda xs: torch.stack([_gather_program(x) for x in xs]), mesh,
-                         in_specs=P(), out_specs=P())
+    f = _shard_map(body, mesh, P(), P())
+    g = _shard_map(lambda xs: torch.stack([_gather_program(x) for x in xs]), mesh,
+                         P(), P())
     xs = functp.shard(randn(3, 2 * N, 3, seed=1), mesh, P(None, "x"))
     assert_tree_close(f(xs), g(xs), "vmap inside the body")
 
@@ -55,7 +62,7 @@ def _loss_program():
 
     def local(x, w):
         return functp.psum((torch.tanh(x @ w) ** 2).sum(), "x")
-    step = functp.shard_map(local, mesh, in_specs=(P("x"), P()), out_specs=P())
+    step = _shard_map(local, mesh, (P("x"), P()), P())
     return mesh, glob, step
 
 
@@ -72,8 +79,8 @@ def _jacrev_body():
     mesh = _mesh()
     x = randn(2 * N, 3, seed=1)
     glob = lambda x: torch.tanh(x.view(N, 2, 3).sum(0)).reshape(-1)
-    f = functp.shard_map(lambda x: torch.tanh(functp.psum(x, "x")).reshape(-1), mesh,
-                         in_specs=P("x"), out_specs=P())
+    f = _shard_map(lambda x: torch.tanh(functp.psum(x, "x")).reshape(-1), mesh,
+                         P("x"), P())
     jac = torch.func.jacrev(f)(functp.shard(x, mesh, P("x")))       # (6, 2, 3) local block
     assert_tree_close(functp.unshard(jac, mesh, P(None, "x")), torch.func.jacrev(glob)(x), "jacrev")
     # (jacfwd is vmap(jvp) over a *local* basis: every rank perturbs its own element i
@@ -115,7 +122,7 @@ def _hessian_vector_body():
         col = functp.psum(torch.sin(x).sum(0), "x")
         own = functp.psum_scatter(full ** 3, "x", tiled=True) / N
         return (col ** 2).sum() + functp.psum(own.sum(), "x")
-    f = functp.shard_map(local, mesh, in_specs=P("x"), out_specs=P())
+    f = _shard_map(local, mesh, P("x"), P())
     hvp_ref = torch.func.grad(lambda x: (torch.func.grad(glob)(x) * v).sum())(x)
     xl, vl = functp.shard((x, v), mesh, P("x"))
     hvp = torch.func.grad(lambda x: (torch.func.grad(f)(x) * vl).sum())(xl)
@@ -127,5 +134,11 @@ def _hessian_vector_body():
 @pytest.mark.parametrize("body", [_vmap_around_body, _vmap_inside_body, _jvp_body, _jacrev_body,
                                   _vmap_grad_body, _grad_vmap_body, _hessian_vector_body],
                          ids=lambda b: b.__name__.strip("_").replace("_body", ""))
-def test_transform(run, body):
-    run(N, body)
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
+def test_transform(run, body, check_vma):
+    run(N, _in_mode, body, check_vma)
+
+
+def _in_mode(body, check_vma):
+    _MODE[0] = check_vma
+    body()

@@ -1,0 +1,221 @@
+"""vma tracking: which mesh axes each value in a shard_map body varies over.
+
+While a body runs with ``check_vma=True`` a ``TorchFunctionMode`` sees every torch
+call. An op's result varies over the union of its tensor inputs' axes, and an input
+that varies over fewer axes is first passed through ``pvary`` over the missing ones
+(identity forward, ``psum`` of the gradient backward). No per-operator rule exists, so
+any torch op, custom op or ``autograd.Function`` follows the same rule. Collectives
+set their result's axes themselves (``_collectives.py``).
+
+Values that no op produced here (constants closed over, fresh tensors) are
+invariant: they vary over no axis.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.autograd.function import Function
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from ._mesh import Mesh
+
+EMPTY: frozenset = frozenset()
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                    "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
+                    "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+
+
+def _is_inplace(func) -> bool:
+    name = getattr(func, "__name__", "").split(".")[0]     # aten overloads: "add_.Tensor"
+    return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    """Tensor arguments, looking one level into lists and tuples (torch.cat's list)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out
+
+
+def _replace(x, new: dict[int, torch.Tensor]):
+    if isinstance(x, torch.Tensor):
+        return new.get(id(x), x)
+    if isinstance(x, (list, tuple)) and any(id(t) in new for t in x):
+        return type(x)(new.get(id(t), t) for t in x)
+    return x
+
+
+class Tracker(TorchFunctionMode):
+    """The vma of every tensor made while one shard_map body runs."""
+
+    def __init__(self, mesh: Mesh):
+        super().__init__()
+        self.mesh = mesh
+        self._vma = WeakTensorKeyDictionary()
+        self._pvaried = WeakTensorKeyDictionary()   # tensor -> {axes: pvary'd tensor}
+        self._paused = 0
+
+    # -- queries --------------------------------------------------------------
+    def get(self, t: torch.Tensor) -> frozenset:
+        v = self._vma.get(t, EMPTY)
+        base = t._base
+        return v if base is None else v | self._vma.get(base, EMPTY)
+
+    def set(self, t: torch.Tensor, vma: frozenset) -> None:
+        if vma:
+            self._vma[t] = vma
+        elif t in self._vma:
+            del self._vma[t]
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Ops run here are functp's own (a collective's forward): not tracked."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    # -- pvary ------------------------------------------------------------------
+    def _group(self, axes):
+        return self.mesh.axis_group(tuple(a for a in self.mesh.axis_names if a in axes))
+
+    def pvary(self, t: torch.Tensor, axes) -> torch.Tensor:
+        """``t`` marked as varying over ``axes`` too (cached: one pvary per tensor and
+        axis set, so a weight used twice gets one gradient all-reduce)."""
+        from ._collectives import _apply
+        v = self.get(t)
+        missing = frozenset(axes) - v
+        if not missing:
+            return t
+        key = tuple(sorted(missing))
+        cache = self._pvaried.get(t)
+        if cache is not None and key in cache:
+            return cache[key]
+        if t.is_floating_point() or t.is_complex():
+            with self.paused():
+                out = _apply("_Pvary", self._group(missing), False, t)[0]
+        else:   # no gradient to sum: a change of type only
+            with self.paused():
+                out = t.view_as(t) if t.dim() else t.clone()
+        self.set(out, v | missing)
+        self._pvaried.setdefault(t, {})[key] = out
+        return out
+
+    def pvary_inplace(self, t: torch.Tensor, axes) -> None:
+        """Before ``t`` (or a view of it) is mutated by a more varying value."""
+        from ._collectives import _apply
+        root = t if t._base is None else t._base
+        missing = frozenset(axes) - self.get(root)
+        if missing and (root.is_floating_point() or root.is_complex()):
+            with self.paused():
+                _apply("_PvaryInplace", root, self._group(missing))
+        self.set(root, self.get(root) | missing)
+
+    # -- the union rule ------------------------------------------------------------
+    def _unify(self, args, kwargs, inplace: bool):
+        """Implicit pvary of the less varying inputs; returns (args, kwargs, union)."""
+        ts = _tensors(args, {k: v for k, v in kwargs.items() if k != "out"})
+        if not ts:
+            return args, kwargs, EMPTY
+        vmas = [self.get(t) for t in ts]
+        union = EMPTY.union(*vmas)
+        if not union or all(v == union for v in vmas):
+            return args, kwargs, union
+        if inplace and isinstance(args[0], torch.Tensor):
+            self.pvary_inplace(args[0], union)
+        new = {id(t): self.pvary(t, union) for t, v in zip(ts, vmas)
+               if v != union and not (inplace and t is args[0])}
+        args = tuple(_replace(a, new) for a in args)
+        kwargs = {k: _replace(a, new) for k, a in kwargs.items()}
+        return args, kwargs, union
+
+    def _tag(self, out, union: frozenset) -> None:
+        if isinstance(out, torch.Tensor):
+            self.set(out, union)
+        elif isinstance(out, (list, tuple)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self.set(o, union)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
+        if func is torch.autograd.grad:
+            return self._autograd_grad(func, args, kwargs)
+        inplace = _is_inplace(func)
+        args, kwargs, union = self._unify(args, kwargs, inplace)
+        out = func(*args, **kwargs)
+        if union or inplace:
+            self._tag(out, union)
+            if inplace and isinstance(args[0], torch.Tensor) and args[0]._base is not None:
+                self.set(args[0]._base, self.get(args[0]._base) | union)
+        if "out" in kwargs:
+            self._tag(kwargs["out"], union)
+        return out
+
+    def _autograd_grad(self, func, args, kwargs):
+        # a gradient varies like the input it is taken with respect to (the implicit
+        # pvary's transpose already summed it over the other axes)
+        out = func(*args, **kwargs)
+        inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        for g, x in zip(out, inputs):
+            if isinstance(g, torch.Tensor):
+                self.set(g, self.get(x))
+        return out
+
+    # -- custom autograd Functions -------------------------------------------------
+    # Eager Function.apply bypasses torch function modes (only the ops inside its
+    # forward, run without autograd, would be seen), so while a body runs apply is
+    # wrapped: the union rule is applied to the Function as one op, outside it.
+    def apply_function(self, orig, cls, args, kwargs):
+        if self._paused:
+            return orig(cls, *args, **kwargs)
+        args, kwargs, union = self._unify(args, kwargs, False)
+        with self.paused():
+            out = orig(cls, *args, **kwargs)
+        if union:
+            self._tag(out, union)
+        return out
+
+
+_ACTIVE: list[Tracker] = []
+_ORIG_APPLY = Function.__dict__["apply"]
+
+
+def _patched_apply(cls, *args, **kwargs):
+    if _ACTIVE:
+        return _ACTIVE[-1].apply_function(_ORIG_APPLY.__func__, cls, args, kwargs)
+    return _ORIG_APPLY.__func__(cls, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def tracking(tracker: Tracker):
+    """Runs the body with ``tracker`` seeing every torch call and Function.apply."""
+    if not _ACTIVE:
+        Function.apply = classmethod(_patched_apply)
+    _ACTIVE.append(tracker)
+    try:
+        with tracker:
+            yield tracker
+    finally:
+        _ACTIVE.pop()
+        if not _ACTIVE:
+            Function.apply = _ORIG_APPLY
+
+
+def vma_of(x: Any) -> frozenset:
+    """The vma of ``x`` in the running body (empty outside one or for non-tensors)."""
+    if _ACTIVE and isinstance(x, torch.Tensor):
+        with _ACTIVE[-1].paused():
+            return _ACTIVE[-1].get(x)
+    return EMPTY
