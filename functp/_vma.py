@@ -23,6 +23,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ._mesh import Mesh
 
 EMPTY: frozenset = frozenset()
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_unwrap = torch._C._functorch.get_unwrapped
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
                     "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
                     "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
@@ -64,15 +66,23 @@ class Tracker(TorchFunctionMode):
 
     # -- queries --------------------------------------------------------------
     def get(self, t: torch.Tensor) -> frozenset:
-        v = self._vma.get(t, EMPTY)
+        v = self._vma.get(t)
+        if v is None:
+            # torch.func transforms wrap tensors in C++ (no torch function call to
+            # see): a wrapper varies like the tensor it wraps
+            v = self.get(_unwrap(t)) if _is_wrapped(t) else EMPTY
         base = t._base
         return v if base is None else v | self._vma.get(base, EMPTY)
 
     def set(self, t: torch.Tensor, vma: frozenset) -> None:
-        if vma:
-            self._vma[t] = vma
-        elif t in self._vma:
-            del self._vma[t]
+        while True:    # the wrapped tensors too: they are what a transform unwraps to
+            if vma:
+                self._vma[t] = vma
+            elif t in self._vma:
+                del self._vma[t]
+            if not _is_wrapped(t):
+                return
+            t = _unwrap(t)
 
     @contextlib.contextmanager
     def paused(self):
