@@ -183,6 +183,57 @@ class _PvaryInplace(Function):
         return _apply("_PvaryInplace", x, g), in_dims[0]
 
 
+@_traceable
+class _EntryAliases(Function):
+    """The inputs of a vma-tracked body, with one extra alias per axis set each may
+    be implicitly pvary'd over.
+
+    ``plan[i]`` lists, for input ``i``, the axis groups of its aliases. The body sees
+    output ``i`` (the input itself, invariant where its spec says) and uses an alias
+    wherever the input meets a value varying over that group. In backward the
+    aliases' cotangents are this rank's contributions: they are summed over their
+    group in one bucketed all-reduce per group, and added to the invariant
+    cotangent of the input itself. So every parameter's gradient all-reduce happens
+    at once, after the whole backward, exactly as much as vma requires.
+    """
+
+    @staticmethod
+    def forward(plan: tuple, *xs):
+        return (*(x.view_as(x) for x in xs),
+                *(x.view_as(x) for x, groups in zip(xs, plan) for _ in groups))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.plan = inputs[0]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *cts):
+        plan, n = ctx.plan, len(ctx.plan)
+        grads = list(cts[:n])
+        buckets: dict[AxisGroup, list[tuple[int, torch.Tensor]]] = {}
+        k = n
+        for i, groups in enumerate(plan):
+            for g in groups:
+                if cts[k] is not None and ctx.needs_input_grad[1 + i]:
+                    buckets.setdefault(g, []).append((i, cts[k]))
+                k += 1
+        for g, items in buckets.items():
+            for (i, _), summed in zip(items, _bucketed_psum([c for _, c in items], g, False)):
+                grads[i] = summed if grads[i] is None else grads[i] + summed
+        return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx, plan_t, *ts):
+        return (*ts, *(t for t, groups in zip(ts, ctx.plan) for _ in groups))
+
+    @staticmethod
+    def vmap(info, in_dims, plan, *xs):
+        dims = in_dims[1:]
+        return (_apply("_EntryAliases", plan, *xs),
+                (*dims, *(d for d, groups in zip(dims, plan) for _ in groups)))
+
+
 def _bucketed_psum(ts: Sequence[torch.Tensor], g: AxisGroup, sum_mode: bool) -> list[torch.Tensor]:
     out: list[Any] = [None] * len(ts)
     by_dtype: dict[torch.dtype, list[int]] = {}

@@ -110,12 +110,11 @@ class _Body:
         tracker = Tracker(self.mesh)
         seen: set[int] = set()
         for i, (x, spec) in enumerate(zip(local, specs)):
-            if spec is None:
-                continue
-            if id(x) in seen:     # one tensor passed twice: give each use its own tag
-                x = local[i] = x.view_as(x)
-            seen.add(id(x))
-            tracker.set(x, frozenset(spec.axes))
+            if spec is not None:
+                if id(x) in seen:     # one tensor passed twice: give each use its own tag
+                    local[i] = x.view_as(x)
+                seen.add(id(local[i]))
+        tracker.enter(local, specs)
         return tracker
 
     def _in_spec(self, path: str, x, spec) -> P | None:

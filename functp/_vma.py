@@ -13,6 +13,7 @@ invariant: they vary over no axis.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any
 
 import torch
@@ -25,6 +26,16 @@ from ._mesh import Mesh
 EMPTY: frozenset = frozenset()
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _unwrap = torch._C._functorch.get_unwrapped
+_is_batched = torch._C._functorch.is_batchedtensor
+
+
+def _under_vmap(t: torch.Tensor) -> bool:
+    while True:
+        if _is_batched(t):
+            return True
+        if not _is_wrapped(t):
+            return False
+        t = _unwrap(t)
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
                     "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
                     "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
@@ -63,6 +74,43 @@ class Tracker(TorchFunctionMode):
         self._vma = WeakTensorKeyDictionary()
         self._pvaried = WeakTensorKeyDictionary()   # tensor -> {axes: pvary'd tensor}
         self._paused = 0
+        self._entry: list[torch.Tensor] = []        # the body's replicated inputs
+        self._aliases: list[dict] = []              # per input: {axes: alias}
+        self._alias_of = WeakTensorKeyDictionary()  # input or a view of it -> index
+
+    def enter(self, local: list, specs: list) -> None:
+        """Tags the inputs with the axes their specs mention. Floating inputs that are
+        replicated over some axes are replaced by ``_EntryAliases`` outputs, so that
+        their implicit pvarys share one bucketed gradient all-reduce."""
+        from ._collectives import _apply
+        names = self.mesh.axis_names
+        todo, plan = [], []
+        for i, (x, spec) in enumerate(zip(local, specs)):
+            if spec is None:
+                continue
+            self.set(x, frozenset(spec.axes))
+            missing = [a for a in names if a not in spec.axes]
+            if missing and (x.is_floating_point() or x.is_complex()):
+                subsets = [c for k in range(1, len(missing) + 1)
+                           for c in itertools.combinations(missing, k)]
+                todo.append(i)
+                plan.append(tuple(self.mesh.axis_group(c) for c in subsets))
+        if not todo:
+            return
+        outs = _apply("_EntryAliases", tuple(plan), *[local[i] for i in todo])
+        k = len(todo)
+        for j, (i, groups) in enumerate(zip(todo, plan)):
+            vma = frozenset(specs[i].axes)
+            local[i] = a = outs[j]
+            self.set(a, vma)
+            self._entry.append(a)
+            self._alias_of[a] = j
+            aliases = {}
+            for g in groups:
+                aliases[frozenset(g.axes)] = outs[k]
+                self.set(outs[k], vma | frozenset(g.axes))
+                k += 1
+            self._aliases.append(aliases)
 
     # -- queries --------------------------------------------------------------
     def get(self, t: torch.Tensor) -> frozenset:
@@ -109,7 +157,15 @@ class Tracker(TorchFunctionMode):
         cache = self._pvaried.get(t)
         if cache is not None and key in cache:
             return cache[key]
-        if t.is_floating_point() or t.is_complex():
+        j = self._alias_of.get(t)
+        if j is not None and missing in self._aliases[j] and not _under_vmap(t):
+            # an input (or a view of it): use its alias for these axes, viewed the
+            # same way, so its gradient joins the input's bucketed all-reduce
+            b = self._aliases[j][missing]
+            with self.paused():
+                out = b if t is self._entry[j] else b.as_strided(t.size(), t.stride(),
+                                                                  t.storage_offset())
+        elif t.is_floating_point() or t.is_complex():
             with self.paused():
                 out = _apply("_Pvary", self._group(missing), False, t)[0]
         else:   # no gradient to sum: a change of type only
@@ -164,6 +220,8 @@ class Tracker(TorchFunctionMode):
         inplace = _is_inplace(func)
         args, kwargs, union = self._unify(args, kwargs, inplace)
         out = func(*args, **kwargs)
+        if self._alias_of and isinstance(out, torch.Tensor) and out._base is not None:
+            self._follow_views(out, args)
         if union or inplace:
             self._tag(out, union)
             if inplace and isinstance(args[0], torch.Tensor) and args[0]._base is not None:
@@ -171,6 +229,15 @@ class Tracker(TorchFunctionMode):
         if "out" in kwargs:
             self._tag(kwargs["out"], union)
         return out
+
+    def _follow_views(self, out: torch.Tensor, args) -> None:
+        """A view of a replicated input still counts as that input (see pvary)."""
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                j = self._alias_of.get(a)
+                if j is not None and out._base is (a if a._base is None else a._base):
+                    self._alias_of[out] = j
+                    return
 
     def _autograd_grad(self, func, args, kwargs):
         # a gradient varies like the input it is taken with respect to (the implicit
