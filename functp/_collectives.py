@@ -185,22 +185,20 @@ class _PvaryInplace(Function):
 
 @_traceable
 class _EntryAliases(Function):
-    """The inputs of a vma-tracked body, with one extra alias per axis set each may
-    be implicitly pvary'd over.
+    """Aliases of the replicated inputs of a vma-tracked body, one per axis set each
+    input may be implicitly pvary'd over (``plan[i]`` lists input ``i``'s groups).
 
-    ``plan[i]`` lists, for input ``i``, the axis groups of its aliases. The body sees
-    output ``i`` (the input itself, invariant where its spec says) and uses an alias
-    wherever the input meets a value varying over that group. In backward the
-    aliases' cotangents are this rank's contributions: they are summed over their
-    group in one bucketed all-reduce per group, and added to the invariant
-    cotangent of the input itself. So every parameter's gradient all-reduce happens
-    at once, after the whole backward, exactly as much as vma requires.
+    The body uses an input itself where it stays invariant, and its alias wherever
+    it meets a value varying over that group. The aliases' cotangents are this
+    rank's contributions: backward sums them over their group in one bucketed
+    all-reduce per group, and autograd adds the result to the input's own
+    (invariant) cotangent. So the gradient all-reduces of all parameters happen
+    together, after the whole backward, and only where vma requires them.
     """
 
     @staticmethod
     def forward(plan: tuple, *xs):
-        return (*(x.view_as(x) for x in xs),
-                *(x.view_as(x) for x, groups in zip(xs, plan) for _ in groups))
+        return tuple(x.view_as(x) for x, groups in zip(xs, plan) for _ in groups)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -209,11 +207,10 @@ class _EntryAliases(Function):
 
     @staticmethod
     def backward(ctx, *cts):
-        plan, n = ctx.plan, len(ctx.plan)
-        grads = list(cts[:n])
+        grads: list[Any] = [None] * len(ctx.plan)
         buckets: dict[AxisGroup, list[tuple[int, torch.Tensor]]] = {}
-        k = n
-        for i, groups in enumerate(plan):
+        k = 0
+        for i, groups in enumerate(ctx.plan):
             for g in groups:
                 if cts[k] is not None and ctx.needs_input_grad[1 + i]:
                     buckets.setdefault(g, []).append((i, cts[k]))
@@ -225,13 +222,12 @@ class _EntryAliases(Function):
 
     @staticmethod
     def jvp(ctx, plan_t, *ts):
-        return (*ts, *(t for t, groups in zip(ts, ctx.plan) for _ in groups))
+        return tuple(t for t, groups in zip(ts, ctx.plan) for _ in groups)
 
     @staticmethod
     def vmap(info, in_dims, plan, *xs):
-        dims = in_dims[1:]
         return (_apply("_EntryAliases", plan, *xs),
-                (*dims, *(d for d, groups in zip(dims, plan) for _ in groups)))
+                tuple(d for d, groups in zip(in_dims[1:], plan) for _ in groups))
 
 
 def _bucketed_psum(ts: Sequence[torch.Tensor], g: AxisGroup, sum_mode: bool) -> list[torch.Tensor]:
@@ -358,6 +354,38 @@ class _Ppermute(Function):
 
 
 @_traceable
+class _TakeBlock(Function):
+    """This rank's block of a value that is whole along ``dims``' axes (entering a
+    nested shard_map); backward gathers the blocks' cotangents back to whole."""
+
+    @staticmethod
+    def forward(x, dims: tuple):
+        for d, g in dims:
+            b = x.shape[d] // g.size
+            x = x.narrow(d, g.index * b, b)
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.dims = inputs[1]
+
+    @staticmethod
+    def backward(ctx, ct):
+        for d, g in reversed(ctx.dims):
+            ct = _apply("_AllGather", ct, g, d, True, False)
+        return ct, None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return _apply("_TakeBlock", t, ctx.dims)
+
+    @staticmethod
+    def vmap(info, in_dims, x, dims):
+        return _apply("_TakeBlock", _move_bdim(x, in_dims[0]),
+                      tuple((d + 1, g) for d, g in dims)), 0
+
+
+@_traceable
 class _ScaleGrad(Function):
     """Identity forward; multiplies the cotangent by ``factor``."""
 
@@ -388,7 +416,9 @@ class _ScaleGrad(Function):
 
 def _group(axis_name, what: str) -> tuple[_context.Frame, AxisGroup]:
     fr = _context.current(what)
-    return fr, fr.mesh.axis_group(axis_name, f"functp.{what}({axis_name!r})")
+    g = fr.mesh.axis_group(axis_name, f"functp.{what}({axis_name!r})")
+    fr.check_axes(g.axes, f"functp.{what}({axis_name!r})")
+    return fr, g
 
 
 def _map(fn, x):
@@ -580,13 +610,17 @@ def ppermute(x, axis_name, perm):
 
 
 def axis_index(axis_name) -> int:
-    """This rank's index along ``axis_name`` (a tuple: flattened, major first)."""
-    return _context.current("axis_index").mesh.axis_index(axis_name)
+    """This rank's index along ``axis_name`` (a tuple: flattened, major first).
+
+    A Python int: a value computed from it is not tracked as varying over the axis,
+    so combine it with values that already vary (as when masking a sharded table).
+    """
+    return _group(axis_name, "axis_index")[1].index
 
 
 def axis_size(axis_name) -> int:
     """The number of ranks along ``axis_name`` (a tuple: the product)."""
-    return _context.current("axis_size").mesh.axis_size(axis_name)
+    return _group(axis_name, "axis_size")[1].size
 
 
 def _check_split(t, d, g: AxisGroup, tiled: bool, what: str, arg: str) -> None:

@@ -19,6 +19,16 @@ class Frame:
     mesh: Mesh
     check_vma: bool
     tracker: Any = None      # the vma Tracker when check_vma is on (and not compiling)
+    manual: tuple[str, ...] = ()   # the mesh axes collectives may name here
+
+    def check_axes(self, axes: tuple[str, ...], what: str) -> None:
+        auto = [a for a in axes if a not in self.manual]
+        if auto:
+            raise ShardingError(
+                f"{what}: mesh axis {auto[0]!r} is not manual in the enclosing shard_map "
+                f"(its axis_names are {self.manual}); values there are whole along "
+                f"{auto[0]!r}, so there is nothing to communicate over it. Add it to "
+                f"axis_names, or use a nested shard_map over {auto[0]!r}")
 
 
 _STACK: list[Frame] = []
@@ -38,9 +48,13 @@ def active() -> bool:
     return bool(_STACK)
 
 
+def top() -> Frame | None:
+    return _STACK[-1] if _STACK else None
+
+
 @contextlib.contextmanager
-def frame(mesh: Mesh, check_vma: bool, tracker: Any = None):
-    _STACK.append(Frame(mesh, check_vma, tracker))
+def frame(mesh: Mesh, check_vma: bool, tracker: Any = None, manual: tuple[str, ...] = ()):
+    _STACK.append(Frame(mesh, check_vma, tracker, manual or mesh.axis_names))
     try:
         yield _STACK[-1]
     finally:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from typing import NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,11 +16,14 @@ from ._errors import ShardingError
 __all__ = ["Mesh", "make_mesh", "AxisGroup"]
 
 
-class AxisGroup(NamedTuple):
+@dataclass(frozen=True)
+class AxisGroup:
     """Everything a collective over a tuple of mesh axes needs, resolved once.
 
     Collectives keep this in their autograd context, so their backward never reads
-    ambient state (the backward may run after ``shard_map`` has returned).
+    ambient state (the backward may run after ``shard_map`` has returned). A plain
+    frozen dataclass, not a NamedTuple, so that torch.func's pytree handling of a
+    Function's arguments treats it as one leaf.
     ``order[i]`` is the process-group rank of the member whose index along ``axes``
     (major to minor, in the order given) is ``i``; ``None`` when they coincide.
     """

@@ -24,6 +24,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ._mesh import Mesh
 
 EMPTY: frozenset = frozenset()
+_TAG = "_functp_vma"
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _unwrap = torch._C._functorch.get_unwrapped
 _is_batched = torch._C._functorch.is_batchedtensor
@@ -42,17 +43,21 @@ _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itrued
 
 
 def _is_inplace(func) -> bool:
-    name = getattr(func, "__name__", "").split(".")[0]     # aten overloads: "add_.Tensor"
-    return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+    name = getattr(func, "__name__", "")
+    if "." in name:                                   # aten overloads: "add_.Tensor"
+        name = name.split(".", 1)[0]
+    return (name[-1:] == "_" and name[-2:] != "__") or name in _INPLACE_DUNDERS
 
 
 def _tensors(args, kwargs) -> list[torch.Tensor]:
-    """Tensor arguments, looking one level into lists and tuples (torch.cat's list)."""
+    """Tensor arguments (not ``out=``), looking one level into lists and tuples
+    (torch.cat's list)."""
     out = []
-    for a in (*args, *kwargs.values()):
+    for a in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
+            if not (kwargs and a is kwargs.get("out")):
+                out.append(a)
+        elif isinstance(a, (list, tuple)) and not (kwargs and a is kwargs.get("out")):
             out.extend(t for t in a if isinstance(t, torch.Tensor))
     return out
 
@@ -68,28 +73,34 @@ def _replace(x, new: dict[int, torch.Tensor]):
 class Tracker(TorchFunctionMode):
     """The vma of every tensor made while one shard_map body runs."""
 
+    _runs = 0
+
     def __init__(self, mesh: Mesh):
         super().__init__()
         self.mesh = mesh
-        self._vma = WeakTensorKeyDictionary()
+        # tags live on the tensors themselves (a dict keyed by tensor costs a weak
+        # reference per lookup); the token ties a tag to this body's run
+        Tracker._runs += 1
+        self._token = Tracker._runs
         self._pvaried = WeakTensorKeyDictionary()   # tensor -> {axes: pvary'd tensor}
         self._paused = 0
         self._entry: list[torch.Tensor] = []        # the body's replicated inputs
         self._aliases: list[dict] = []              # per input: {axes: alias}
         self._alias_of = WeakTensorKeyDictionary()  # input or a view of it -> index
 
-    def enter(self, local: list, specs: list) -> None:
-        """Tags the inputs with the axes their specs mention. Floating inputs that are
-        replicated over some axes are replaced by ``_EntryAliases`` outputs, so that
-        their implicit pvarys share one bucketed gradient all-reduce."""
+    def enter(self, local: list, specs: list, axes: tuple[str, ...], base: list | None = None) -> None:
+        """Tags the inputs of a body that is manual over ``axes``: each varies over
+        the axes its spec mentions (plus, in a nested body, ``base[i]``, what it
+        varied over outside). Floating inputs replicated over some of ``axes`` get
+        ``_EntryAliases``, so their implicit pvarys share one bucketed all-reduce."""
         from ._collectives import _apply
-        names = self.mesh.axis_names
-        todo, plan = [], []
+        todo, plan, vmas = [], [], {}
         for i, (x, spec) in enumerate(zip(local, specs)):
             if spec is None:
                 continue
-            self.set(x, frozenset(spec.axes))
-            missing = [a for a in names if a not in spec.axes]
+            vmas[i] = vma = frozenset(spec.axes) | (base[i] if base else EMPTY)
+            self.set(x, vma)
+            missing = [a for a in axes if a not in vma]
             if missing and (x.is_floating_point() or x.is_complex()):
                 subsets = [c for k in range(1, len(missing) + 1)
                            for c in itertools.combinations(missing, k)]
@@ -98,11 +109,11 @@ class Tracker(TorchFunctionMode):
         if not todo:
             return
         outs = _apply("_EntryAliases", tuple(plan), *[local[i] for i in todo])
-        k = len(todo)
-        for j, (i, groups) in enumerate(zip(todo, plan)):
-            vma = frozenset(specs[i].axes)
-            local[i] = a = outs[j]
-            self.set(a, vma)
+        k = 0
+        first = len(self._entry)      # a nested body adds to the enclosing one's
+        for j, (i, groups) in enumerate(zip(todo, plan), start=first):
+            vma = vmas[i]
+            a = local[i]
             self._entry.append(a)
             self._alias_of[a] = j
             aliases = {}
@@ -113,21 +124,26 @@ class Tracker(TorchFunctionMode):
             self._aliases.append(aliases)
 
     # -- queries --------------------------------------------------------------
+    def _own(self, t: torch.Tensor):
+        tag = t.__dict__.get(_TAG)
+        return tag[1] if tag is not None and tag[0] == self._token else None
+
     def get(self, t: torch.Tensor) -> frozenset:
-        v = self._vma.get(t)
+        v = self._own(t)
         if v is None:
             # torch.func transforms wrap tensors in C++ (no torch function call to
             # see): a wrapper varies like the tensor it wraps
             v = self.get(_unwrap(t)) if _is_wrapped(t) else EMPTY
         base = t._base
-        return v if base is None else v | self._vma.get(base, EMPTY)
+        if base is None:
+            return v
+        b = self._own(base)
+        return v if not b or b is v else v | b
 
     def set(self, t: torch.Tensor, vma: frozenset) -> None:
+        tag = (self._token, vma)
         while True:    # the wrapped tensors too: they are what a transform unwraps to
-            if vma:
-                self._vma[t] = vma
-            elif t in self._vma:
-                del self._vma[t]
+            t.__dict__[_TAG] = tag
             if not _is_wrapped(t):
                 return
             t = _unwrap(t)
@@ -140,6 +156,15 @@ class Tracker(TorchFunctionMode):
             yield
         finally:
             self._paused -= 1
+
+    @contextlib.contextmanager
+    def resumed(self):
+        """The user's code again (a nested shard_map body, inside our bookkeeping)."""
+        paused, self._paused = self._paused, 0
+        try:
+            yield
+        finally:
+            self._paused = paused
 
     # -- pvary ------------------------------------------------------------------
     def _group(self, axes):
@@ -188,12 +213,12 @@ class Tracker(TorchFunctionMode):
     # -- the union rule ------------------------------------------------------------
     def _unify(self, args, kwargs, inplace: bool):
         """Implicit pvary of the less varying inputs; returns (args, kwargs, union)."""
-        ts = _tensors(args, {k: v for k, v in kwargs.items() if k != "out"})
+        ts = _tensors(args, kwargs)
         if not ts:
             return args, kwargs, EMPTY
         vmas = [self.get(t) for t in ts]
-        union = EMPTY.union(*vmas)
-        if not union or all(v == union for v in vmas):
+        union = vmas[0].union(*vmas[1:]) if len(vmas) > 1 else vmas[0]
+        if not union or all(v is union or v == union for v in vmas):
             return args, kwargs, union
         if inplace and isinstance(args[0], torch.Tensor):
             self.pvary_inplace(args[0], union)
@@ -212,7 +237,8 @@ class Tracker(TorchFunctionMode):
                     self.set(o, union)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if self._paused:
             return func(*args, **kwargs)
         if func is torch.autograd.grad:
@@ -226,7 +252,7 @@ class Tracker(TorchFunctionMode):
             self._tag(out, union)
             if inplace and isinstance(args[0], torch.Tensor) and args[0]._base is not None:
                 self.set(args[0]._base, self.get(args[0]._base) | union)
-        if "out" in kwargs:
+        if kwargs and "out" in kwargs:
             self._tag(kwargs["out"], union)
         return out
 

@@ -281,3 +281,44 @@ def _property_body(shape, names, seed, count):
                                               ((2, 2), ("a", "b"), 3), ((2, 4), ("a", "b"), 4)])
 def test_random_programs_vma_equals_sum_semantics_equals_oracle(run, shape, names, seed):
     run(math.prod(shape), _property_body, shape, names, seed, 12)
+
+
+# ---------------------------------------------------------------------------------
+# nested shard_map: an outer body manual over 'dp' calls an inner one over 'tp'
+
+def _nested_body(check_vma):
+    mesh = functp.make_mesh((2, 2), ("dp", "tp"))
+    specs = {"w1": P("tp", None), "b1": P("tp"), "w2": P(None, "tp"), "b2": P()}
+    p = {"w1": randn(8, 4, seed=1), "b1": randn(8, seed=2), "w2": randn(4, 8, seed=3),
+         "b2": randn(4, seed=4)}
+    x, y = randn(6, 4, seed=5), randn(6, 4, seed=6)
+
+    def glob(p, x, y):
+        return ((torch.tanh(x @ p["w1"].T + p["b1"]) @ p["w2"].T + p["b2"] - y) ** 2).mean()
+
+    def mlp(p, x):          # manual over tp: this rank's hidden units
+        return functp.psum(torch.tanh(x @ p["w1"].T + p["b1"]) @ p["w2"].T, "tp") + p["b2"]
+
+    inner = functp.shard_map(mlp, mesh, in_specs=(specs, P()), out_specs=P(),
+                             axis_names={"tp"}, check_vma=check_vma)
+
+    def outer(p, x, y):     # manual over dp: whole parameters, this rank's rows
+        assert p["w1"].shape == (8, 4)
+        with pytest.raises(ShardingError, match="not manual"):
+            functp.psum(x, "tp")
+        return functp.pmean(((inner(p, x) - y) ** 2).mean(), "dp")
+
+    def run_outer(p, x, y):
+        return functp.shard_map(outer, mesh, in_specs=(P(), P("dp"), P("dp")), out_specs=P(),
+                                axis_names={"dp"}, check_vma=check_vma)(p, x, y)
+    # the parameters enter whole (P() over dp; tp is not manual in the outer body)
+    g, loss = torch.func.grad_and_value(run_outer)(p, *functp.shard((x, y), mesh, P("dp")))
+    ref_g, ref = torch.func.grad_and_value(glob)(p, x, y)
+    assert_tree_close((loss, g), (ref, ref_g), "nested shard_map")
+    with pytest.raises(ShardingError, match="already manual"):
+        functp.shard_map(lambda x: inner(p, x), mesh, in_specs=P(), out_specs=P())(x)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
+def test_nested_shard_map_over_the_remaining_axis(run, check_vma):
+    run(4, _nested_body, check_vma)
