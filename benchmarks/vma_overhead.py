@@ -2,7 +2,7 @@
 
     python benchmarks/vma_overhead.py            # launches 4 local gloo processes
 
-One training step (loss and gradients of a small transformer block) on a mesh of
+One training step (loss and gradients of a transformer block, two sizes) on a mesh of
 4 CPU processes in three layouts: data parallel (dp=4), tensor parallel (tp=4) and
 2-D (dp=2, tp=2); through torch.func.grad and through tape autograd. The two modes
 alternate step by step so both see the same machine noise; the table gives the
@@ -25,16 +25,18 @@ import functp  # noqa: E402
 from functp import P  # noqa: E402
 from _block import init_params, local_loss, tp_specs  # noqa: E402
 
-D, FFN, HEADS, SEQ, BATCH = 64, 256, 8, 32, 8
+SIZES = {"small": (64, 256), "medium": (256, 1024)}     # (hidden, ffn)
+HEADS, SEQ, BATCH = 8, 32, 8
 WARMUP, STEPS = 5, int(os.environ.get("STEPS", "30"))
 LAYOUTS = {"dp": ((4,), ("dp",)), "tp": ((4,), ("tp",)), "2d": ((2, 2), ("dp", "tp"))}
 
 
-def _step_fns(layout, check_vma):
+def _step_fns(layout, size, check_vma):
     shape, names = LAYOUTS[layout]
     mesh = functp.make_mesh(shape, names)
     tp = "tp" if "tp" in names else None
     dp = "dp" if "dp" in names else None
+    D, FFN = SIZES[size]
     params = init_params(D, FFN)
     specs = tp_specs(params) if tp else {k: P() for k in params}
     g = torch.Generator().manual_seed(1)
@@ -66,8 +68,8 @@ def main() -> None:
     functp.make_mesh((4,), ("dp",))
     rank0 = torch.distributed.get_rank() == 0
     rows = []
-    for layout in LAYOUTS:
-        fns = {m: _step_fns(layout, m) for m in (True, False)}
+    for size, layout in [(s, l) for s in SIZES for l in LAYOUTS]:
+        fns = {m: _step_fns(layout, size, m) for m in (True, False)}
         for path in ("torch.func.grad", "tape autograd"):
             counts = {}
             for m in (True, False):
@@ -85,25 +87,25 @@ def main() -> None:
             ratios = sorted(a / b for a, b in zip(times[True], times[False]))
             q = lambda p: ratios[min(len(ratios) - 1, int(p * len(ratios)))]
             rows.append({
-                "layout": layout, "path": path,
+                "size": size, "layout": layout, "path": path,
                 "vma_ms": 1e3 * statistics.median(times[True]),
                 "sum_ms": 1e3 * statistics.median(times[False]),
                 "ratio": statistics.median(ratios), "ratio_p10": q(0.1), "ratio_p90": q(0.9),
                 "collectives_vma": counts[True], "collectives_sum": counts[False]})
     if rank0:
-        hdr = (f"{'layout':6} {'path':16} {'vma ms':>8} {'sum ms':>8} {'vma/sum':>8} "
+        hdr = (f"{'size':7} {'layout':6} {'path':16} {'vma ms':>8} {'sum ms':>8} {'vma/sum':>8} "
                f"{'p10-p90':>13} {'colls vma':>9} {'colls sum':>9}")
-        print(f"D={D} FFN={FFN} heads={HEADS} seq={SEQ} batch={BATCH}, 4 gloo ranks, "
-              f"{STEPS} steps per mode")
+        print(f"sizes (hidden, ffn) {SIZES}, heads={HEADS} seq={SEQ} batch={BATCH}, "
+              f"4 gloo ranks, {STEPS} steps per mode")
         print(hdr)
         for r in rows:
-            print(f"{r['layout']:6} {r['path']:16} {r['vma_ms']:8.2f} {r['sum_ms']:8.2f} "
+            print(f"{r['size']:7} {r['layout']:6} {r['path']:16} {r['vma_ms']:8.2f} {r['sum_ms']:8.2f} "
                   f"{r['ratio']:8.3f} {r['ratio_p10']:6.3f}-{r['ratio_p90']:<6.3f} "
                   f"{r['collectives_vma']:9d} {r['collectives_sum']:9d}")
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "vma_overhead.json"), "w") as f:
-            json.dump({"config": dict(D=D, FFN=FFN, HEADS=HEADS, SEQ=SEQ, BATCH=BATCH,
+            json.dump({"config": dict(SIZES=SIZES, HEADS=HEADS, SEQ=SEQ, BATCH=BATCH,
                                       STEPS=STEPS, ranks=4, torch=torch.__version__),
                        "rows": rows}, f, indent=1)
     torch.distributed.destroy_process_group()

@@ -1,0 +1,38 @@
+"""Every ```python block in docs/ runs, page by page, on four gloo processes."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import pytest
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+PAGES = sorted(glob.glob(os.path.join(DOCS, "*.md")))
+
+
+def snippets(path: str) -> list[tuple[int, str]]:
+    """(line number, code) of each ```python block of a Markdown page."""
+    text = open(path).read()
+    return [(text[:m.start()].count("\n") + 2, m.group(1))
+            for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
+
+
+def _run_page(path: str) -> int:
+    import contextlib
+    import io
+    env: dict = {"__name__": "__doc__"}
+    for line, code in snippets(path):
+        with contextlib.redirect_stdout(io.StringIO()):
+            try:
+                exec(compile(code, f"{os.path.basename(path)}:{line}", "exec"), env)
+            except Exception as e:
+                raise AssertionError(f"{os.path.basename(path)}, snippet at line {line} "
+                                     f"failed: {e!r}") from e
+    return len(snippets(path))
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if snippets(p)],
+                         ids=lambda p: os.path.basename(p))
+def test_doc_snippets_run(run, page):
+    assert run(4, _run_page, page) == [len(snippets(page))] * 4
