@@ -75,6 +75,18 @@ def _jvp_body():
     assert_tree_close(out, ref, "jvp")
 
 
+def _vjp_body():
+    mesh = _mesh()
+    x = randn(2 * N, 3, seed=1)
+    glob = lambda x: torch.tanh(x.view(N, 2, 3).sum(0))
+    f = _shard_map(lambda x: torch.tanh(functp.psum(x, "x")), mesh, P("x"), P())
+    ct = randn(2, 3, seed=2)
+    out, pullback = torch.func.vjp(f, functp.shard(x, mesh, P("x")))
+    ref_out, ref_pullback = torch.func.vjp(glob, x)
+    assert_tree_close(out, ref_out, "vjp value")
+    assert_tree_close(functp.unshard(pullback(ct)[0], mesh, P("x")), ref_pullback(ct)[0], "vjp")
+
+
 def _jacrev_body():
     mesh = _mesh()
     x = randn(2 * N, 3, seed=1)
@@ -131,7 +143,8 @@ def _hessian_vector_body():
     assert_tree_close(functp.unshard(hvp, mesh, P("x")), hvp_ref, "hessian-vector product")
 
 
-@pytest.mark.parametrize("body", [_vmap_around_body, _vmap_inside_body, _jvp_body, _jacrev_body,
+@pytest.mark.parametrize("body", [_vmap_around_body, _vmap_inside_body, _jvp_body, _vjp_body,
+                                  _jacrev_body,
                                   _vmap_grad_body, _grad_vmap_body, _hessian_vector_body],
                          ids=lambda b: b.__name__.strip("_").replace("_body", ""))
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
