@@ -8,7 +8,8 @@ Functions again, so higher-order derivatives compose.
 Two transposition regimes exist (DESIGN.md): with ``check_vma=False`` a cotangent is
 each rank's *contribution* and must be summed (``psum``ᵀ = ``psum``); with vma
 tracking, a cotangent of an invariant value is already the full cotangent
-(``psum``ᵀ = identity). ``sum_mode`` in the context selects the first.
+(``psum``ᵀ = ``pvary``, the identity). The Functions whose transpose differs take a
+``sum_mode`` argument, fixed when the collective is called.
 """
 from __future__ import annotations
 
@@ -94,18 +95,14 @@ class _Pextremum(Function):
         ctx.save_for_forward(x, output)
 
     @staticmethod
-    def _route(ctx, v, sum_v: bool):
-        """``v`` (summed over ranks first if ``sum_v``) to the extremum's holders."""
-        x, out = ctx.saved_tensors
-        mask = (x == out).to(v.dtype)
-        if sum_v:   # one collective for both the sum and the tie count
-            both = _apply("_Psum", torch.stack([v, mask]), ctx.g, False, True)
-            return both[0] * mask / both[1]
-        return _vary(v, ctx.g) * mask / _apply("_Psum", mask, ctx.g, False, True)
-
-    @staticmethod
     def backward(ctx, ct):
-        return _Pextremum._route(ctx, ct, ctx.sum_mode), None, None, None
+        x, out = ctx.saved_tensors
+        mask = (x == out).to(ct.dtype)
+        if ctx.sum_mode:   # one collective for both the cotangent sum and the tie count
+            both = _apply("_Psum", torch.stack([ct, mask]), ctx.g, False, True)
+            return both[0] * mask / both[1], None, None, None
+        count = _apply("_Psum", mask, ctx.g, False, True)
+        return _vary(ct, ctx.g) * mask / count, None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
