@@ -10,11 +10,14 @@ from __future__ import annotations
 from ._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
                            axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter, pvary)
 from ._comm_log import CommEvent, comm_log
+from ._checkpoint import full_state_dict, load, save
 from ._errors import ShardingError
 from ._functional import functionalize
+from ._interop import from_dtensor, to_dtensor
 from ._mesh import Mesh, make_mesh
 from ._shard_map import shard_map
-from ._sharding import shard, unshard
+from ._reshard import global_shapes, reshard
+from ._sharding import pad_to_multiple, shard, unpad, unshard
 from ._spec import P
 
 __version__ = "0.1.0"
@@ -25,4 +28,6 @@ __all__ = [
     "psum", "pmean", "pmax", "pmin", "pvary", "all_gather", "all_gather_invariant",
     "psum_scatter", "all_to_all", "ppermute", "axis_index", "axis_size",
     "comm_log", "CommEvent",
+    "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",
+    "save", "load", "full_state_dict",
 ]

@@ -11,7 +11,9 @@ import torch
 from . import _context
 from ._collectives import _apply
 from ._errors import ShardingError
+from ._interop import dtensor_to_local
 from ._mesh import Mesh
+from ._sharding import check_even_block
 from ._spec import P, normalize_spec
 from ._tree import match_specs
 from ._vma import Tracker, tracking
@@ -126,6 +128,7 @@ class _Body:
 
     def _run(self, args, outer: _context.Frame | None):
         paths, leaves, specs, treespec = match_specs(self.in_specs, args, "in_specs", "args")
+        leaves = [self._from_dtensor(p, x, s) for p, x, s in zip(paths, leaves, specs)]
         specs = [self._in_spec(p, x, s) for p, x, s in zip(paths, leaves, specs)]
         local = list(leaves)
         if outer is None:
@@ -162,12 +165,16 @@ class _Body:
     def _in_spec(self, path: str, x, spec) -> P | None:
         if not isinstance(x, torch.Tensor):
             return None
+        spec = self._spec(spec, f"in_specs for {path}", x.shape)
+        check_even_block(x, spec, self.mesh, path)   # uneven blocks made by functp.shard
+        return spec
+
+    def _from_dtensor(self, path: str, x, spec):
+        """A DTensor argument is a global value: this rank's block under its spec."""
         from torch.distributed.tensor import DTensor
         if isinstance(x, DTensor):
-            raise ShardingError(
-                f"in_specs for {path}: got a DTensor; pass its local block "
-                f"(x.to_local()) with the spec that matches its placements")
-        return self._spec(spec, f"in_specs for {path}", x.shape)
+            return dtensor_to_local(x, self.mesh, spec, path)
+        return x
 
     def _spec(self, spec, where: str, shape) -> P:
         spec = normalize_spec(spec, self.mesh.axis_names, where, shape)

@@ -1,4 +1,11 @@
-"""``shard`` (full values -> this rank's blocks) and ``unshard`` (blocks -> full)."""
+"""``shard`` (full values -> this rank's blocks), ``unshard`` (blocks -> full) and the
+padding helpers that make uneven sizes fit ``shard_map``.
+
+Sizes need not divide the axis sizes: blocks follow ``torch.chunk`` (see
+``_reshard.py`` for the layout model), so 10 rows over 4 ranks are 3, 3, 3, 1 rows.
+``shard_map`` itself needs even blocks; :func:`pad_to_multiple` and :func:`unpad`
+bridge the two.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -7,44 +14,41 @@ import optree
 import torch
 import torch.distributed as dist
 
-from . import _primitives as prim
+from . import _context
 from ._errors import ShardingError
 from ._mesh import Mesh
-from ._spec import P, normalize_spec
-from ._tree import match_specs
+from ._reshard import (GLOBAL_SHAPE, _RawOps, block, check_block, exchange_shapes,
+                       given_shapes, layout, leaf_specs, mark_uneven, plan, run_plan)
+from ._spec import P
 
-__all__ = ["shard", "unshard"]
+__all__ = ["shard", "unshard", "pad_to_multiple", "unpad", "check_even_block"]
 
-
-def _leaf_specs(tree, mesh: Mesh, specs, root: str):
-    paths, leaves, leaf_specs, treespec = match_specs(specs, tree, "specs", root)
-    out = []
-    for path, x, spec in zip(paths, leaves, leaf_specs):
-        if isinstance(x, torch.Tensor):
-            spec = normalize_spec(spec, mesh.axis_names, f"specs for {path}", x.shape)
-        out.append((path, x, spec))
-    return out, treespec
-
-
-def _split_dims(spec: P, mesh: Mesh):
-    """(dim, axes, size, index) for every split dimension of ``spec``."""
-    for d in range(len(spec)):
-        axes = spec.dim_axes(d)
-        if axes:
-            yield d, axes, mesh.axis_size(axes), mesh.axis_index(axes)
+def check_even_block(x: torch.Tensor, spec: P, mesh: Mesh, path: str) -> None:
+    """Raises if ``x`` is a block that functp made from an uneven layout and ``spec``
+    splits a dimension of it unevenly: shard_map cannot know a global size from
+    uneven blocks. The same on every rank (every block of the layout is marked)."""
+    n = getattr(x, GLOBAL_SHAPE, None)
+    if n is None or len(n) != x.ndim:
+        return
+    for d, axes in enumerate(layout(spec, x.ndim)):
+        if axes and n[d] % mesh.axis_size(axes):
+            k = mesh.axis_size(axes)
+            raise ShardingError(
+                f"in_specs for {path} (block shape {tuple(x.shape)}, global shape "
+                f"{tuple(n)}): {spec!r} splits dimension {d} of size {n[d]} over {axes} of "
+                f"size {k} unevenly, and shard_map needs equal blocks on every rank (it "
+                f"cannot know a global size from uneven blocks); pad it to a multiple of "
+                f"{k} with functp.pad_to_multiple before sharding (functp.unpad the "
+                f"results), or choose sizes divisible by {k} (mesh {mesh})")
 
 
 def local_block(x: torch.Tensor, spec: P, mesh: Mesh, path: str = "value") -> torch.Tensor:
-    """This rank's block of the full tensor ``x`` under ``spec`` (a copy)."""
-    for d, axes, n, i in _split_dims(spec, mesh):
-        if x.shape[d] % n:
-            raise ShardingError(
-                f"specs for {path} (shape {tuple(x.shape)}): {spec!r} splits dimension {d} "
-                f"of size {x.shape[d]} over {axes} of size {n}, which does not divide "
-                f"it; pad that dimension to a multiple of {n} or split another one "
-                f"(mesh {mesh})")
-        b = x.shape[d] // n
-        x = x.narrow(d, i * b, b)
+    """This rank's block of the full tensor ``x`` under ``spec`` (a copy); sizes that
+    do not divide follow torch.chunk."""
+    for d, axes in enumerate(layout(spec, x.ndim)):
+        if axes:
+            off, size = block(x.shape[d], axes, mesh.shape, mesh.coordinate)
+            x = x.narrow(d, off, size)
     return x.clone(memory_format=torch.contiguous_format)
 
 
@@ -56,35 +60,162 @@ def shard(tree: Any, mesh: Mesh, specs: Any, *, src_rank: int | None = None) -> 
     ``src_rank`` – if given, only that rank's ``tree`` is read (others may pass
     ``None``) and it is broadcast first.
 
-    Without ``src_rank`` no communication happens. Example::
+    Without ``src_rank`` no communication happens. Sizes need not be divisible:
+    blocks follow ``torch.chunk`` (10 rows over 4 ranks: 3, 3, 3, 1). Example::
 
         local = functp.shard({"w": torch.randn(8, 4)}, mesh, {"w": P("tp")})
         local["w"].shape      # (8 // mesh.shape["tp"], 4)
     """
     if src_rank is not None:
         tree = _broadcast_tree(tree, mesh, src_rank)
-    items, treespec = _leaf_specs(tree, mesh, specs, "tree")
+    items, treespec = leaf_specs(tree, mesh, specs, "tree")
     return optree.tree_unflatten(treespec, [
-        local_block(x, s, mesh, p) if isinstance(x, torch.Tensor) else x
-        for p, x, s in items])
+        mark_uneven(local_block(x, s, mesh, p), x.shape, layout(s, x.ndim), mesh)
+        if isinstance(x, torch.Tensor) else x for p, x, s in items])
+
+
+def _shapes_for(tree, items, treespec, mesh: Mesh, shapes, what: str):
+    """Global shapes: given, or exchanged once if some leaf is split."""
+    if shapes is not None:
+        out = given_shapes(treespec, shapes, items, what)
+        for (p, x, s), n in zip(items, out):
+            if n is not None:
+                check_block(p, x, s, n, mesh, what)
+        return out
+    if any(s is not None and any(layout(s, x.ndim, mesh)) for _, x, s in items):
+        return exchange_shapes(items, mesh, what)
+    return [None if s is None else tuple(x.shape) for _, x, s in items]
 
 
 @torch.no_grad()
-def unshard(tree: Any, mesh: Mesh, specs: Any) -> Any:
-    """Local blocks -> full tensors on every rank (all-gathers over the split axes).
+def unshard(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
+    """Local blocks -> full tensors on every rank (one all-gather per split leaf).
 
     The inverse of :func:`shard`: ``unshard(shard(t, mesh, s), mesh, s)`` equals
-    ``t``. Gradients from a shard_map'd function unshard with the in_specs of the
-    inputs they belong to.
+    ``t``, for uneven sizes too. ``shapes`` – a tree of global shapes (tuples,
+    ``torch.Size`` or tensors); without it the global shapes are learned, and the
+    layout checked, with one small all-gather of the block shapes. Gradients from a
+    shard_map'd function unshard with the in_specs of the inputs they belong to.
     """
-    items, treespec = _leaf_specs(tree, mesh, specs, "tree")
+    items, treespec = leaf_specs(tree, mesh, specs, "tree")
+    n_list = _shapes_for(tree, items, treespec, mesh, shapes, "functp.unshard")
+    ops = _RawOps(mesh)
     out = []
-    for path, x, spec in items:
-        if isinstance(x, torch.Tensor):
-            for d, axes, n, i in _split_dims(spec, mesh):
-                x = prim.all_gather(x, mesh.axis_group(axes), d)
+    for (path, x, spec), n in zip(items, n_list):
+        if isinstance(x, torch.Tensor) and any(layout(spec, x.ndim, mesh)):
+            src = layout(spec, x.ndim, mesh)
+            x = run_plan(x, n, src, plan(src, ((),) * x.ndim), mesh, ops).contiguous()
         out.append(x)
     return optree.tree_unflatten(treespec, out)
+
+
+def _padded(n, lay, mesh: Mesh) -> tuple[int, ...]:
+    return tuple(-(-s // mesh.axis_size(a)) * mesh.axis_size(a) if a else s
+                 for s, a in zip(n, lay))
+
+
+def pad_to_multiple(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
+    """Zero-pads every split dimension at its end to a multiple of its axes' size, so
+    that the blocks are even and ``shard_map`` can take them.
+
+    Without ``shapes``, ``tree`` holds full tensors (no communication). With
+    ``shapes`` (the global shapes), ``tree`` holds uneven local blocks, and the result
+    is the blocks of the padded tensors: a local pad where one axis splits the
+    dimension, one all-gather where several do. :func:`unpad` undoes it. Example
+    (4 ranks)::
+
+        full = {"emb": torch.randn(10, 8)}
+        local = functp.shard(functp.pad_to_multiple(full, mesh, {"emb": P("x")}),
+                             mesh, {"emb": P("x")})           # 3 rows on every rank
+        ...                                                   # shard_map(...)(local)
+        back = functp.unpad(functp.unshard(local, mesh, {"emb": P("x")}), {"emb": (10, 8)})
+    """
+    return _repad(tree, mesh, specs, shapes, to_padded=True)
+
+
+def unpad(tree: Any, shapes: Any, *, mesh: Mesh | None = None, specs: Any = None) -> Any:
+    """Undoes :func:`pad_to_multiple`: keeps the leading ``shapes`` of every tensor.
+
+    Without ``mesh``/``specs``, ``tree`` holds full tensors (e.g. after
+    :func:`unshard`). With them, ``tree`` holds the even blocks of the padded tensors
+    and the result is the (possibly uneven) blocks of tensors of global ``shapes``.
+    Example::
+
+        functp.unpad({"emb": torch.zeros(12, 8)}, {"emb": (10, 8)})["emb"].shape   # (10, 8)
+    """
+    if mesh is None:
+        leaves, treespec = optree.tree_flatten(tree)
+        items = [("tree" + "".join(f"[{k!r}]" for k in p), x, None)
+                 for p, x in zip(optree.tree_paths(tree), leaves)]
+        n_list = given_shapes(treespec, shapes, items, "functp.unpad")
+        out = []
+        for (p, x, _), n in zip(items, n_list):
+            if n is not None:
+                if any(a > b for a, b in zip(n, x.shape)):
+                    raise ShardingError(
+                        f"functp.unpad: {p} has shape {tuple(x.shape)}, smaller than the "
+                        f"shape {tuple(n)} to keep; pass the shapes from before padding")
+                for d, s in enumerate(n):
+                    x = x.narrow(d, 0, s)
+            out.append(x)
+        return optree.tree_unflatten(treespec, out)
+    if specs is None:
+        raise ShardingError("functp.unpad: with mesh= give specs= too (the blocks' layout)")
+    return _repad(tree, mesh, specs, shapes, to_padded=False)
+
+
+def _repad(tree, mesh: Mesh, specs, shapes, to_padded: bool):
+    what = "functp.pad_to_multiple" if to_padded else "functp.unpad"
+    items, treespec = leaf_specs(tree, mesh, specs, "tree")
+    if shapes is None:             # full tensors: pad them
+        out = []
+        for path, x, s in items:
+            if isinstance(x, torch.Tensor):
+                lay = layout(s, x.ndim)
+                for d, n in enumerate(_padded(x.shape, lay, mesh)):
+                    x = _pad_dim(x, d, n)
+            out.append(x)
+        return optree.tree_unflatten(treespec, out)
+    if _context.active():
+        raise ShardingError(
+            f"{what} with shapes= works on the blocks outside shard_map; call it before "
+            f"(or after) the shard_map'd function")
+    n_list = given_shapes(treespec, shapes, items, what)
+    ops = _RawOps(mesh)
+    out = []
+    with torch.no_grad():
+        for (path, x, s), n in zip(items, n_list):
+            if n is None:
+                out.append(x)
+                continue
+            lay = layout(s, x.ndim, mesh)
+            big = _padded(n, lay, mesh)
+            check_block(path, x, s, n if to_padded else big, mesh, what)
+            # one axis: the block of the padded tensor is the torch.chunk block plus
+            # zero rows at its end; several axes nest, so those dimensions move data
+            nested = [d for d, a in enumerate(lay) if len(a) > 1 and big[d] != n[d]]
+            for d, a in enumerate(lay):
+                if a and d not in nested:
+                    want = block(big[d] if to_padded else n[d], a, mesh.shape, mesh.coordinate)[1]
+                    x = _pad_dim(x, d, want) if to_padded else x.narrow(d, 0, want)
+            if nested:
+                src, dst = (n, big) if to_padded else (big, n)
+                cur = tuple(() if d in nested else a for d, a in enumerate(lay))
+                x = run_plan(x, src, lay, (("gather", tuple((d, lay[d]) for d in nested)),),
+                             mesh, ops)
+                for d in nested:
+                    x = _pad_dim(x, d, dst[d]) if to_padded else x.narrow(d, 0, dst[d])
+                x = run_plan(x, dst, cur, tuple(("slice", d, lay[d]) for d in nested), mesh, ops)
+            x = x.clone(memory_format=torch.contiguous_format)
+            out.append(x if to_padded else mark_uneven(x, n, lay, mesh))
+    return optree.tree_unflatten(treespec, out)
+
+
+def _pad_dim(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
+    if x.shape[d] == n:
+        return x
+    pad = x.new_zeros(x.shape[:d] + (n - x.shape[d],) + x.shape[d + 1:])
+    return torch.cat([x, pad], d)
 
 
 def _broadcast_tree(tree, mesh: Mesh, src: int):

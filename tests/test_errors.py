@@ -55,8 +55,14 @@ def _out_spec_errors():
 
 def _shard_errors():
     mesh = _mesh()
-    _raises(lambda: functp.shard({"emb": torch.zeros(5, 4)}, mesh, {"emb": P("tp")}),
-            "tree['emb']", "(5, 4)", "P('tp')", "dimension 0 of size 5", "pad")
+    # uneven sizes shard torch.chunk-style (5 rows: 3 and 2) ...
+    emb = torch.arange(20.).reshape(5, 4)
+    local = functp.shard({"emb": emb}, mesh, {"emb": P("tp")})
+    assert torch.equal(local["emb"], torch.chunk(emb, 2)[mesh.coordinate["tp"]])
+    # ... but shard_map needs even blocks: reshard in a body says to pad
+    _raises(lambda: functp.shard_map(lambda w: functp.reshard(w, mesh, P(), P("tp")), mesh,
+                                     in_specs=P(), out_specs=P("tp"))(emb),
+            "tree", "(5, 4)", "P('tp')", "pad_to_multiple")
     _raises(lambda: functp.unshard({"emb": torch.zeros(5, 4)}, mesh, {"emb": P("x")}),
             "tree['emb']", "'x'")
 
