@@ -15,10 +15,14 @@ from ._errors import ShardingError
 from ._functional import functionalize
 from ._interop import from_dtensor, to_dtensor
 from ._mesh import Mesh, make_mesh
+from ._plans import Parallelized, match_plan, parallelize
 from ._shard_map import shard_map
 from ._reshard import global_shapes, reshard
 from ._sharding import pad_to_multiple, shard, unpad, unshard
 from ._spec import P
+from ._styles import (Colwise, ExpertDispatch, ExpertParallel, ExpertRouter, PrepareInput,
+                      PrepareOutput, Replicated, Rowwise, SequenceParallel, Style,
+                      VocabParallelEmbedding, register_style)
 
 __version__ = "0.1.0"
 
@@ -30,4 +34,7 @@ __all__ = [
     "comm_log", "CommEvent",
     "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",
     "save", "load", "full_state_dict",
+    "parallelize", "Parallelized", "match_plan", "register_style", "Style", "Replicated",
+    "Colwise", "Rowwise", "VocabParallelEmbedding", "SequenceParallel", "PrepareInput",
+    "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch",
 ]

@@ -1,0 +1,290 @@
+"""Plans: wildcard rules over module names -> parallel styles, and ``parallelize``.
+
+A plan is a dict like transformers' ``tp_plan`` or DTensor's ``parallelize_plan``::
+
+    {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+
+Keys name modules by their dotted names; ``*`` (and ``?``, ``[...]``) match within
+one dotted component, so ``layers.*.mlp`` matches ``layers.3.mlp`` and not
+``layers.3.x.mlp``. When several rules match a module, the one with fewest
+wildcard components wins (an exact name beats a pattern), then the earlier one.
+Values are registered style names (``functp._styles``) or ``functp.Style`` objects.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+from ._collectives import axis_size
+from ._errors import ShardingError
+from ._mesh import Mesh
+from ._sharding import unshard
+from ._spec import P, normalize_spec
+from ._styles import Call, Replicated, Style, get_style
+
+__all__ = ["parallelize", "Parallelized", "match_plan"]
+
+_WILD = re.compile(r"[*?\[]")
+
+
+def _matches(rule: str, name: str) -> bool:
+    r, n = rule.split(".") if rule else [], name.split(".") if name else []
+    return len(r) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, r))
+
+
+def _resolve(rule: str, value: Any) -> tuple[str, Style]:
+    """(label for messages, style) for one plan entry."""
+    if isinstance(value, str):
+        return repr(value), get_style(value)
+    if isinstance(value, Style):
+        return repr(value), value
+    raise ShardingError(
+        f"plan rule {rule!r}: the style must be a registered name (a str) or a "
+        f"functp.Style instance, got {value!r} ({type(value).__name__})")
+
+
+def match_plan(module: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, tuple[str, str, Style]], list[str]]:
+    """Which rule of ``plan`` applies to each submodule of ``module``.
+
+    **Returns:** ``(matched, unused)``: ``matched`` maps module names (in module
+    order) to ``(rule, label, style)``; ``unused`` lists the rules that matched no
+    module. Example::
+
+        matched, unused = functp.match_plan(model, {"layers.*.mlp.down_proj": "rowwise"})
+        list(matched)      # ['layers.0.mlp.down_proj', 'layers.1.mlp.down_proj']
+    """
+    if not isinstance(plan, dict):
+        raise ShardingError(f"a plan must be a dict of module-name patterns to styles, "
+                            f"got {type(plan).__name__}")
+    rules = []
+    for order, (rule, value) in enumerate(plan.items()):
+        if not isinstance(rule, str):
+            raise ShardingError(f"plan keys must be module names (str), got {rule!r}")
+        label, style = _resolve(rule, value)
+        wild = sum(bool(_WILD.search(c)) for c in rule.split("."))
+        rules.append((wild, order, rule, label, style))
+    rules.sort(key=lambda r: r[:2])
+    matched, used = {}, set()
+    for name, _ in module.named_modules():
+        for _, _, rule, label, style in rules:
+            if _matches(rule, name):
+                matched[name] = (rule, label, style)
+                used.add(rule)
+                break
+    return matched, [r for r in plan if r not in used]
+
+
+def _generic(name: str) -> str:
+    """``layers.3.mlp.weight`` -> ``layers.*.mlp.weight``: one line per layer kind."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
+
+
+def _warn_plan(module: nn.Module, unused: list[str], uncovered: list[str], axis: str,
+               params: dict) -> None:
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    kind = type(module).__name__
+    if unused:
+        hints = [r for r in unused if any(_matches(r, p) for p in params)]
+        hint = (f" (rules name modules, not parameters: {hints} name parameters; "
+                f"drop the last component)" if hints else "")
+        warnings.warn(f"functp.parallelize: plan rules that matched no module of {kind}: "
+                      f"{unused}{hint}", stacklevel=3)
+    if uncovered:
+        names = list(dict.fromkeys(_generic(n) for n in uncovered))
+        warnings.warn(f"functp.parallelize: parameters of {kind} that no plan rule covers "
+                      f"(kept replicated over '{axis}'; add a rule such as 'replicated' to "
+                      f"silence this): {names}", stacklevel=3)
+
+
+class Parallelized:
+    """The ``apply`` returned by :func:`parallelize`: ``apply(params, *args, **kwargs)``
+    runs the module on local blocks inside a ``shard_map`` body, with the plan's
+    collectives at module boundaries.
+
+    ``apply.specs`` / ``apply.styles`` give each parameter's spec and rule;
+    ``apply.shard(full)`` turns canonical full parameters into this rank's blocks and
+    ``apply.unshard(blocks)`` (parameters or their gradients) turns blocks back into
+    canonical full tensors: packed weights come back as ``[gate; up]``, not as the
+    per-rank interleaving that a plain :func:`functp.unshard` would give.
+    """
+
+    def __init__(self, module: nn.Module, mesh: Mesh, axis: str, specs: dict[str, P],
+                 owners: dict[str, tuple[str, Style]], hooked: list, withheld: list[str]):
+        self.module, self.mesh, self.axis = module, mesh, axis
+        self.specs = specs
+        self.styles = {n: owners[n][0] if n in owners else "not covered" for n in specs}
+        self._owners = owners
+        self._hooked = hooked
+        self._withheld = withheld
+
+    def __repr__(self) -> str:
+        return (f"Parallelized({type(self.module).__name__} over '{self.axis}' of {self.mesh}, "
+                f"{len(self.specs)} parameters, {len(self._hooked)} hooked modules)")
+
+    def _style(self, name: str) -> Style:
+        return self._owners[name][1] if name in self._owners else _REPLICATED
+
+    def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        n = axis_size(self.axis)       # raises a clear error outside a shard_map body
+        if n != self.mesh.shape[self.axis]:
+            raise ShardingError(
+                f"apply of parallelize({type(self.module).__name__}) was built for "
+                f"'{self.axis}' of size {self.mesh.shape[self.axis]} but runs in a "
+                f"shard_map where it has size {n}; parallelize with the shard_map's mesh")
+        call_params = dict(params)
+        for name in self._withheld:
+            call_params[name] = None
+        handles, exits = [], []
+        try:
+            for name, mod, style, pmap in self._hooked:
+                handles += _hooks(name, mod, style, pmap, params, self.axis, exits)
+            return functional_call(self.module, call_params, args, kwargs,
+                                   tie_weights=True, strict=False)
+        finally:
+            for h in handles:
+                h.remove()
+            for fn in reversed(exits):
+                fn()
+
+    def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Canonical full tensors (keyed by parameter name) -> this rank's blocks."""
+        return {k: self._style(k).shard_param(k, v, self.specs[k], self.mesh, self.axis)
+                for k, v in full.items()}
+
+    def unshard(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's blocks (parameters or gradients) -> canonical full tensors."""
+        gathered = unshard(local, self.mesh, {k: self.specs[k] for k in local})
+        size = self.mesh.shape[self.axis]
+        return {k: self._style(k).unshard_param(k, v, self.specs[k], size)
+                for k, v in gathered.items()}
+
+
+_REPLICATED = Replicated()
+
+
+def _hooks(name: str, mod: nn.Module, style: Style, pmap: dict[str, str], params: dict,
+           axis: str, exits: list) -> list:
+    stack: list[Call] = []      # a module called twice in one forward: one Call each
+
+    def pre(m, args, kwargs):
+        call = Call(name, axis, {s: params[c] for s, c in pmap.items() if c in params},
+                    {}, exits)
+        stack.append(call)
+        return style.prepare_input(m, args, kwargs, call)
+
+    def post(m, args, kwargs, output):
+        return style.prepare_output(m, args, kwargs, output, stack.pop())
+    return [mod.register_forward_pre_hook(pre, with_kwargs=True),
+            mod.register_forward_hook(post, with_kwargs=True)]
+
+
+def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str,
+                     blocks: int) -> None:
+    for d in range(len(spec)):
+        axes = spec.dim_axes(d)
+        if not axes:
+            continue
+        n = mesh.axis_size(axes) * blocks
+        if x.shape[d] % n:
+            packed = f" x {blocks} packed blocks" if blocks > 1 else ""
+            raise ShardingError(
+                f"parameter {name!r} (shape {tuple(x.shape)}), plan rule {desc}, "
+                f"spec {spec!r}: dimension {d} of size {x.shape[d]} does not split "
+                f"into {mesh.axis_size(axes)} blocks over {axes}{packed}; make it a "
+                f"multiple of {n} (heads, experts, vocabulary or hidden size divisible by "
+                f"the '{'/'.join(axes)}' size), or give that module the 'replicated' style")
+
+
+def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any], *,
+                axis: str = "tp") -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
+    """Applies a tensor-parallel ``plan`` to ``module`` over mesh axis ``axis``.
+
+    **Arguments:** ``module`` – an ordinary ``torch.nn.Module``, the same on every
+    rank (its parameters are read, never changed); ``mesh`` – a :class:`Mesh`;
+    ``plan`` – ``{module-name pattern: style}``, styles by registered name
+    (``"colwise"``, ``"rowwise"``, ``"packed_colwise"``, ``"embedding_rowwise"``,
+    ``"sequence_parallel"``, ``"replicated"``, ``"ep_router"``, ...) or as
+    ``functp.Style`` objects; ``axis`` – the mesh axis the plan splits over. Other
+    mesh axes (``dp``) are left to you: parameters are replicated over them.
+
+    **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
+    by the module's dotted parameter names), their specs, and
+    ``apply(params, *args, **kwargs)``, which runs the module with
+    ``torch.func.functional_call`` and, only during that call, the plan's hooks.
+    Call it inside a ``shard_map`` body. Parameters no rule covers are replicated;
+    rank 0 warns about them and about rules that matched nothing.
+
+    Model code must take local sizes from tensors (``view(b, s, -1, head_dim)``),
+    as transformers' models do, since a rank holds only its heads.
+
+    Example (``torchrun --nproc-per-node 2``)::
+
+        mesh = functp.make_mesh((2,), ("tp",))
+        mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+        apply, params, specs = functp.parallelize(mlp, mesh, {"0": "colwise", "2": "rowwise"})
+        loss = functp.shard_map(lambda p, x: apply(p, x).square().mean(), mesh,
+                                in_specs=(specs, P()), out_specs=P())
+        grads = torch.func.grad(loss)(params, torch.randn(4, 8))
+        apply.unshard(grads)["0.weight"].shape       # (32, 8): the full gradient
+    """
+    if not isinstance(module, nn.Module):
+        raise ShardingError(f"parallelize: expected a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise ShardingError(f"parallelize: mesh must be a functp.Mesh (functp.make_mesh), got {mesh!r}")
+    if axis not in mesh.axis_names:
+        raise ShardingError(
+            f"parallelize: axis {axis!r} is not an axis of {mesh}; pass axis= one of "
+            f"{mesh.axis_names}")
+    matched, unused = match_plan(module, plan)
+    full = dict(module.named_parameters())                 # tied parameters once
+    canon = {id(p): n for n, p in full.items()}
+    specs: dict[str, P] = {}
+    owners: dict[str, tuple[str, Style]] = {}
+    hooked, withheld = [], []
+    for mname, (rule, label, style) in matched.items():
+        mod = module.get_submodule(mname)
+        prefix = mname + "." if mname else ""
+        own = dict(mod.named_parameters(recurse=False))
+        try:
+            pspecs = style.param_specs(mod, axis)
+        except ShardingError as e:
+            raise ShardingError(f"plan rule {rule!r} -> {label} on module {mname!r}: {e}") from None
+        extra = sorted(set(pspecs) - set(own))
+        if extra:
+            raise ShardingError(
+                f"plan rule {rule!r} -> {label} on module {mname!r}: the style gives specs "
+                f"for {extra}, which are not parameters of {type(mod).__name__} "
+                f"(it has {sorted(own)})")
+        for short, spec in pspecs.items():
+            c = canon[id(own[short])]
+            spec = normalize_spec(spec, mesh.axis_names,
+                                  f"plan rule {rule!r} -> {label} for parameter {prefix + short!r}",
+                                  own[short].shape)
+            if c in specs and specs[c] != spec:
+                raise ShardingError(
+                    f"parameter {c!r} (shape {tuple(own[short].shape)}) is tied to "
+                    f"{prefix + short!r}, and the plan lays it out as {specs[c]!r} "
+                    f"({owners[c][0]}) there but {spec!r} ({label}) here; give both "
+                    f"modules styles that split the shared weight the same way")
+            specs[c] = spec
+            owners.setdefault(c, (f"{rule!r} -> {label}", style))
+        withheld += [prefix + s for s in style.withheld(mod)]
+        if style.has_hooks():
+            hooked.append((mname, mod, style, {s: canon[id(p)] for s, p in own.items()}))
+    uncovered = [n for n in full if n not in specs]
+    specs = {n: specs.get(n, P()) for n in full}
+    for n, p in full.items():
+        desc, style = owners.get(n, ("(none)", _REPLICATED))
+        _check_divisible(n, p, specs[n], mesh, desc, style.blocks)
+    _warn_plan(module, unused, uncovered, axis, full)
+    apply = Parallelized(module, mesh, axis, specs, owners, hooked, withheld)
+    local = apply.shard({n: p.detach() for n, p in full.items()})
+    return apply, local, dict(specs)

@@ -1,0 +1,609 @@
+"""Parallel styles: how one module's parameters are split over a mesh axis, and which
+collectives its inputs and outputs need inside a ``shard_map`` body.
+
+A style is what a plan rule names (``"colwise"``, ``"rowwise"``, ...). It says three
+things about the module it is applied to:
+
+- ``param_specs``: the spec of each of the module's own parameters over the plan's
+  axis (``P("tp", None)`` for a column-parallel weight, ``P()`` for a replicated one);
+- ``shard_param`` / ``unshard_param``: how a full parameter becomes this rank's block
+  and back (only packed weights need more than :func:`functp.shard`'s blocks);
+- ``prepare_input`` / ``prepare_output``: forward pre-/post-hooks, run only while the
+  plan's ``apply`` runs, that call functp's collectives at the module's boundary.
+
+Activation layouts are DTensor placements over the plan's axis (``Shard(d)``,
+``Replicate()``, ``Partial()`` from ``torch.distributed.tensor``) or a ``P``. Because
+functp tracks vma, a replicated parameter or activation that meets a sharded one is
+``pvary``'d implicitly: Megatron's "f" operator (identity forward, all-reduce
+backward) and the gradient all-reduce of replicated norm weights need no hook.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from ._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
+                           axis_size, psum, psum_scatter, pvary)
+from ._errors import ShardingError
+from ._mesh import Mesh
+from ._sharding import local_block
+from ._spec import P
+
+__all__ = ["Style", "Call", "Replicated", "Colwise", "Rowwise", "VocabParallelEmbedding",
+           "SequenceParallel", "PrepareInput", "PrepareOutput", "ExpertRouter",
+           "ExpertParallel", "ExpertDispatch", "register_style", "get_style", "STYLES"]
+
+Layout = Placement | P
+
+
+@dataclasses.dataclass
+class Call:
+    """What a style's hooks see during one call of one module inside ``apply``.
+
+    ``params`` are the module's own local blocks by short name (``"weight"``), those
+    the style withholds from the module included; ``state`` carries values from
+    ``prepare_input`` to ``prepare_output`` of the same call; functions passed to
+    ``on_exit`` run when ``apply`` returns (or raises), to undo temporary changes.
+    """
+    name: str
+    axis: str
+    params: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    _exits: list[Callable[[], None]]
+
+    def on_exit(self, fn: Callable[[], None]) -> None:
+        self._exits.append(fn)
+
+
+class Style:
+    """Base class of parallel styles; subclass it to write your own.
+
+    The defaults describe a module whose parameters are all replicated and whose
+    inputs and outputs pass unchanged. Override what differs; register an instance
+    with :func:`register_style` to use it by name in plans, or put the instance in
+    the plan directly. Example (a column-parallel layer that always gathers)::
+
+        class GatheredColwise(functp.Style):
+            def param_specs(self, module, axis):
+                return {"weight": P(axis, None), "bias": P(axis)}
+            def prepare_output(self, module, args, kwargs, output, call):
+                return functp.all_gather_invariant(output, call.axis, axis=-1, tiled=True)
+
+        functp.register_style("gathered_colwise", GatheredColwise())
+    """
+
+    #: how many equal blocks a sharded dimension packs (2 for a fused gate_up weight):
+    #: each rank gets its slice of every block, and sizes must divide by blocks * size
+    blocks: int = 1
+
+    def param_specs(self, module: nn.Module, axis: str) -> dict[str, P]:
+        """Specs (over ``axis``) of the module's own parameters, by short name. A
+        parameter left out is replicated and counts as not covered by the plan."""
+        return {n: P() for n, _ in module.named_parameters(recurse=False)}
+
+    def withheld(self, module: nn.Module) -> tuple[str, ...]:
+        """Parameters the module must not use itself during ``apply`` (the hooks get
+        them in ``call.params``): a row-parallel bias is added after the reduction."""
+        return ()
+
+    def shard_param(self, name: str, full: torch.Tensor, spec: P, mesh: Mesh,
+                    axis: str) -> torch.Tensor:
+        """This rank's block of the full parameter ``name`` (no communication)."""
+        return local_block(full, spec, mesh, name)
+
+    def unshard_param(self, name: str, gathered: torch.Tensor, spec: P, size: int) -> torch.Tensor:
+        """The canonical full parameter from the concatenated blocks."""
+        return gathered
+
+    def prepare_input(self, module: nn.Module, args: tuple, kwargs: dict,
+                      call: Call) -> tuple[tuple, dict]:
+        return args, kwargs
+
+    def prepare_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any,
+                       call: Call) -> Any:
+        return output
+
+    def has_hooks(self) -> bool:
+        cls = type(self)
+        return (cls.prepare_input is not Style.prepare_input
+                or cls.prepare_output is not Style.prepare_output)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+# ---------------------------------------------------------------------------------
+# activation layouts
+
+def _layout(x: Layout | None, axis: str, where: str) -> Placement | None:
+    """A ``P`` or a placement -> ``Shard(d)``, ``Replicate()`` or ``Partial()``."""
+    if x is None or isinstance(x, (Shard, Replicate)):
+        return x
+    if isinstance(x, Partial):
+        if x.reduce_op != "sum":
+            raise ShardingError(f"{where}: only Partial('sum') layouts are supported, got {x}")
+        return x
+    if isinstance(x, P):
+        dims = [d for d in range(len(x)) if axis in x.dim_axes(d)]
+        return Shard(dims[0]) if dims else Replicate()
+    raise ShardingError(
+        f"{where}: a layout must be Shard(d), Replicate() or Partial() (from "
+        f"torch.distributed.tensor) or a P(...), got {x!r}")
+
+
+def relayout(x: Any, src: Placement | None, dst: Placement | None, axis: str, *,
+             varying: bool = False) -> Any:
+    """Moves activation ``x`` from layout ``src`` to ``dst`` over mesh ``axis``.
+
+    Shard -> Replicate all-gathers: invariantly (backward keeps this rank's slice) by
+    default, or with ``varying=True`` as a plain ``all_gather`` whose backward is a
+    reduce-scatter, the cheaper choice when the result feeds a tensor-parallel
+    region (whose values vary anyway). Replicate -> Shard takes this rank's slice;
+    Shard -> Shard is an all-to-all; Partial -> Replicate / Shard is a psum /
+    psum_scatter. Non-tensors and ``None`` layouts pass through.
+    """
+    if not isinstance(x, torch.Tensor) or src is None or dst is None or src == dst:
+        return x
+    if isinstance(src, Shard):
+        d = src.dim % x.ndim
+        if isinstance(dst, Replicate):
+            gather = all_gather if varying else all_gather_invariant
+            return gather(x, axis, axis=d, tiled=True)
+        if isinstance(dst, Shard):
+            return all_to_all(x, axis, dst.dim % x.ndim, d, tiled=True)
+    elif isinstance(src, Replicate) and isinstance(dst, Shard):
+        d = dst.dim % x.ndim
+        n, i = axis_size(axis), axis_index(axis)
+        if x.shape[d] % n:
+            raise ShardingError(
+                f"cannot split dimension {d} of an activation of shape {tuple(x.shape)} "
+                f"over '{axis}' (size {n}): it does not divide; pad it to a multiple of {n}")
+        # every rank keeps a different slice: mark the value varying first, so the
+        # slices' cotangents are summed back into the replicated value's gradient
+        return pvary(x, axis).narrow(d, i * (x.shape[d] // n), x.shape[d] // n)
+    elif isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return psum(x, axis)
+        if isinstance(dst, Shard):
+            return psum_scatter(x, axis, scatter_dimension=dst.dim % x.ndim, tiled=True)
+    raise ShardingError(
+        f"cannot move an activation of shape {tuple(x.shape)} from layout {src} to "
+        f"{dst} over '{axis}'; supported: Shard->Replicate/Shard, Replicate->Shard, "
+        f"Partial->Replicate/Shard")
+
+
+# ---------------------------------------------------------------------------------
+# the styles
+
+def _weight_of(module: nn.Module, style: str) -> torch.Tensor:
+    w = getattr(module, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ShardingError(
+            f"style {style!r} needs a module with a 2-d `weight` (nn.Linear, nn.Embedding "
+            f"or one laid out like them), but {type(module).__name__} has "
+            f"{None if w is None else tuple(w.shape)}; apply it to such a module, or use "
+            f"'replicated' / a custom functp.Style")
+    return w
+
+
+def _packed_split(full: torch.Tensor, dim: int, blocks: int, n: int, i: int) -> torch.Tensor:
+    """Rank ``i``'s slice of each of ``blocks`` equal blocks along ``dim``, concatenated."""
+    parts = full.chunk(blocks, dim)
+    return torch.cat([p.narrow(dim, i * (p.shape[dim] // n), p.shape[dim] // n)
+                      for p in parts], dim).contiguous()
+
+
+def _packed_merge(gathered: torch.Tensor, dim: int, blocks: int, n: int) -> torch.Tensor:
+    """Inverse of gathering ``_packed_split``'s slices: ``[g0 u0 g1 u1]`` -> ``[g0 g1 u0 u1]``."""
+    shape = gathered.shape
+    x = gathered.unflatten(dim, (n, blocks, shape[dim] // (n * blocks)))
+    return x.transpose(dim, dim + 1).reshape(shape).contiguous()
+
+
+class _Linearish(Style):
+    """Shared by Colwise/Rowwise: which weight dimension is split, and packing."""
+
+    def __init__(self, blocks: int):
+        if blocks < 1:
+            raise ShardingError(f"{type(self).__name__}: packed must be >= 1, got {blocks}")
+        self.blocks = blocks
+
+    def _split_dim(self, name: str, spec: P) -> int | None:
+        dims = [d for d in range(len(spec)) if spec.dim_axes(d)]
+        return dims[0] if dims else None
+
+    def shard_param(self, name, full, spec, mesh, axis):
+        d = self._split_dim(name, spec)
+        if self.blocks == 1 or d is None:
+            return local_block(full, spec, mesh, name)
+        return _packed_split(full, d, self.blocks, mesh.axis_size(axis), mesh.axis_index(axis))
+
+    def unshard_param(self, name, gathered, spec, size):
+        d = self._split_dim(name, spec)
+        if self.blocks == 1 or d is None:
+            return gathered
+        return _packed_merge(gathered, d, self.blocks, size)
+
+
+class Colwise(_Linearish):
+    """Column-parallel ``nn.Linear`` (output features split) or ``nn.Embedding``
+    (embedding dimension split): the output is sharded on its last dimension.
+
+    ``input_layout``: how the input arrives (default ``Replicate()``; ``Shard(1)`` to
+    all-gather a sequence-sharded input first). ``output_layout``: ``Shard(-1)``
+    (default: the local columns, for a following row-parallel layer) or
+    ``Replicate()`` (all-gathered: transformers' ``gather_output``). ``packed``: the
+    number of fused blocks in the output features (2 for a ``gate_up`` weight), so
+    that every rank gets matching slices of each.
+
+    A replicated input needs no hook: meeting the sharded weight makes it varying,
+    and its gradient is summed over the axis (Megatron's ``f``).
+    """
+
+    def __init__(self, *, input_layout: Layout = Replicate(), output_layout: Layout = Shard(-1),
+                 packed: int = 1):
+        super().__init__(packed)
+        self.input_layout, self.output_layout = input_layout, output_layout
+
+    def param_specs(self, module, axis):
+        _weight_of(module, "colwise")
+        emb = isinstance(module, nn.Embedding)
+        specs = {n: P() for n, _ in module.named_parameters(recurse=False)}
+        specs["weight"] = P(None, axis) if emb else P(axis, None)
+        if "bias" in specs and getattr(module, "bias", None) is not None:
+            specs["bias"] = P(axis)
+        return specs
+
+    def prepare_input(self, module, args, kwargs, call):
+        src = _layout(self.input_layout, call.axis, "Colwise input_layout")
+        if not args or isinstance(src, Replicate):
+            return args, kwargs
+        # the local matmul that follows varies over the axis: a plain all_gather
+        return (relayout(args[0], src, Replicate(), call.axis, varying=True), *args[1:]), kwargs
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        dst = _layout(self.output_layout, call.axis, "Colwise output_layout")
+        if self.blocks > 1 and isinstance(dst, Replicate):
+            # gathered [g0 u0 g1 u1] must become [g0 g1 u0 u1]
+            out = all_gather_invariant(output, call.axis, axis=output.ndim - 1, tiled=True)
+            return _packed_merge(out, out.ndim - 1, self.blocks, axis_size(call.axis))
+        return relayout(output, Shard(-1), dst, call.axis)
+
+
+class Rowwise(_Linearish):
+    """Row-parallel ``nn.Linear``: input features split, partial outputs summed.
+
+    ``input_layout``: ``Shard(-1)`` (default: the local columns coming out of a
+    column-parallel layer, no communication) or ``Replicate()`` (transformers'
+    ``split_input``: this rank keeps its slice). ``output_layout``: ``Replicate()``
+    (default, one all-reduce) or ``Shard(1)`` (reduce-scatter into a sequence-parallel
+    region). The bias is replicated and added once, after the reduction.
+    ``packed``: fused blocks in the input features, as for :class:`Colwise`.
+    """
+
+    def __init__(self, *, input_layout: Layout = Shard(-1), output_layout: Layout = Replicate(),
+                 packed: int = 1):
+        super().__init__(packed)
+        self.input_layout, self.output_layout = input_layout, output_layout
+
+    def param_specs(self, module, axis):
+        if isinstance(module, nn.Embedding):
+            raise ShardingError(
+                "style 'rowwise' on an nn.Embedding: use 'embedding_rowwise' "
+                "(vocab-parallel, functp.VocabParallelEmbedding) to split its rows")
+        _weight_of(module, "rowwise")
+        specs = {n: P() for n, _ in module.named_parameters(recurse=False)}
+        specs["weight"] = P(None, axis)
+        return specs
+
+    def withheld(self, module):
+        return ("bias",) if getattr(module, "bias", None) is not None else ()
+
+    def prepare_input(self, module, args, kwargs, call):
+        src = _layout(self.input_layout, call.axis, "Rowwise input_layout")
+        if not args or (isinstance(src, Shard) and src.dim % args[0].ndim == args[0].ndim - 1):
+            return args, kwargs         # already this rank's columns (from a colwise layer)
+        x = args[0]
+        if isinstance(src, Replicate) and self.blocks > 1:
+            n, i = axis_size(call.axis), axis_index(call.axis)
+            x = _packed_split(pvary(x, call.axis), x.ndim - 1, self.blocks, n, i)
+        else:
+            x = relayout(x, src, Shard(-1), call.axis)
+        return (x, *args[1:]), kwargs
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        dst = _layout(self.output_layout, call.axis, "Rowwise output_layout")
+        out = relayout(output, Partial(), dst, call.axis)
+        bias = call.params.get("bias")
+        return out if bias is None else out + bias
+
+
+class VocabParallelEmbedding(Style):
+    """``nn.Embedding`` with its rows (the vocabulary) split over the axis.
+
+    Each rank looks up the ids that fall in its rows, zeroes the others, and the
+    partial embeddings are summed: ``output_layout`` ``Replicate()`` (default, one
+    all-reduce) or ``Shard(1)`` (reduce-scatter into a sequence-parallel region).
+    A ``padding_idx`` keeps its meaning (no gradient for that row).
+    """
+
+    def __init__(self, *, output_layout: Layout = Replicate()):
+        self.output_layout = output_layout
+
+    def param_specs(self, module, axis):
+        if not isinstance(module, nn.Embedding):
+            _weight_of(module, "embedding_rowwise")
+        specs = {n: P() for n, _ in module.named_parameters(recurse=False)}
+        specs["weight"] = P(axis, None)
+        return specs
+
+    def prepare_input(self, module, args, kwargs, call):
+        rows = call.params["weight"].shape[0]
+        start = axis_index(call.axis) * rows
+        # the local ids differ between ranks: say so (ids are ints: no gradient)
+        ids = pvary(args[0], call.axis) - start
+        outside = (ids < 0) | (ids >= rows)
+        call.state["outside"] = outside
+        pad = getattr(module, "padding_idx", None)
+        if pad is not None:      # the global padding row, in local numbering (or none here)
+            call.on_exit(lambda: setattr(module, "padding_idx", pad))
+            module.padding_idx = pad - start if 0 <= pad - start < rows else None
+        return (ids.masked_fill(outside, 0), *args[1:]), kwargs
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        out = output.masked_fill(call.state["outside"].unsqueeze(-1), 0)
+        return relayout(out, Partial(), _layout(self.output_layout, call.axis,
+                                                "VocabParallelEmbedding output_layout"),
+                        call.axis)
+
+
+class Replicated(Style):
+    """Every parameter replicated, inputs and outputs unchanged (norms, small
+    layers). The gradient is still right where the module's output meets sharded
+    values: vma makes its parameters vary there, and their gradients are summed
+    over the axis (transformers needs a gradient all-reduce hook for this)."""
+
+
+class SequenceParallel(Style):
+    """A module (a norm, dropout) that runs on sequence-sharded activations.
+
+    Parameters are replicated; the input arrives split along ``sequence_dim`` (from a
+    reduce-scattering row-parallel layer or embedding). With ``gather_output=True``
+    (default) the output is all-gathered along the sequence for the tensor-parallel
+    region it feeds (attention, MLP, the LM head); the gather's backward is a
+    reduce-scatter. With ``False`` it stays sharded.
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, gather_output: bool = True):
+        self.sequence_dim, self.gather_output = sequence_dim, gather_output
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        if not self.gather_output:
+            return output
+        return relayout(output, Shard(self.sequence_dim), Replicate(), call.axis, varying=True)
+
+
+def _layouts(x) -> tuple:
+    """One layout or a sequence of them (``None`` entries leave a value alone)."""
+    return (x,) if isinstance(x, (Placement, P)) else tuple(x or ())
+
+
+class PrepareInput(Style):
+    """Reshards a module's inputs: positional input ``i`` from ``input_layouts[i]`` to
+    ``desired_input_layouts[i]`` (``None`` leaves it alone), keyword inputs likewise
+    by name. The module's own parameters are replicated. Example: ``PrepareInput(
+    Shard(1), Replicate())`` all-gathers a sequence-sharded input."""
+
+    def __init__(self, input_layouts: Any = None, desired_input_layouts: Any = None, *,
+                 input_kwarg_layouts: dict | None = None,
+                 desired_input_kwarg_layouts: dict | None = None):
+        self.input_layouts = _layouts(input_layouts)
+        self.desired_input_layouts = _layouts(desired_input_layouts)
+        if len(self.input_layouts) != len(self.desired_input_layouts):
+            raise ShardingError(
+                f"PrepareInput: input_layouts {self.input_layouts} and desired_input_layouts "
+                f"{self.desired_input_layouts} must have the same length")
+        self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
+        self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+
+    def prepare_input(self, module, args, kwargs, call):
+        if len(args) < len(self.input_layouts):
+            raise ShardingError(
+                f"PrepareInput on '{call.name}': {len(self.input_layouts)} input layouts but "
+                f"the module got {len(args)} positional inputs")
+        lay = lambda v: _layout(v, call.axis, f"PrepareInput on '{call.name}'")
+        moved = [relayout(a, lay(s), lay(d), call.axis) for a, s, d in
+                 zip(args, self.input_layouts, self.desired_input_layouts)]
+        kwargs = {k: relayout(v, lay(self.input_kwarg_layouts.get(k)),
+                              lay(self.desired_input_kwarg_layouts.get(k)), call.axis)
+                  for k, v in kwargs.items()}
+        return (*moved, *args[len(moved):]), kwargs
+
+
+class PrepareOutput(Style):
+    """Reshards a module's output(s) from ``output_layouts`` to
+    ``desired_output_layouts`` (one each, or tuples for a tuple output). The module's
+    own parameters are replicated. Example: ``PrepareOutput(Replicate(), Shard(0))``
+    keeps this rank's rows of a replicated output (position embeddings entering a
+    sequence-parallel region)."""
+
+    def __init__(self, output_layouts: Any, desired_output_layouts: Any):
+        self.output_layouts = _layouts(output_layouts)
+        self.desired_output_layouts = _layouts(desired_output_layouts)
+        if len(self.output_layouts) != len(self.desired_output_layouts):
+            raise ShardingError(
+                f"PrepareOutput: output_layouts {self.output_layouts} and "
+                f"desired_output_layouts {self.desired_output_layouts} must have the same length")
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        single = not isinstance(output, tuple)
+        outs = (output,) if single else output
+        if len(outs) != len(self.output_layouts):
+            raise ShardingError(
+                f"PrepareOutput on '{call.name}': {len(self.output_layouts)} output layouts "
+                f"but the module returned {len(outs)} outputs")
+        lay = lambda v: _layout(v, call.axis, f"PrepareOutput on '{call.name}'")
+        new = tuple(relayout(o, lay(s), lay(d), call.axis)
+                    for o, s, d in zip(outs, self.output_layouts, self.desired_output_layouts))
+        return new[0] if single else new
+
+
+# ---------------------------------------------------------------------------------
+# mixture of experts
+
+def _num_experts(module: nn.Module, call: Call) -> int:
+    n = getattr(module, "num_experts", None)
+    if n is None:
+        n = call.params["weight"].shape[0] if "weight" in call.params else None
+    if n is None:
+        raise ShardingError(
+            f"style 'ep_router' on '{call.name}': cannot tell the number of experts; give "
+            f"the router a `num_experts` attribute or a `weight` of shape [experts, hidden]")
+    return int(n)
+
+
+class ExpertRouter(Style):
+    """The router of an expert-parallel MoE block whose tokens are replicated over
+    the axis (tensor-parallel regions). Parameters are replicated; the last output
+    (the top-k expert indices) is renumbered to this rank's experts, ``-1`` for an
+    expert held elsewhere, so that the experts module computes only its own."""
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        n, i = axis_size(call.axis), axis_index(call.axis)
+        e = _num_experts(module, call)
+        if e % n:
+            raise ShardingError(
+                f"style 'ep_router' on '{call.name}': {e} experts do not divide over "
+                f"'{call.axis}' (size {n}); use a number of experts divisible by {n}")
+        local = e // n
+        idx = pvary(output[-1], call.axis) - i * local      # ints: differs per rank
+        idx = idx.masked_fill((idx < 0) | (idx >= local), -1)
+        return (*output[:-1], idx)
+
+
+class ExpertParallel(Style):
+    """Experts whose parameters are stacked on dimension 0 (``[experts, ...]``), split
+    over the axis; tokens are replicated over it. With :class:`ExpertRouter`
+    renumbering the routes, each rank applies its experts to the tokens routed to
+    them and the partial outputs are summed: ``output_layout`` ``Replicate()``
+    (all-reduce) or ``Shard(1)`` (reduce-scatter into a sequence-parallel region).
+
+    Every rank already holds every token here, so this costs one all-reduce per MoE
+    layer, like a row-parallel layer, with no token dispatch; use
+    :class:`ExpertDispatch` when tokens are sharded over the axis.
+    """
+
+    def __init__(self, *, output_layout: Layout = Replicate()):
+        self.output_layout = output_layout
+
+    def param_specs(self, module, axis):
+        return {n: P(axis) for n, _ in module.named_parameters(recurse=False)}
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        return relayout(output, Partial(), _layout(self.output_layout, call.axis,
+                                                   "ExpertParallel output_layout"), call.axis)
+
+
+class ExpertDispatch(Style):
+    """Expert parallelism over an axis that also shards the tokens (data parallel
+    ranks that each hold some experts, as in GShard / DeepSpeed-MoE).
+
+    The experts module is called as ``experts(x, weights, indices)`` with ``x`` of
+    shape ``[..., hidden]`` and global top-k ``indices`` (the router is replicated).
+    The pre-hook sends every (token, choice) pair to the rank holding its expert with
+    one ``all_to_all``; the experts run on what they received (weight 1, local
+    expert numbers, ``-1`` for padding); the post-hook sends the results back with a
+    second ``all_to_all`` and combines them with the routing weights.
+
+    ``functp.all_to_all`` moves equal blocks, so each (source, destination) block is
+    padded to the worst case (all of a rank's pairs to one destination): exact, no
+    token is ever dropped, at the price of ``axis_size`` times the traffic of a
+    perfectly balanced dispatch.
+    """
+
+    param_specs = ExpertParallel.param_specs          # experts split on dimension 0
+
+    def prepare_input(self, module, args, kwargs, call):
+        x, weights, idx = args[:3]
+        n, hidden = axis_size(call.axis), x.shape[-1]
+        local = next(iter(call.params.values())).shape[0]
+        tokens, k = x.reshape(-1, hidden), idx.shape[-1]
+        idx = idx.reshape(-1)                          # pair p = (token p // k, choice p % k)
+        dest = torch.div(idx, local, rounding_mode="floor")
+        cap = idx.numel()                              # worst case: every pair to one rank
+        onehot = torch.nn.functional.one_hot(dest, n)
+        pos = (onehot.cumsum(0) - 1).gather(1, dest.unsqueeze(1)).squeeze(1)
+        slot = dest * cap + pos
+        send_x = tokens.new_zeros(n * cap, hidden).index_put(
+            (slot,), tokens.repeat_interleave(k, dim=0))
+        send_e = torch.full((n * cap,), -1, dtype=idx.dtype).index_put((slot,), idx % local)
+        recv_x = all_to_all(send_x, call.axis, 0, 0, tiled=True)
+        recv_e = all_to_all(send_e, call.axis, 0, 0, tiled=True)
+        call.state.update(slot=slot, weights=weights, shape=x.shape, k=k)
+        ones = torch.ones(n * cap, 1, dtype=weights.dtype)
+        return (recv_x, ones, recv_e.unsqueeze(1), *args[3:]), kwargs
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        st = call.state
+        back = all_to_all(output, call.axis, 0, 0, tiled=True)
+        pairs = back[st["slot"]].unflatten(0, (-1, st["k"]))          # [tokens, k, hidden]
+        w = st["weights"].reshape(-1, st["k"], 1)
+        return (pairs * w).sum(1).reshape(st["shape"])
+
+
+# ---------------------------------------------------------------------------------
+# the registry
+
+STYLES: dict[str, Style] = {}
+
+
+def register_style(name: str, style: Style, *, overwrite: bool = False) -> None:
+    """Makes ``style`` usable by ``name`` in plans. Registering a taken name raises
+    unless ``overwrite=True``."""
+    if not isinstance(style, Style):
+        raise ShardingError(
+            f"register_style({name!r}, ...): expected a functp.Style instance, got "
+            f"{type(style).__name__}; subclass functp.Style")
+    if name in STYLES and not overwrite:
+        raise ShardingError(
+            f"register_style: a style named {name!r} exists ({STYLES[name]!r}); pass "
+            f"overwrite=True to replace it, or pick another name")
+    STYLES[name] = style
+
+
+def get_style(name: str) -> Style:
+    """The registered style called ``name``."""
+    try:
+        return STYLES[name]
+    except KeyError:
+        raise ShardingError(
+            f"unknown parallel style {name!r}; registered styles: {sorted(STYLES)}. "
+            f"Register your own with functp.register_style(name, style)") from None
+
+
+_SEQ = Shard(1)        # [batch, sequence, hidden]: the sequence-parallel split
+for _name, _style in {
+    "replicated": Replicated(),
+    "colwise": Colwise(),
+    "colwise_gather_output": Colwise(output_layout=Replicate()),
+    "rowwise": Rowwise(),
+    "rowwise_split_input": Rowwise(input_layout=Replicate()),
+    "rowwise_sp": Rowwise(output_layout=_SEQ),
+    "packed_colwise": Colwise(packed=2),
+    "packed_rowwise": Rowwise(packed=2),
+    "packed_colwise_qkv": Colwise(packed=3),
+    "embedding_rowwise": VocabParallelEmbedding(),
+    "embedding_rowwise_sp": VocabParallelEmbedding(output_layout=_SEQ),
+    "embedding_colwise": Colwise(output_layout=Replicate()),
+    "sequence_parallel": SequenceParallel(),
+    "ep_router": ExpertRouter(),
+    "ep_experts": ExpertParallel(),
+    "ep_experts_sp": ExpertParallel(output_layout=_SEQ),
+    "ep_experts_all_to_all": ExpertDispatch(),
+}.items():
+    register_style(_name, _style)

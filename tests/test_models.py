@@ -1,0 +1,201 @@
+"""The reference models (GPT-2-style, Llama-style with and without MoE layers) under
+their default plans: loss and every parameter's gradient equal the unsharded float64
+model on (tp=2), (tp=4), (dp=2, tp=2) and with sequence parallelism; AdamW steps on
+the local blocks track the unsharded loss curve; the example runs and matches."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import functp
+from functp import P
+from functp.models import (GPT2, GPT2_SP_PLAN, GPT2_TP_PLAN, LLAMA_MOE_SP_PLAN, LLAMA_MOE_TP_PLAN,
+                           LLAMA_SP_PLAN, LLAMA_TP_PLAN, GPT2Config, Llama, LlamaConfig)
+from _oracle import assert_tree_close
+
+BATCH, SEQ = 4, 8
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODELS = {    # name: (build, tp plan, sp plan)
+    "gpt2": (lambda: GPT2(GPT2Config()), GPT2_TP_PLAN, GPT2_SP_PLAN),
+    "llama": (lambda: Llama(LlamaConfig()), LLAMA_TP_PLAN, LLAMA_SP_PLAN),
+    "llama_moe": (lambda: Llama(LlamaConfig(moe_layers=(1,))), LLAMA_MOE_TP_PLAN,
+                  LLAMA_MOE_SP_PLAN),
+}
+MESHES = {"tp2": ((2,), ("tp",)), "tp4": ((4,), ("tp",)), "dp2_tp2": ((2, 2), ("dp", "tp"))}
+
+
+def _build(name: str):
+    torch.manual_seed(0)                 # the same weights on every rank
+    return MODELS[name][0]().double()
+
+
+def _data(vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(vocab, (BATCH, SEQ), generator=g),
+            torch.randint(vocab, (BATCH, SEQ), generator=g))
+
+
+def _lm_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _setup(name: str, mesh_name: str, sp: bool, check_vma: bool = True):
+    model = _build(name)
+    mesh = functp.make_mesh(*MESHES[mesh_name])
+    plan = MODELS[name][2 if sp else 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # the default plans cover every parameter
+        apply, params, specs = functp.parallelize(model, mesh, plan)
+    dp = "dp" if "dp" in mesh.axis_names else None
+    data_spec = P(dp)
+
+    def local_loss(p, ids, tgt):
+        loss = _lm_loss(apply(p, ids), tgt)
+        return functp.pmean(loss, dp) if dp else loss
+    step = functp.shard_map(local_loss, mesh, in_specs=(specs, data_spec, data_spec),
+                            out_specs=P(), check_vma=check_vma)
+    ref_apply, full = functp.functionalize(model)
+    ref_loss = lambda p, ids, tgt: _lm_loss(ref_apply(p, ids), tgt)
+    return SimpleNamespace(mesh=mesh, apply=apply, params=params, step=step, full=full,
+                           ref_loss=ref_loss, data_spec=data_spec,
+                           vocab=model.lm_head.weight.shape[0])
+
+
+def _gradients_match(name, mesh_name, sp, check_vma=True):
+    t = _setup(name, mesh_name, sp, check_vma)
+    ids, tgt = _data(t.vocab)
+    ref_grads, ref = torch.func.grad_and_value(t.ref_loss)(t.full, ids, tgt)
+    grads, loss = torch.func.grad_and_value(t.step)(
+        t.params, *functp.shard((ids, tgt), t.mesh, t.data_spec))
+    assert_tree_close(loss, ref, "loss")
+    assert_tree_close(t.apply.unshard(grads), ref_grads, "grad")
+    assert sorted(grads) == sorted(t.full)
+    return loss.item()
+
+
+CASES = [(m, mesh, False) for m in ("gpt2", "llama") for mesh in MESHES] + [
+    ("gpt2", "tp2", True), ("gpt2", "dp2_tp2", True), ("llama", "tp4", True),
+    ("llama", "dp2_tp2", True), ("llama_moe", "tp2", False), ("llama_moe", "dp2_tp2", True)]
+
+
+@pytest.mark.parametrize("name,mesh_name,sp", CASES,
+                         ids=[f"{m}-{mesh}{'-sp' if sp else ''}" for m, mesh, sp in CASES])
+def test_loss_and_every_gradient_match_the_unsharded_model(run, name, mesh_name, sp):
+    world = math.prod(MESHES[mesh_name][0])
+    losses = run(world, _gradients_match, name, mesh_name, sp)
+    assert len(set(losses)) == 1
+
+
+def test_sequence_parallel_llama_without_vma_gives_the_same_gradients(run):
+    run(2, _gradients_match, "llama_moe", "tp2", True, False)
+
+
+def _adamw_curve(name, mesh_name, sp, steps=20):
+    t = _setup(name, mesh_name, sp)
+    local = {k: v.clone().requires_grad_() for k, v in t.params.items()}
+    ref = {k: v.clone().requires_grad_() for k, v in t.full.items()}
+    opt = torch.optim.AdamW(local.values(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.values(), lr=1e-2)
+    grad_step = torch.func.grad_and_value(t.step)
+    curve, ref_curve = [], []
+    for i in range(steps):
+        ids, tgt = _data(t.vocab, seed=i % 4)
+        grads, loss = grad_step({k: v.detach() for k, v in local.items()},
+                                *functp.shard((ids, tgt), t.mesh, t.data_spec))
+        ref_grads, ref_l = torch.func.grad_and_value(t.ref_loss)(
+            {k: v.detach() for k, v in ref.items()}, ids, tgt)
+        for d, g, o in ((local, grads, opt), (ref, ref_grads, ref_opt)):
+            for k, v in d.items():
+                v.grad = g[k]
+            o.step()
+        curve.append(loss.item())
+        ref_curve.append(ref_l.item())
+    final = t.apply.unshard({k: v.detach() for k, v in local.items()})
+    assert_tree_close(final, {k: v.detach() for k, v in ref.items()}, "parameters after AdamW")
+    return curve, ref_curve
+
+
+@pytest.mark.parametrize("name,sp", [("gpt2", True), ("llama_moe", False)])
+def test_adamw_on_local_blocks_tracks_the_unsharded_loss_curve(run, name, sp):
+    curve, ref_curve = run(4, _adamw_curve, name, "dp2_tp2", sp)[0]
+    assert curve[-1] < curve[0] - 0.1                     # it does learn
+    for i, (a, b) in enumerate(zip(curve, ref_curve)):
+        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), (i, a, b)
+
+
+def _hf_llama(mesh_name):
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).double().eval()
+    # the config's own tp plan (transformers' style names; older releases called the
+    # gathered column-parallel style 'colwise_rep'), prefixed with the base model's name
+    legacy = {"colwise_rep": "colwise_gather_output"}
+    plan = {f"model.{k}": legacy.get(v, v) for k, v in (cfg.base_model_tp_plan or {}).items()}
+    plan.update({"lm_head": "colwise_gather_output",
+                 "model.layers.*.input_layernorm": "replicated",
+                 "model.layers.*.post_attention_layernorm": "replicated",
+                 "model.norm": "replicated"})
+    mesh = functp.make_mesh(*MESHES[mesh_name])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply, params, specs = functp.parallelize(model, mesh, plan)
+    forward = lambda run_model, p, ids: run_model(p, ids, use_cache=False).logits
+    ref_apply, full = functp.functionalize(model)
+    ids, tgt = _data(32)
+    ref_grads, ref = torch.func.grad_and_value(
+        lambda p: _lm_loss(forward(ref_apply, p, ids), tgt))(full)
+    step = functp.shard_map(lambda p, i, t: _lm_loss(forward(apply, p, i), t), mesh,
+                            in_specs=(specs, P(), P()), out_specs=P())
+    grads, loss = torch.func.grad_and_value(step)(params, ids, tgt)
+    assert_tree_close(loss, ref, "loss")
+    assert_tree_close(apply.unshard(grads), ref_grads, "grad")
+
+
+def test_transformers_llama_for_causal_lm(run):
+    pytest.importorskip("transformers")
+    run(2, _hf_llama, "tp2")
+
+
+def test_example_launches_itself_and_matches_unsharded():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_llama.py")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "sharded training matches the unsharded model" in out.stdout
+    assert "MISMATCH" not in out.stdout
+
+
+def _comm_counts(sp):
+    t = _setup("llama", "tp2", sp)
+    ids, tgt = _data(t.vocab)
+    with functp.comm_log() as log:
+        torch.func.grad(t.step)(t.params, ids, tgt)
+    return log.summary()
+
+
+def test_llama_communication_is_the_megatron_minimum(run):
+    layers = LlamaConfig().num_hidden_layers
+    # TP, forward: the embedding's and each row-parallel layer's all-reduce, the LM head's
+    # gather; backward: Megatron's f, the all-reduce of the activation cotangent entering
+    # each column-parallel region (attention, MLP, LM head)
+    assert run(2, _comm_counts, False)[0] == {
+        ("all_reduce", ("tp",)): (1 + 2 * layers) + (2 * layers + 1),
+        ("all_gather", ("tp",)): 1}
+    # SP: all-gather into each region and reduce-scatter out of it (and the transposes
+    # in backward), the LM head's gather, one bucketed all-reduce of the norm weights
+    assert run(2, _comm_counts, True)[0] == {
+        ("all_gather", ("tp",)): (2 * layers + 1) * 2 + 1,
+        ("reduce_scatter", ("tp",)): (1 + 2 * layers) * 2,
+        ("all_reduce", ("tp",)): 1}
