@@ -36,3 +36,12 @@ def _run_page(path: str) -> int:
                          ids=lambda p: os.path.basename(p))
 def test_doc_snippets_run(run, page):
     assert run(4, _run_page, page) == [len(snippets(page))] * 4
+
+
+def test_api_reference_is_current():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gen_api", os.path.join(DOCS, "gen_api.py"))
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    with open(os.path.join(DOCS, "api.md")) as f:
+        assert f.read() == gen.render(), "docs/api.md is out of date: run python docs/gen_api.py"
