@@ -158,9 +158,13 @@ class _Body:
             else:
                 with tracking(tracker):
                     out = self.f(*optree.tree_unflatten(treespec, local))
-        opaths, oleaves, ospecs, otree = match_specs(self.out_specs, out, "out_specs", "output")
-        return optree.tree_unflatten(otree, [self._exit(p, y, s, tracker, outer is not None)
-                                             for p, y, s in zip(opaths, oleaves, ospecs)])
+        try:
+            opaths, oleaves, ospecs, otree = match_specs(self.out_specs, out, "out_specs", "output")
+            return optree.tree_unflatten(otree, [self._exit(p, y, s, tracker, outer is not None)
+                                                 for p, y, s in zip(opaths, oleaves, ospecs)])
+        finally:
+            if tracker is not None and outer is None:
+                tracker.forget(leaves)
 
     def _in_spec(self, path: str, x, spec) -> P | None:
         if not isinstance(x, torch.Tensor):

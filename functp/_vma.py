@@ -148,6 +148,14 @@ class Tracker(TorchFunctionMode):
                 return
             t = _unwrap(t)
 
+    def forget(self, tensors) -> None:
+        """Drops the tags of the body's inputs (the user's tensors) once it is done,
+        so that none is left in their ``__dict__`` (torch.save would keep it)."""
+        for t in tensors:
+            while isinstance(t, torch.Tensor):
+                t.__dict__.pop(_TAG, None)
+                t = _unwrap(t) if _is_wrapped(t) else None
+
     @contextlib.contextmanager
     def paused(self):
         """Ops run here are functp's own (a collective's forward): not tracked."""

@@ -322,3 +322,31 @@ def _nested_body(check_vma):
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
 def test_nested_shard_map_over_the_remaining_axis(run, check_vma):
     run(4, _nested_body, check_vma)
+
+
+def _no_tag_left_body():
+    mesh = functp.make_mesh((2,), ("dp",))
+    w, x = randn(3, seed=1), randn(4, 3, seed=2)
+    f = functp.shard_map(lambda w, x: functp.psum((x * w).sum(), "dp"), mesh,
+                         in_specs=(P(), P("dp")), out_specs=P())
+    torch.func.grad(f)(w, x)
+    f(w, x)
+    assert not [k for k in (*w.__dict__, *x.__dict__) if "functp" in k]
+
+
+def test_tracking_leaves_no_attribute_on_the_inputs(run):
+    run(2, _no_tag_left_body)
+
+
+def _identity_body():
+    mesh = functp.make_mesh((2,), ("dp",))
+    x = randn(4, 3, seed=1)
+    ident = functp.shard_map(lambda x: x, mesh, in_specs=P("dp"), out_specs=P("dp"))
+    g = torch.func.grad(lambda x: (ident(x) * x).sum())(x)
+    assert torch.equal(g, 2 * x)                     # no extra psum on the way back
+    with pytest.raises(ShardingError, match="varies over mesh axis 'dp'"):
+        functp.shard_map(lambda x: x, mesh, in_specs=P("dp"), out_specs=P())(x)
+
+
+def test_an_input_returned_as_is_keeps_its_vma(run):
+    run(2, _identity_body)
