@@ -15,3 +15,68 @@ def test_train_2d_launches_itself_and_matches_unsharded():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "sharded training matches the unsharded model" in out.stdout
     assert out.stdout.count("match") >= 5 and "MISMATCH" not in out.stdout
+
+
+def _run_example(script: str, nproc: int | None = None) -> str:
+    """Runs ``examples/<script>`` as a user would: directly (it launches its own
+    processes) or, with ``nproc``, under torchrun with that many processes. Returns
+    its stdout after checking that it exited 0 and reported no mismatch."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    path = os.path.join(ROOT, "examples", script)
+    cmd = ([sys.executable, path] if nproc is None else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), path])
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MISMATCH" not in out.stdout, out.stdout
+    return out.stdout
+
+
+def test_data_parallel_matches_unsharded():
+    out = _run_example("data_parallel.py")
+    assert "data-parallel training matches the unsharded model" in out
+    assert out.count("   match   collectives {('all_reduce', ('dp',)): 2}") == 5
+
+
+def test_fsdp_matches_unsharded_and_regathers_in_backward():
+    out = _run_example("fsdp.py")
+    assert "FSDP training matches the unsharded model" in out
+    assert out.count("   match\n") == 4
+    assert "checkpointed:    {('all_gather', ('dp',)): 12" in out
+
+
+def test_megatron_tp_matches_unsharded():
+    out = _run_example("megatron_tp.py")
+    assert "tensor-parallel training matches the unsharded model" in out
+    assert out.count("   match   collectives {('all_reduce', ('tp',)): 8}") == 4
+
+
+def test_sequence_parallel_matches_unsharded():
+    out = _run_example("sequence_parallel.py")
+    assert "sequence-parallel training matches the unsharded model" in out
+    assert out.count("   match\n") == 4
+
+
+def test_moe_expert_parallel_matches_unsharded():
+    out = _run_example("moe_expert_parallel.py")
+    assert "expert-parallel training matches the unsharded model" in out
+    assert out.count("   match   collectives {('all_to_all', ('ep',)): 4") == 4
+
+
+def test_ring_attention_matches_full_attention_under_torchrun():
+    # launched by torchrun with 2 processes (the file's own default is 4)
+    out = _run_example("ring_attention.py", nproc=2)
+    assert "ring attention matches full attention" in out
+    assert out.count("   match\n") == 7           # output, loss, 4 weight grads, grad x
+
+
+def test_collective_matmul_matches_all_gather_matmul_under_torchrun():
+    out = _run_example("collective_matmul.py", nproc=2)
+    assert "collective matmuls match all_gather/psum_scatter + matmul" in out
+    assert out.count("   match\n") == 2
+
+
+def test_pipeline_matches_unsharded():
+    out = _run_example("pipeline.py")
+    assert "pipelined training matches the unsharded model" in out
+    assert out.count("   match   collectives {('permute', ('pp',)): 8") == 4
