@@ -39,6 +39,7 @@ import sys
 import torch
 
 import functp
+from _example import launch
 from functp import P
 
 NPROC = 4                                   # processes when launched directly
@@ -152,8 +153,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:            # launched directly: start the processes
-        from torch.distributed.run import main as torchrun
-        torchrun(["--standalone", "--nproc-per-node", str(NPROC), __file__])
-    else:
-        main()
+    launch(main, NPROC)

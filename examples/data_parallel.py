@@ -22,6 +22,7 @@ import sys
 import torch
 
 import functp
+from _example import launch
 from functp import P
 
 NPROC = 2                                   # processes when launched directly
@@ -100,8 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:            # launched directly: start the processes
-        from torch.distributed.run import main as torchrun
-        torchrun(["--standalone", "--nproc-per-node", str(NPROC), __file__])
-    else:
-        main()
+    launch(main, NPROC)

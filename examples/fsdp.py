@@ -26,12 +26,12 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 
 import torch
 from torch.func import functional_call
 
 import functp
+from _example import finish, launch
 from functp import P
 
 NPROC = 2                                   # processes when launched directly
@@ -146,19 +146,8 @@ def main() -> None:
             print(f"    torch.func.grad: {log_a.summary()}")
             print(f"    checkpointed:    {log_b.summary()}")
     final = functp.unshard(local, mesh, PARAM_SPECS)
-    err = max((final[k] - ref[k]).abs().max().item() for k in ref)
-    ok &= err < 1e-9
-    if rank0:
-        print(f"max |param difference| after {STEPS} steps: {err:.2e}")
-        print("FSDP training matches the unsharded model" if ok else "MISMATCH")
-    torch.distributed.destroy_process_group()
-    if not ok:
-        sys.exit(1)
+    finish(final, ref, ok, "FSDP training", STEPS)
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:            # launched directly: start the processes
-        from torch.distributed.run import main as torchrun
-        torchrun(["--standalone", "--nproc-per-node", str(NPROC), __file__])
-    else:
-        main()
+    launch(main, NPROC)

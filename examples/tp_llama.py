@@ -15,12 +15,11 @@ sharded loss beside the loss of the unsharded model trained with the same data.
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import torch
 
 import functp
+from _example import finish, launch
 from functp import P
 from functp.models import LLAMA_MOE_SP_PLAN, Llama, LlamaConfig
 
@@ -76,19 +75,8 @@ def main() -> None:
             print(f"step {i}: sharded loss {loss.item():.12f}   unsharded {ref_loss.item():.12f}"
                   f"   {'match' if match else 'MISMATCH'}")
     final = apply.unshard({k: v.detach() for k, v in local.items()})
-    err = max((final[k] - ref[k].detach()).abs().max().item() for k in ref)
-    ok &= err < 1e-9
-    if rank0:
-        print(f"max |param difference| after {STEPS} AdamW steps: {err:.2e}")
-        print("sharded training matches the unsharded model" if ok else "MISMATCH")
-    torch.distributed.destroy_process_group()
-    if not ok:
-        sys.exit(1)
+    finish(final, ref, ok, "sharded training", STEPS, how='AdamW ')
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:                 # launched directly: start 4 processes
-        from torch.distributed.run import main as torchrun
-        torchrun(["--standalone", "--nproc-per-node", "4", __file__])
-    else:
-        main()
+    launch(main, 4)

@@ -12,12 +12,11 @@ model trained on one process with the same data, and says whether they match.
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import torch
 
 import functp
+from _example import finish, launch
 from functp import P
 
 D, HEADS, FFN, SEQ, BATCH, STEPS, LR = 16, 4, 32, 8, 8, 5, 0.1
@@ -110,19 +109,8 @@ def main() -> None:
             print(f"step {i}: sharded loss {loss.item():.12f}   unsharded {ref_loss.item():.12f}"
                   f"   {'match' if match else 'MISMATCH'}")
     final = functp.unshard(local, mesh, SPECS)
-    err = max((final[k] - ref[k]).abs().max().item() for k in ref)
-    ok &= err < 1e-9
-    if rank0:
-        print(f"max |param difference| after {STEPS} steps: {err:.2e}")
-        print("sharded training matches the unsharded model" if ok else "MISMATCH")
-    torch.distributed.destroy_process_group()
-    if not ok:
-        sys.exit(1)
+    finish(final, ref, ok, "sharded training", STEPS)
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:               # launched directly: start 4 processes
-        from torch.distributed.run import main as torchrun
-        torchrun(["--standalone", "--nproc-per-node", "4", __file__])
-    else:
-        main()
+    launch(main, 4)
