@@ -463,7 +463,6 @@ def _build_variants(layout, size, n, dtype, compile_backend):
 
 def _torch_variant(layout, mesh, full_p, names, specs, x, y, xl, yl, n_elems, L):
     """The PyTorch library version of the layout."""
-    import torch
     import torch.distributed as dist
     import functp
     import _models as M

@@ -1,7 +1,7 @@
 """``functionalize``: a ``torch.nn.Module`` as a pure function of a parameter dict."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.func import functional_call

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any
 
 import torch
 from torch.autograd.function import Function
@@ -323,10 +322,3 @@ def tracking(tracker: Tracker):
         if not _ACTIVE:
             Function.apply = _ORIG_APPLY
 
-
-def vma_of(x: Any) -> frozenset:
-    """The vma of ``x`` in the running body (empty outside one or for non-tensors)."""
-    if _ACTIVE and isinstance(x, torch.Tensor):
-        with _ACTIVE[-1].paused():
-            return _ACTIVE[-1].get(x)
-    return EMPTY

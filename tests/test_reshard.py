@@ -46,7 +46,7 @@ def _all_pairs_body(mesh_shape, names, shapes, given):
             exchange = 0 if given or not data else 1
             assert len(log) == data + exchange, (src, dst, log.events)
             no_comm = all(t[:len(s)] == s for s, t in zip(s_lay, d_lay))
-            assert (data == 0) == no_comm, (src, dst, steps)
+            assert (data == 0) == no_comm, (src, dst, log.events)
             counts[(str(src), str(dst))] = data
             # and back to the full value
             assert torch.equal(functp.unshard(out, mesh, dst, shapes=gshape), full)
