@@ -13,8 +13,8 @@ def test_train_2d_launches_itself_and_matches_unsharded():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_2d.py")],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "sharded training matches the unsharded model" in out.stdout
-    assert out.stdout.count("match") >= 5 and "MISMATCH" not in out.stdout
+    assert "sharded training matches the unsharded model" in out.stdout, out.stdout
+    assert out.stdout.count("match") >= 5 and "MISMATCH" not in out.stdout, out.stdout
 
 
 def _run_example(script: str, nproc: int | None = None) -> str:
@@ -34,49 +34,49 @@ def _run_example(script: str, nproc: int | None = None) -> str:
 
 def test_data_parallel_matches_unsharded():
     out = _run_example("data_parallel.py")
-    assert "data-parallel training matches the unsharded model" in out
-    assert out.count("   match   collectives {('all_reduce', ('dp',)): 2}") == 5
+    assert "data-parallel training matches the unsharded model" in out, out
+    assert out.count("   match   collectives {('all_reduce', ('dp',)): 2}") == 5, out
 
 
 def test_fsdp_matches_unsharded_and_regathers_in_backward():
     out = _run_example("fsdp.py")
-    assert "FSDP training matches the unsharded model" in out
-    assert out.count("   match\n") == 4
-    assert "checkpointed:    {('all_gather', ('dp',)): 12" in out
+    assert "FSDP training matches the unsharded model" in out, out
+    assert out.count("   match\n") == 4, out
+    assert "checkpointed:    {('all_gather', ('dp',)): 12" in out, out
 
 
 def test_megatron_tp_matches_unsharded():
     out = _run_example("megatron_tp.py")
-    assert "tensor-parallel training matches the unsharded model" in out
-    assert out.count("   match   collectives {('all_reduce', ('tp',)): 8}") == 4
+    assert "tensor-parallel training matches the unsharded model" in out, out
+    assert out.count("   match   collectives {('all_reduce', ('tp',)): 8}") == 4, out
 
 
 def test_sequence_parallel_matches_unsharded():
     out = _run_example("sequence_parallel.py")
-    assert "sequence-parallel training matches the unsharded model" in out
-    assert out.count("   match\n") == 4
+    assert "sequence-parallel training matches the unsharded model" in out, out
+    assert out.count("   match\n") == 4, out
 
 
 def test_moe_expert_parallel_matches_unsharded():
     out = _run_example("moe_expert_parallel.py")
-    assert "expert-parallel training matches the unsharded model" in out
-    assert out.count("   match   collectives {('all_to_all', ('ep',)): 4") == 4
+    assert "expert-parallel training matches the unsharded model" in out, out
+    assert out.count("   match   collectives {('all_to_all', ('ep',)): 4") == 4, out
 
 
 def test_ring_attention_matches_full_attention_under_torchrun():
     # launched by torchrun with 2 processes (the file's own default is 4)
     out = _run_example("ring_attention.py", nproc=2)
-    assert "ring attention matches full attention" in out
-    assert out.count("   match\n") == 7           # output, loss, 4 weight grads, grad x
+    assert "ring attention matches full attention" in out, out
+    assert out.count("   match\n") == 7, out           # output, loss, 4 weight grads, grad x
 
 
 def test_collective_matmul_matches_all_gather_matmul_under_torchrun():
     out = _run_example("collective_matmul.py", nproc=2)
-    assert "collective matmuls match all_gather/psum_scatter + matmul" in out
-    assert out.count("   match\n") == 2
+    assert "collective matmuls match all_gather/psum_scatter + matmul" in out, out
+    assert out.count("   match\n") == 2, out
 
 
 def test_pipeline_matches_unsharded():
     out = _run_example("pipeline.py")
-    assert "pipelined training matches the unsharded model" in out
-    assert out.count("   match   collectives {('permute', ('pp',)): 8") == 4
+    assert "pipelined training matches the unsharded model" in out, out
+    assert out.count("   match   collectives {('permute', ('pp',)): 8") == 4, out
