@@ -34,12 +34,11 @@ compiler's async collectives), not a speed-up.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
 import functp
-from _example import launch
+from _example import launch, shutdown
 from functp import P
 
 NPROC = 4                                   # processes when launched directly
@@ -147,9 +146,7 @@ def main() -> None:
             print(f"    collectives backward: ring {ring_bwd}   plain {plain_bwd}")
     if rank0:
         print("collective matmuls match all_gather/psum_scatter + matmul" if ok else "MISMATCH")
-    torch.distributed.destroy_process_group()
-    if not ok:
-        sys.exit(1)
+    shutdown(ok)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import torch
 
 import functp
-from _example import launch
+from _example import launch, shutdown
 from functp import P
 
 NPROC = 2                                   # processes when launched directly
@@ -95,9 +94,7 @@ def main() -> None:
     if rank0:
         print(f"max |param difference| after {STEPS} steps: {err:.2e}")
         print("data-parallel training matches the unsharded model" if ok else "MISMATCH")
-    torch.distributed.destroy_process_group()
-    if not ok:
-        sys.exit(1)
+    shutdown(ok)
 
 
 if __name__ == "__main__":

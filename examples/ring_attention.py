@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import torch
 
 import functp
-from _example import launch
+from _example import launch, shutdown
 from functp import P
 
 NPROC = 4                                   # processes when launched directly
@@ -169,9 +168,7 @@ def main() -> None:
     if rank0:
         print(f"collectives {comms}")
         print("ring attention matches full attention" if ok else "MISMATCH")
-    torch.distributed.destroy_process_group()
-    if not ok:
-        sys.exit(1)
+    shutdown(ok)
 
 
 if __name__ == "__main__":

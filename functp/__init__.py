@@ -8,7 +8,8 @@ gradients are those of the unsharded model. See ``docs/`` for the model.
 from __future__ import annotations
 
 from ._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
-                           axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter, pvary)
+                           axis_size, pcast, pmax, pmean, pmin, ppermute, psum, psum_scatter,
+                           pvary)
 from ._comm_log import CommEvent, comm_log
 from ._checkpoint import full_state_dict, load, save
 from ._errors import ShardingError
@@ -29,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Mesh", "make_mesh", "P", "ShardingError",
     "functionalize", "shard", "unshard", "shard_map",
-    "psum", "pmean", "pmax", "pmin", "pvary", "all_gather", "all_gather_invariant",
+    "psum", "pmean", "pmax", "pmin", "pvary", "pcast", "all_gather", "all_gather_invariant",
     "psum_scatter", "all_to_all", "ppermute", "axis_index", "axis_size",
     "comm_log", "CommEvent",
     "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",

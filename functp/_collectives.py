@@ -1,410 +1,27 @@
-"""Differentiable collectives for shard_map bodies, with JAX's names and arguments.
+"""The collectives a shard_map body calls, with JAX's names and arguments.
 
-Each collective is a new-style ``torch.autograd.Function`` (``setup_context``) so that
-``torch.func`` accepts it, with an explicit ``vmap`` rule (torch's generated rule
-silently skips the communication) and a ``jvp``. Backward formulas call the
-Functions again, so higher-order derivatives compose.
-
-Two transposition regimes exist (DESIGN.md): with ``check_vma=False`` a cotangent is
-each rank's *contribution* and must be summed (``psum``ᵀ = ``psum``); with vma
-tracking, a cotangent of an invariant value is already the full cotangent
-(``psum``ᵀ = ``pvary``, the identity). The Functions whose transpose differs take a
-``sum_mode`` argument, fixed when the collective is called.
+This is the public layer: it resolves axis names to groups in the enclosing body,
+checks arguments, applies the vma rules (which axes the result varies over; an
+implicit ``pvary`` where the input varies over fewer axes than the collective
+needs), and calls the registered ops of ``_ops.py``, which carry the communication
+and its derivatives.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
-from torch.autograd import Function
 
-from . import _context
-from . import _primitives as prim
+from . import _context, _ops
 from ._errors import ShardingError
 from ._mesh import AxisGroup
 
-__all__ = ["psum", "pmean", "pmax", "pmin", "pvary", "all_gather", "all_gather_invariant",
-           "psum_scatter", "all_to_all", "ppermute", "axis_index", "axis_size"]
-
-
-_EAGER: dict[str, type] = {}
-_NO_JVP: dict[str, type] = {}
-
-
-def _traceable(cls: type) -> type:
-    """Registers ``cls`` and a twin without its ``jvp``: Dynamo refuses to trace a
-    Function that defines one, and forward-mode AD is not used under compile."""
-    _EAGER[cls.__name__] = cls
-    _NO_JVP[cls.__name__] = type(cls.__name__ + "NoJvp", (cls,),
-                                 {"jvp": Function.jvp, "__module__": cls.__module__})
-    return cls
-
-
-def _apply(name: str, *args):
-    """``Function.apply`` by class name (a string, which Dynamo can use as a key)."""
-    return (_NO_JVP if torch.compiler.is_compiling() else _EAGER)[name].apply(*args)
-
-
-def _move_bdim(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
-    return x if bdim in (None, 0) else x.movedim(bdim, 0)
-
-
-@_traceable
-class _Psum(Function):
-    """psum (``mean=False``) or pmean (``mean=True``) over ``g``."""
-
-    @staticmethod
-    def forward(x, g: AxisGroup, mean: bool, sum_mode: bool):
-        y = prim.all_reduce(x, g, "sum")
-        return y / g.size if mean else y
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.g, ctx.mean, ctx.sum_mode = inputs
-
-    @staticmethod
-    def backward(ctx, ct):
-        if ctx.sum_mode:
-            return _apply("_Psum", ct, ctx.g, ctx.mean, True), None, None, None
-        ct = _vary(ct, ctx.g)      # psumᵀ = pvary: identity, but psum when transposed again
-        return (ct / ctx.g.size if ctx.mean else ct), None, None, None
-
-    @staticmethod
-    def jvp(ctx, t, *_):
-        return _apply("_Psum", t, ctx.g, ctx.mean, ctx.sum_mode)
-
-    @staticmethod
-    def vmap(info, in_dims, x, g, mean, sum_mode):
-        return _apply("_Psum", x, g, mean, sum_mode), in_dims[0]
-
-
-@_traceable
-class _Pextremum(Function):
-    """pmax/pmin. The gradient goes to the ranks that hold the extremum, split evenly
-    among ties (as ``torch.amax`` does within one tensor)."""
-
-    @staticmethod
-    def forward(x, g: AxisGroup, op: str, sum_mode: bool):
-        return prim.all_reduce(x, g, op)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, ctx.g, ctx.op, ctx.sum_mode = inputs
-        ctx.save_for_backward(x, output)
-        ctx.save_for_forward(x, output)
-
-    @staticmethod
-    def backward(ctx, ct):
-        x, out = ctx.saved_tensors
-        mask = (x == out).to(ct.dtype)
-        if ctx.sum_mode:   # one collective for both the cotangent sum and the tie count
-            both = _apply("_Psum", torch.stack([ct, mask]), ctx.g, False, True)
-            return both[0] * mask / both[1], None, None, None
-        count = _apply("_Psum", mask, ctx.g, False, True)
-        return _vary(ct, ctx.g) * mask / count, None, None, None
-
-    @staticmethod
-    def jvp(ctx, t, *_):
-        x, out = ctx.saved_tensors
-        mask = (x == out).to(t.dtype)
-        both = _apply("_Psum", torch.stack([t * mask, mask]), ctx.g, False, True)
-        return both[0] / both[1]
-
-    @staticmethod
-    def vmap(info, in_dims, x, g, op, sum_mode):
-        return _apply("_Pextremum", x, g, op, sum_mode), in_dims[0]
-
-
-@_traceable
-class _Pvary(Function):
-    """Identity forward on several tensors; backward sums their cotangents over ``g``
-    with one all-reduce per dtype (a gradient bucket, as DDP does)."""
-
-    @staticmethod
-    def forward(g: AxisGroup, sum_mode: bool, *xs):
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.g, ctx.sum_mode = inputs[:2]
-
-    @staticmethod
-    def backward(ctx, *cts):
-        # only the inputs being differentiated join the bucket
-        want = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
-        grads: list[Any] = [None] * len(cts)
-        summed = _bucketed_psum([cts[i] for i in want], ctx.g, ctx.sum_mode)
-        for i, gi in zip(want, summed):
-            grads[i] = gi
-        return (None, None, *grads)
-
-    @staticmethod
-    def jvp(ctx, g_t, mode_t, *ts):
-        return tuple(ts)
-
-    @staticmethod
-    def vmap(info, in_dims, g, sum_mode, *xs):
-        return _apply("_Pvary", g, sum_mode, *xs), tuple(in_dims[2:])
-
-
-def _vary(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
-    """pvary inside a vma-mode backward: an invariant cotangent becoming varying."""
-    return _apply("_Pvary", g, False, t)[0]
-
-
-@_traceable
-class _PvaryInplace(Function):
-    """pvary of a tensor that is about to be mutated in place by a more varying value:
-    marks it dirty, so its later uses (and its views) see the new autograd history."""
-
-    @staticmethod
-    def forward(x, g: AxisGroup):
-        return x
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.mark_dirty(inputs[0])
-        ctx.g = inputs[1]
-
-    @staticmethod
-    def backward(ctx, ct):
-        return _apply("_Psum", ct, ctx.g, False, False), None
-
-    @staticmethod
-    def jvp(ctx, t, _):
-        return t
-
-    @staticmethod
-    def vmap(info, in_dims, x, g):
-        return _apply("_PvaryInplace", x, g), in_dims[0]
-
-
-@_traceable
-class _EntryAliases(Function):
-    """Aliases of the replicated inputs of a vma-tracked body, one per axis set each
-    input may be implicitly pvary'd over (``plan[i]`` lists input ``i``'s groups).
-
-    The body uses an input itself where it stays invariant, and its alias wherever
-    it meets a value varying over that group. The aliases' cotangents are this
-    rank's contributions: backward sums them over their group in one bucketed
-    all-reduce per group, and autograd adds the result to the input's own
-    (invariant) cotangent. So the gradient all-reduces of all parameters happen
-    together, after the whole backward, and only where vma requires them.
-    """
-
-    @staticmethod
-    def forward(plan: tuple, *xs):
-        return tuple(x.view_as(x) for x, groups in zip(xs, plan) for _ in groups)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.plan = inputs[0]
-        ctx.set_materialize_grads(False)
-
-    @staticmethod
-    def backward(ctx, *cts):
-        grads: list[Any] = [None] * len(ctx.plan)
-        buckets: dict[AxisGroup, list[tuple[int, torch.Tensor]]] = {}
-        k = 0
-        for i, groups in enumerate(ctx.plan):
-            for g in groups:
-                if cts[k] is not None and ctx.needs_input_grad[1 + i]:
-                    buckets.setdefault(g, []).append((i, cts[k]))
-                k += 1
-        for g, items in buckets.items():
-            for (i, _), summed in zip(items, _bucketed_psum([c for _, c in items], g, False)):
-                grads[i] = summed if grads[i] is None else grads[i] + summed
-        return (None, *grads)
-
-    @staticmethod
-    def jvp(ctx, plan_t, *ts):
-        return tuple(t for t, groups in zip(ts, ctx.plan) for _ in groups)
-
-    @staticmethod
-    def vmap(info, in_dims, plan, *xs):
-        return (_apply("_EntryAliases", plan, *xs),
-                tuple(d for d, groups in zip(in_dims[1:], plan) for _ in groups))
-
-
-def _bucketed_psum(ts: Sequence[torch.Tensor], g: AxisGroup, sum_mode: bool) -> list[torch.Tensor]:
-    out: list[Any] = [None] * len(ts)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(ts):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for idx in by_dtype.values():
-        if len(idx) == 1:
-            out[idx[0]] = _apply("_Psum", ts[idx[0]], g, False, sum_mode)
-            continue
-        flat = _apply("_Psum", torch.cat([ts[i].reshape(-1) for i in idx]), g, False, sum_mode)
-        for i, piece in zip(idx, flat.split([ts[i].numel() for i in idx])):
-            out[i] = piece.view(ts[i].shape)
-    return out
-
-
-@_traceable
-class _AllGather(Function):
-    """all_gather; ``invariant_T`` picks the transpose of all_gather_invariant in vma
-    mode (keep this rank's slice) instead of psum_scatter."""
-
-    @staticmethod
-    def forward(x, g: AxisGroup, dim: int, tiled: bool, invariant_T: bool):
-        return prim.all_gather(x if tiled else x.unsqueeze(dim), g, dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.g, ctx.dim, ctx.tiled, ctx.invariant_T = inputs
-
-    @staticmethod
-    def backward(ctx, ct):
-        g, dim = ctx.g, ctx.dim
-        if ctx.invariant_T:
-            ct = _vary(ct, g)
-            gx = (ct.narrow(dim, g.index * (ct.shape[dim] // g.size), ct.shape[dim] // g.size)
-                  if ctx.tiled else ct.select(dim, g.index))
-        else:
-            gx = _apply("_PsumScatter", ct, g, dim, ctx.tiled)
-        return gx, None, None, None, None
-
-    @staticmethod
-    def jvp(ctx, t, *_):
-        return _apply("_AllGather", t, ctx.g, ctx.dim, ctx.tiled, ctx.invariant_T)
-
-    @staticmethod
-    def vmap(info, in_dims, x, g, dim, tiled, invariant_T):
-        return _apply("_AllGather", _move_bdim(x, in_dims[0]), g, dim + 1, tiled, invariant_T), 0
-
-
-@_traceable
-class _PsumScatter(Function):
-    @staticmethod
-    def forward(x, g: AxisGroup, dim: int, tiled: bool):
-        y = prim.reduce_scatter(x, g, dim)
-        return y if tiled else y.squeeze(dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.g, ctx.dim, ctx.tiled = inputs
-
-    @staticmethod
-    def backward(ctx, ct):
-        return _apply("_AllGather", ct, ctx.g, ctx.dim, ctx.tiled, False), None, None, None
-
-    @staticmethod
-    def jvp(ctx, t, *_):
-        return _apply("_PsumScatter", t, ctx.g, ctx.dim, ctx.tiled)
-
-    @staticmethod
-    def vmap(info, in_dims, x, g, dim, tiled):
-        return _apply("_PsumScatter", _move_bdim(x, in_dims[0]), g, dim + 1, tiled), 0
-
-
-@_traceable
-class _AllToAll(Function):
-    @staticmethod
-    def forward(x, g: AxisGroup, split: int, concat: int, tiled: bool):
-        if tiled:
-            return prim.all_to_all(x, g, split, concat)
-        # untiled: dim `split` (size n) is consumed, a new dim of size n (the source
-        # rank) appears at `concat`
-        return prim.all_to_all(x, g, split, split).movedim(split, concat)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.g, ctx.split, ctx.concat, ctx.tiled = inputs
-
-    @staticmethod
-    def backward(ctx, ct):
-        return _apply("_AllToAll", ct, ctx.g, ctx.concat, ctx.split, ctx.tiled), None, None, None, None
-
-    @staticmethod
-    def jvp(ctx, t, *_):
-        return _apply("_AllToAll", t, ctx.g, ctx.split, ctx.concat, ctx.tiled)
-
-    @staticmethod
-    def vmap(info, in_dims, x, g, split, concat, tiled):
-        return _apply("_AllToAll", _move_bdim(x, in_dims[0]), g, split + 1, concat + 1, tiled), 0
-
-
-@_traceable
-class _Ppermute(Function):
-    @staticmethod
-    def forward(x, g: AxisGroup, perm: tuple):
-        return prim.permute(x, g, perm)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.g, ctx.perm = inputs
-
-    @staticmethod
-    def backward(ctx, ct):
-        inverse = tuple((d, s) for s, d in ctx.perm)
-        return _apply("_Ppermute", ct, ctx.g, inverse), None, None
-
-    @staticmethod
-    def jvp(ctx, t, *_):
-        return _apply("_Ppermute", t, ctx.g, ctx.perm)
-
-    @staticmethod
-    def vmap(info, in_dims, x, g, perm):
-        return _apply("_Ppermute", x, g, perm), in_dims[0]
-
-
-@_traceable
-class _TakeBlock(Function):
-    """This rank's block of a value that is whole along ``dims``' axes (entering a
-    nested shard_map); backward gathers the blocks' cotangents back to whole."""
-
-    @staticmethod
-    def forward(x, dims: tuple):
-        for d, g in dims:
-            b = x.shape[d] // g.size
-            x = x.narrow(d, g.index * b, b)
-        return x
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.dims = inputs[1]
-
-    @staticmethod
-    def backward(ctx, ct):
-        for d, g in reversed(ctx.dims):
-            ct = _apply("_AllGather", ct, g, d, True, False)
-        return ct, None
-
-    @staticmethod
-    def jvp(ctx, t, _):
-        return _apply("_TakeBlock", t, ctx.dims)
-
-    @staticmethod
-    def vmap(info, in_dims, x, dims):
-        return _apply("_TakeBlock", _move_bdim(x, in_dims[0]),
-                      tuple((d + 1, g) for d, g in dims)), 0
-
-
-@_traceable
-class _ScaleGrad(Function):
-    """Identity forward; multiplies the cotangent by ``factor``."""
-
-    @staticmethod
-    def forward(x, factor: float):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.factor = inputs[1]
-
-    @staticmethod
-    def backward(ctx, ct):
-        return ct * ctx.factor, None
-
-    @staticmethod
-    def jvp(ctx, t, _):
-        return t
-
-    @staticmethod
-    def vmap(info, in_dims, x, factor):
-        return _apply("_ScaleGrad", x, factor), in_dims[0]
+__all__ = ["psum", "pmean", "pmax", "pmin", "pvary", "pcast", "all_gather",
+           "all_gather_invariant", "psum_scatter", "all_to_all", "ppermute", "axis_index",
+           "axis_size"]
+
+AxisName = Any   # a mesh axis name, or a tuple of names (major to minor)
 
 
 # ---------------------------------------------------------------------------------
@@ -435,9 +52,9 @@ def _need_tensor(x, what: str) -> torch.Tensor:
     return x
 
 
-def _collective(fr: _context.Frame, g: AxisGroup, what: str, t, name: str, *args,
-                reduces: bool, needs_varying: bool = False):
-    """Applies collective Function ``name`` to ``t`` and sets the result's vma.
+def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
+                op: Callable, *args, reduces: bool, needs_varying: bool = False):
+    """Applies registered op ``op`` to ``t`` over ``g`` and sets the result's vma.
 
     With vma tracking, the input must vary over the collective's axes: a reduction
     (``needs_varying``) of a value invariant over them raises, the other collectives
@@ -446,7 +63,7 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t, name: str, *args
     """
     tr = fr.tracker
     if tr is None:
-        return _apply(name, t, g, *args)
+        return op(t, g.key, *args)
     with tr.paused():
         v = tr.get(t)
         missing = tuple(a for a in g.axes if a not in v)
@@ -455,7 +72,7 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t, name: str, *args
         if missing:
             t = tr.pvary(t, missing)
             v = v | frozenset(missing)
-        out = _apply(name, t, g, *args)
+        out = op(t, g.key, *args)
         tr.set(out, v - frozenset(g.axes) if reduces else v)
     return out
 
@@ -471,48 +88,96 @@ def _invariant_reduction_message(what: str, g: AxisGroup, missing, t) -> str:
         f"leave out {axes!r} from the axes")
 
 
-def psum(x, axis_name):
-    """All-reduce sum over ``axis_name`` (a name or a tuple); ``x`` may be a pytree.
+def psum(x: Any, axis_name: AxisName) -> Any:
+    """All-reduce sum over ``axis_name``.
 
-    The result is invariant over the axes; its backward is the identity (with
-    ``check_vma=False``: a ``psum`` of the cotangents). Summing a value that is
-    already invariant over an axis raises (JAX silently multiplies by the size).
-    A Python number ``c`` gives ``c * axis_size(axis_name)``.
+    **Arguments:** ``x`` – a tensor, a Python number or a pytree of them; ``axis_name``
+    – a mesh axis name or a tuple of names.
+
+    **Returns:** the sum over the ranks along the axes, the same on each of them
+    (invariant). A Python number ``c`` gives ``c * axis_size(axis_name)``. Backward: the
+    identity (with ``check_vma=False``: a ``psum`` of the cotangents). Summing a value
+    that is already invariant over an axis raises (JAX silently multiplies it by the
+    axis size).
+
+    Example (2 ranks, ``x`` is ``[1., 2.]`` on rank 0 and ``[3., 4.]`` on rank 1)::
+
+        functp.psum(x, "dp")        # tensor([4., 6.]) on both ranks
     """
     fr, g = _group(axis_name, "psum")
-    return _map(lambda t: _collective(fr, g, "psum", t, "_Psum", False, fr.tracker is None,
+    return _map(lambda t: _collective(fr, g, "psum", t, _ops.psum, False, fr.tracker is None,
                                       reduces=True, needs_varying=True)
                 if isinstance(t, torch.Tensor) else t * g.size, x)
 
 
-def pmean(x, axis_name):
-    """All-reduce mean over ``axis_name``; backward divides the cotangent by the size.
-    (The mean of a value invariant over the axes is that value.)"""
+def pmean(x: Any, axis_name: AxisName) -> Any:
+    """All-reduce mean over ``axis_name``.
+
+    **Arguments:** as :func:`psum`.
+
+    **Returns:** the mean over the ranks along the axes (invariant). Backward divides
+    the cotangent by the axis size. The mean of a value that is invariant over the
+    axes is that value; a Python number is returned as it is.
+
+    Example (2 ranks, ``loss`` this rank's mean over its half of the batch)::
+
+        functp.pmean(loss, "dp")    # the mean over the whole batch, on both ranks
+    """
     fr, g = _group(axis_name, "pmean")
-    return _map(lambda t: _collective(fr, g, "pmean", t, "_Psum", True, fr.tracker is None,
+    return _map(lambda t: _collective(fr, g, "pmean", t, _ops.psum, True, fr.tracker is None,
                                       reduces=True)
                 if isinstance(t, torch.Tensor) else t, x)
 
 
-def pmax(x, axis_name):
-    """All-reduce max; the gradient flows to the ranks holding the maximum (ties share)."""
+def pmax(x: Any, axis_name: AxisName) -> Any:
+    """All-reduce max over ``axis_name``.
+
+    **Arguments:** ``x`` – a tensor or a pytree of tensors; ``axis_name`` – as :func:`psum`.
+
+    **Returns:** the elementwise maximum over the ranks (invariant). The gradient flows
+    to the ranks holding the maximum, split evenly among ties.
+
+    Example::
+
+        functp.pmax(x.abs().amax(), "tp")     # the global max |x| of a sharded x
+    """
     fr, g = _group(axis_name, "pmax")
-    return _map(lambda t: _collective(fr, g, "pmax", _need_tensor(t, "pmax"), "_Pextremum",
+    return _map(lambda t: _collective(fr, g, "pmax", _need_tensor(t, "pmax"), _ops.pextremum,
                                       "max", fr.tracker is None, reduces=True), x)
 
 
-def pmin(x, axis_name):
-    """All-reduce min; the gradient flows to the ranks holding the minimum (ties share)."""
+def pmin(x: Any, axis_name: AxisName) -> Any:
+    """All-reduce min over ``axis_name``; as :func:`pmax`, with the minimum.
+
+    **Arguments:** as :func:`pmax`. **Returns:** the elementwise minimum (invariant).
+
+    Example::
+
+        functp.pmin(x.amin(), "tp")
+    """
     fr, g = _group(axis_name, "pmin")
-    return _map(lambda t: _collective(fr, g, "pmin", _need_tensor(t, "pmin"), "_Pextremum",
+    return _map(lambda t: _collective(fr, g, "pmin", _need_tensor(t, "pmin"), _ops.pextremum,
                                       "min", fr.tracker is None, reduces=True), x)
 
 
-def pvary(x, axis_name):
+def pvary(x: Any, axis_name: AxisName) -> Any:
     """Marks ``x`` as varying over ``axis_name``: identity forward, ``psum`` of the
-    gradient backward. vma tracking inserts it implicitly wherever an invariant value
-    meets a varying one, so it is rarely written by hand. With ``check_vma=False``
-    every value already counts as varying and this returns ``x`` unchanged."""
+    gradient backward.
+
+    vma tracking inserts it implicitly wherever an invariant value meets a varying
+    one, so it is rarely written by hand: write it where each rank's copy of an
+    invariant value really is a separate contribution (``psum(pvary(w, a), a)`` is
+    ``axis_size(a) * w``). With ``check_vma=False`` every value already counts as
+    varying and this returns ``x`` unchanged.
+
+    **Arguments:** ``x`` – a tensor or a pytree of tensors; ``axis_name`` – as :func:`psum`.
+
+    **Returns:** ``x``, varying over ``axis_name`` too.
+
+    Example::
+
+        functp.psum(functp.pvary(w, "dp"), "dp")    # == 2 * w on 2 ranks
+    """
     fr, g = _group(axis_name, "pvary")
     if fr.tracker is None:
         return x
@@ -520,42 +185,101 @@ def pvary(x, axis_name):
         return _map(lambda t: fr.tracker.pvary(t, g.axes), x)
 
 
-def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
+def pcast(x: Any, axis_name: AxisName, *, to: str) -> Any:
+    """JAX 0.11's spelling of a change of vma type: ``to="varying"`` is :func:`pvary`.
+
+    **Arguments:** ``x``, ``axis_name`` – as :func:`pvary`; ``to`` – ``"varying"``.
+
+    **Returns:** ``x`` varying over ``axis_name``.
+
+    Example::
+
+        functp.pcast(w, "dp", to="varying")     # == functp.pvary(w, "dp")
+    """
+    if to == "varying":
+        return pvary(x, axis_name)
+    raise ShardingError(
+        f"functp.pcast(..., to={to!r}): only to='varying' (pvary) is supported; a value "
+        f"becomes invariant through a reduction (psum/pmean) or all_gather_invariant")
+
+
+def _gather_to(to: str) -> bool:
+    """``True`` for JAX's ``to="invarying"`` (all_gather_invariant)."""
+    if to in ("varying", "invarying", "invariant"):
+        return to != "varying"
+    raise ShardingError(
+        f"functp.all_gather(..., to={to!r}): use to='varying' (the default) or "
+        f"to='invarying' (as all_gather_invariant); 'reduced' is not supported")
+
+
+def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
+               to: str = "varying") -> Any:
     """Gathers every rank's block along ``axis_name``.
 
-    ``tiled=False`` stacks them in a new dimension ``axis`` (of size
-    ``axis_size(axis_name)``); ``tiled=True`` concatenates them along ``axis``.
-    The result still counts as varying over the axes (use
-    :func:`all_gather_invariant` for one that does not). Backward: ``psum_scatter``.
+    **Arguments:** ``x`` – a tensor or a pytree of tensors; ``axis_name`` – as
+    :func:`psum`; ``axis`` – where the blocks go; ``tiled`` – ``False`` stacks them in a
+    new dimension ``axis`` (of size ``axis_size(axis_name)``), ``True`` concatenates
+    them along ``axis``; ``to`` – ``"varying"`` (JAX's default: the result still counts
+    as varying over the axes) or ``"invarying"`` (as :func:`all_gather_invariant`).
+
+    **Returns:** the blocks of every rank in axis-index order. Backward:
+    ``psum_scatter``.
+
+    Example (2 ranks, ``x`` of shape ``(3, 4)`` on each)::
+
+        functp.all_gather(x, "tp", tiled=True).shape    # (6, 4)
+        functp.all_gather(x, "tp").shape                # (2, 3, 4)
     """
+    if _gather_to(to):
+        return all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
     fr, g = _group(axis_name, "all_gather")
 
     def one(t):
         t = _need_tensor(t, "all_gather")
         d = _dim(axis, t.ndim + (0 if tiled else 1), "all_gather", "axis", t.shape)
-        return _collective(fr, g, "all_gather", t, "_AllGather", d, tiled, False, reduces=False)
+        return _collective(fr, g, "all_gather", t, _ops.all_gather, d, tiled, False,
+                           reduces=False)
     return _map(one, x)
 
 
-def all_gather_invariant(x, axis_name, *, axis: int = 0, tiled: bool = False):
-    """Like :func:`all_gather`, but the result is invariant over ``axis_name``; with
-    vma tracking its backward keeps this rank's slice (no communication)."""
+def all_gather_invariant(x: Any, axis_name: AxisName, *, axis: int = 0,
+                         tiled: bool = False) -> Any:
+    """Like :func:`all_gather`, but the result is invariant over ``axis_name``.
+
+    **Arguments:** as :func:`all_gather`.
+
+    **Returns:** the gathered value, usable as a replicated output. With vma tracking
+    its backward keeps this rank's slice of the cotangent (no communication).
+
+    Example::
+
+        full = functp.all_gather_invariant(w_block, "tp", tiled=True)   # out_specs P()
+    """
     fr, g = _group(axis_name, "all_gather_invariant")
 
     def one(t):
         t = _need_tensor(t, "all_gather_invariant")
         d = _dim(axis, t.ndim + (0 if tiled else 1), "all_gather_invariant", "axis", t.shape)
-        return _collective(fr, g, "all_gather_invariant", t, "_AllGather", d, tiled,
+        return _collective(fr, g, "all_gather_invariant", t, _ops.all_gather, d, tiled,
                            fr.tracker is not None, reduces=True)
     return _map(one, x)
 
 
-def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False):
+def psum_scatter(x: Any, axis_name: AxisName, *, scatter_dimension: int = 0,
+                 tiled: bool = False) -> Any:
     """Sums over ``axis_name`` and leaves each rank its block of ``scatter_dimension``.
 
-    ``tiled=False``: that dimension must have size ``axis_size`` and is removed;
-    ``tiled=True``: it must be divisible by it and shrinks. Backward: ``all_gather``.
-    Like :func:`psum`, it refuses a value that is invariant over the axes.
+    **Arguments:** ``x`` – a tensor or a pytree of tensors; ``axis_name`` – as
+    :func:`psum`; ``scatter_dimension`` – the dimension split among the ranks;
+    ``tiled`` – ``False``: that dimension must have size ``axis_size`` and is removed;
+    ``True``: it must be divisible by it and shrinks.
+
+    **Returns:** this rank's block of the sum (varying). Backward: ``all_gather``. Like
+    :func:`psum`, it refuses a value that is invariant over the axes.
+
+    Example (2 ranks, ``x`` of shape ``(4, 3)``)::
+
+        functp.psum_scatter(x, "tp", tiled=True).shape    # (2, 3)
     """
     fr, g = _group(axis_name, "psum_scatter")
 
@@ -563,18 +287,26 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
         t = _need_tensor(t, "psum_scatter")
         d = _dim(scatter_dimension, t.ndim, "psum_scatter", "scatter_dimension", t.shape)
         _check_split(t, d, g, tiled, "psum_scatter", "scatter_dimension")
-        return _collective(fr, g, "psum_scatter", t, "_PsumScatter", d, tiled,
+        return _collective(fr, g, "psum_scatter", t, _ops.psum_scatter, d, tiled,
                            reduces=False, needs_varying=True)
     return _map(one, x)
 
 
-def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False):
+def all_to_all(x: Any, axis_name: AxisName, split_axis: int, concat_axis: int, *,
+               tiled: bool = False) -> Any:
     """Splits ``split_axis`` into ``axis_size`` blocks, sends block ``j`` to rank ``j``,
     and puts the received blocks along ``concat_axis`` in rank order.
 
-    ``tiled=False``: ``split_axis`` must have size ``axis_size``; it is removed and a
-    new dimension of that size (the source rank) is inserted at ``concat_axis``.
-    Backward: the inverse all-to-all.
+    **Arguments:** ``x`` – a tensor or a pytree of tensors; ``axis_name`` – as
+    :func:`psum`; ``split_axis``, ``concat_axis`` – dimensions of ``x``; ``tiled`` –
+    ``False``: ``split_axis`` must have size ``axis_size``; it is removed and a new
+    dimension of that size (the source rank) is inserted at ``concat_axis``.
+
+    **Returns:** the exchanged blocks (varying). Backward: the inverse all-to-all.
+
+    Example (2 ranks, ``x`` of shape ``(4, 6)``)::
+
+        functp.all_to_all(x, "ep", 0, 1, tiled=True).shape    # (2, 12)
     """
     fr, g = _group(axis_name, "all_to_all")
 
@@ -583,13 +315,25 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
         s = _dim(split_axis, t.ndim, "all_to_all", "split_axis", t.shape)
         c = _dim(concat_axis, t.ndim, "all_to_all", "concat_axis", t.shape)
         _check_split(t, s, g, tiled, "all_to_all", "split_axis")
-        return _collective(fr, g, "all_to_all", t, "_AllToAll", s, c, tiled, reduces=False)
+        return _collective(fr, g, "all_to_all", t, _ops.all_to_all, s, c, tiled,
+                           reduces=False)
     return _map(one, x)
 
 
-def ppermute(x, axis_name, perm):
-    """Sends this rank's ``x`` along ``(src, dst)`` pairs of axis indices; a rank that
-    no pair sends to gets zeros. Backward: the inverse permutation."""
+def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> Any:
+    """Sends this rank's ``x`` along ``(src, dst)`` pairs of axis indices.
+
+    **Arguments:** ``x`` – a tensor or a pytree of tensors; ``axis_name`` – as
+    :func:`psum`; ``perm`` – ``(source index, destination index)`` pairs, each index
+    at most once as a source and once as a destination.
+
+    **Returns:** what this rank received; zeros on a rank no pair sends to. Backward:
+    the inverse permutation.
+
+    Example (a ring shift over 4 ranks)::
+
+        functp.ppermute(x, "sp", [(i, (i + 1) % 4) for i in range(4)])
+    """
     fr, g = _group(axis_name, "ppermute")
     perm = tuple((int(s), int(d)) for s, d in perm)
     srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
@@ -602,21 +346,38 @@ def ppermute(x, axis_name, perm):
         raise ShardingError(
             f"functp.ppermute: perm {list(perm)} has index {bad[0]} outside "
             f"0..{g.size - 1} (the size of {g.axes})")
+    flat = [i for pair in perm for i in pair]
     return _map(lambda t: _collective(fr, g, "ppermute", _need_tensor(t, "ppermute"),
-                                      "_Ppermute", perm, reduces=False), x)
+                                      _ops.ppermute, flat, reduces=False), x)
 
 
-def axis_index(axis_name) -> int:
-    """This rank's index along ``axis_name`` (a tuple: flattened, major first).
+def axis_index(axis_name: AxisName) -> int:
+    """This rank's index along ``axis_name``.
 
-    A Python int: a value computed from it is not tracked as varying over the axis,
-    so combine it with values that already vary (as when masking a sharded table).
+    **Arguments:** ``axis_name`` – a mesh axis name or a tuple (flattened, major first).
+
+    **Returns:** a Python int. A value computed from it is not tracked as varying over
+    the axis, so combine it with values that already vary (as when masking a sharded
+    table).
+
+    Example::
+
+        start = functp.axis_index("tp") * block_rows
     """
     return _group(axis_name, "axis_index")[1].index
 
 
-def axis_size(axis_name) -> int:
-    """The number of ranks along ``axis_name`` (a tuple: the product)."""
+def axis_size(axis_name: AxisName) -> int:
+    """The number of ranks along ``axis_name``.
+
+    **Arguments:** ``axis_name`` – a mesh axis name or a tuple (the product of sizes).
+
+    **Returns:** a Python int.
+
+    Example::
+
+        functp.axis_size(("dp", "tp"))    # 4 on a 2 x 2 mesh
+    """
     return _group(axis_name, "axis_size")[1].size
 
 

@@ -33,8 +33,22 @@ class AxisGroup:
     group_name: str
     order: tuple[int, ...] | None
 
+    @property
+    def key(self) -> str:
+        """The name functp's registered ops take for this group (``group_of`` reads it)."""
+        return f"{self.group_name}|{','.join(self.axes)}"
+
     def group_rank(self, i: int) -> int:
         return i if self.order is None else self.order[i]
+
+
+# Every AxisGroup of every mesh, by key: functp's torch ops take a group as a string
+# (an op schema has no place for a Python object) and look it up here.
+_GROUPS: dict[str, AxisGroup] = {}
+
+
+def group_of(key: str) -> AxisGroup:
+    return _GROUPS[key]
 
 
 class Mesh:
@@ -62,7 +76,14 @@ class Mesh:
                 f"every process that calls shard_map must belong to its mesh")
         self.coordinate: dict[str, int] = dict(zip(self.axis_names, coord))
         self._groups = self._build_groups()
+        # every ordered tuple of axes resolved now, so that a step (compiled or not)
+        # only looks groups up: resolving needs host-side tensor work and group queries
         self._axis_groups: dict[tuple[str, ...], AxisGroup] = {}
+        for k in range(1, len(self.axis_names) + 1):
+            for axes in itertools.permutations(self.axis_names, k):
+                ag = self._resolve(axes)
+                self._axis_groups[axes] = ag
+                _GROUPS[ag.key] = ag
 
     @classmethod
     def from_device_mesh(cls, device_mesh: DeviceMesh) -> "Mesh":
@@ -109,7 +130,10 @@ class Mesh:
         hit = self._axis_groups.get(key)
         if hit is not None:
             return hit
-        axes = self._check_axes(axis_name, what)
+        self._check_axes(axis_name, what)
+        raise AssertionError(f"no group for {key}")   # _check_axes rejects every other key
+
+    def _resolve(self, axes: tuple[str, ...]) -> AxisGroup:
         pg = self._groups[frozenset(axes)]
         members = dist.get_process_group_ranks(pg)
         mesh = self.device_mesh.mesh
@@ -121,11 +145,9 @@ class Mesh:
         order = [0] * len(members)
         for g, d in enumerate(desired):
             order[d] = g
-        ag = AxisGroup(axes, math.prod(self.shape[a] for a in axes),
-                       self._linear(axes, self.coordinate), pg.group_name,
-                       None if order == list(range(len(order))) else tuple(order))
-        self._axis_groups[key] = ag
-        return ag
+        return AxisGroup(axes, math.prod(self.shape[a] for a in axes),
+                         self._linear(axes, self.coordinate), pg.group_name,
+                         None if order == list(range(len(order))) else tuple(order))
 
     def _linear(self, axes: Sequence[str], coord: dict[str, int]) -> int:
         i = 0

@@ -1,6 +1,6 @@
 """The raw collectives on an ``AxisGroup``: functional c10d ops plus ``wait_tensor``.
 
-No autograd here: ``_collectives.py`` wraps these in ``autograd.Function``s. Every
+No autograd here: ``_ops.py`` registers the differentiable ops built on these. Every
 call is recorded in ``comm_log``. A dimension argument names where the blocks are
 stacked; blocks are ordered by the index along the axis tuple, which can differ
 from the process group's rank order (a tuple of axes given out of mesh order), so

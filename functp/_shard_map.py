@@ -9,14 +9,15 @@ import optree
 import torch
 
 from . import _context
-from ._collectives import _apply
+from . import _ops
 from ._errors import ShardingError
 from ._interop import dtensor_to_local
 from ._mesh import Mesh
 from ._sharding import check_even_block
 from ._spec import P, normalize_spec
 from ._tree import match_specs
-from ._vma import Tracker, tracking
+from ._vma import Tracker
+from ._vma_mode import tracking
 
 __all__ = ["shard_map"]
 
@@ -158,6 +159,8 @@ class _Body:
             else:
                 with tracking(tracker):
                     out = self.f(*optree.tree_unflatten(treespec, local))
+        if tracker is not None and tracker.mode is not None:
+            tracker.mode.finish(out)   # a custom Function's output returned as it is
         try:
             opaths, oleaves, ospecs, otree = match_specs(self.out_specs, out, "out_specs", "output")
             return optree.tree_unflatten(otree, [self._exit(p, y, s, tracker, outer is not None)
@@ -202,7 +205,7 @@ class _Body:
                         f"dimension {d} of size {x.shape[d]} over {axes} of size {g.size}, "
                         f"which does not divide it; pad it to a multiple of {g.size}")
                 dims.append((d, g))
-        return _apply("_TakeBlock", x, tuple(dims)) if dims else x
+        return _ops.take_block(x, [d for d, _ in dims], [g.key for _, g in dims]) if dims else x
 
     def _pvary_replicated(self, local: list, specs: list) -> None:
         """check_vma=False: every input becomes varying over the axes its spec omits,
@@ -216,7 +219,7 @@ class _Body:
                     buckets.setdefault(missing, []).append(i)
         for axes, idx in buckets.items():
             g = self.mesh.axis_group(axes)
-            for i, y in zip(idx, _apply("_Pvary", g, True, *[local[i] for i in idx])):
+            for i, y in zip(idx, _ops.pvary([local[i] for i in idx], g.key, True)):
                 local[i] = y
 
     def _exit(self, path: str, y, spec, tracker: Tracker | None, nested: bool):
@@ -239,13 +242,13 @@ class _Body:
             # so its cotangent (arriving on every rank) is split between the copies.
             n = math.prod([self.mesh.shape[a] for a in self.axes if a not in spec.axes])
             if n > 1 and (y.is_floating_point() or y.is_complex()):
-                y = _apply("_ScaleGrad", y, 1.0 / n)
+                y = _ops.scale_grad(y, 1.0 / n)
         if nested:   # back to whole along our axes, for the enclosing body
             vma = tracker.get(y) if tracker is not None else None
             for d in range(len(spec)):
                 axes = spec.dim_axes(d)
                 if axes:
-                    y = _apply("_AllGather", y, self.mesh.axis_group(axes), d, True, True)
+                    y = _ops.all_gather(y, self.mesh.axis_group(axes).key, d, True, True)
             if tracker is not None:
                 tracker.set(y, vma - frozenset(self.axes))
         return y

@@ -1,11 +1,9 @@
-"""vma tracking: which mesh axes each value in a shard_map body varies over.
+"""The vma store: which mesh axes each value in a shard_map body varies over.
 
-While a body runs with ``check_vma=True`` a ``TorchFunctionMode`` sees every torch
-call. An op's result varies over the union of its tensor inputs' axes, and an input
-that varies over fewer axes is first passed through ``pvary`` over the missing ones
-(identity forward, ``psum`` of the gradient backward). No per-operator rule exists, so
-any torch op, custom op or ``autograd.Function`` follows the same rule. Collectives
-set their result's axes themselves (``_collectives.py``).
+A :class:`Tracker` keeps one tag per tensor made while a body runs with
+``check_vma=True`` and makes the ``pvary``s that the union rule asks for (cached: one
+per tensor and axis set). ``_vma_mode.py`` applies the rule to every torch call;
+collectives set their result's axes themselves (``_collectives.py``).
 
 Values that no op produced here (constants closed over, fresh tensors) are
 invariant: they vary over no axis.
@@ -16,10 +14,9 @@ import contextlib
 import itertools
 
 import torch
-from torch.autograd.function import Function
-from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from . import _ops
 from ._mesh import Mesh
 
 EMPTY: frozenset = frozenset()
@@ -36,47 +33,15 @@ def _under_vmap(t: torch.Tensor) -> bool:
         if not _is_wrapped(t):
             return False
         t = _unwrap(t)
-_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
-                    "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
-                    "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 
-
-def _is_inplace(func) -> bool:
-    name = getattr(func, "__name__", "")
-    if "." in name:                                   # aten overloads: "add_.Tensor"
-        name = name.split(".", 1)[0]
-    return (name[-1:] == "_" and name[-2:] != "__") or name in _INPLACE_DUNDERS
-
-
-def _tensors(args, kwargs) -> list[torch.Tensor]:
-    """Tensor arguments (not ``out=``), looking one level into lists and tuples
-    (torch.cat's list)."""
-    out = []
-    for a in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(a, torch.Tensor):
-            if not (kwargs and a is kwargs.get("out")):
-                out.append(a)
-        elif isinstance(a, (list, tuple)) and not (kwargs and a is kwargs.get("out")):
-            out.extend(t for t in a if isinstance(t, torch.Tensor))
-    return out
-
-
-def _replace(x, new: dict[int, torch.Tensor]):
-    if isinstance(x, torch.Tensor):
-        return new.get(id(x), x)
-    if isinstance(x, (list, tuple)) and any(id(t) in new for t in x):
-        return type(x)(new.get(id(t), t) for t in x)
-    return x
-
-
-class Tracker(TorchFunctionMode):
+class Tracker:
     """The vma of every tensor made while one shard_map body runs."""
 
     _runs = 0
 
     def __init__(self, mesh: Mesh):
-        super().__init__()
         self.mesh = mesh
+        self.mode = None          # the UnionRule applying the rule with these tags
         # tags live on the tensors themselves (a dict keyed by tensor costs a weak
         # reference per lookup); the token ties a tag to this body's run
         Tracker._runs += 1
@@ -90,10 +55,15 @@ class Tracker(TorchFunctionMode):
     def enter(self, local: list, specs: list, axes: tuple[str, ...], base: list | None = None) -> None:
         """Tags the inputs of a body that is manual over ``axes``: each varies over
         the axes its spec mentions (plus, in a nested body, ``base[i]``, what it
-        varied over outside). Floating inputs replicated over some of ``axes`` get
-        ``_EntryAliases``, so their implicit pvarys share one bucketed all-reduce."""
-        from ._collectives import _apply
-        todo, plan, vmas = [], [], {}
+        varied over outside).
+
+        A floating input replicated over some of ``axes`` gets an alias per subset of
+        them, used wherever it meets a value varying over that subset. The aliases of
+        all inputs over one subset come from one ``functp::pvary``, whose backward
+        sums their cotangents in one bucketed all-reduce after the whole backward.
+        """
+        by_group: dict[tuple[str, ...], list[int]] = {}
+        vmas = {}
         for i, (x, spec) in enumerate(zip(local, specs)):
             if spec is None:
                 continue
@@ -101,26 +71,20 @@ class Tracker(TorchFunctionMode):
             self.set(x, vma)
             missing = [a for a in axes if a not in vma]
             if missing and (x.is_floating_point() or x.is_complex()):
-                subsets = [c for k in range(1, len(missing) + 1)
-                           for c in itertools.combinations(missing, k)]
-                todo.append(i)
-                plan.append(tuple(self.mesh.axis_group(c) for c in subsets))
-        if not todo:
-            return
-        outs = _apply("_EntryAliases", tuple(plan), *[local[i] for i in todo])
-        k = 0
-        first = len(self._entry)      # a nested body adds to the enclosing one's
-        for j, (i, groups) in enumerate(zip(todo, plan), start=first):
-            vma = vmas[i]
-            a = local[i]
-            self._entry.append(a)
-            self._alias_of[a] = j
-            aliases = {}
-            for g in groups:
-                aliases[frozenset(g.axes)] = outs[k]
-                self.set(outs[k], vma | frozenset(g.axes))
-                k += 1
-            self._aliases.append(aliases)
+                for k in range(1, len(missing) + 1):
+                    for sub in itertools.combinations(missing, k):
+                        by_group.setdefault(sub, []).append(i)
+        first = {}
+        for sub, idx in by_group.items():
+            outs = _ops.pvary([local[i] for i in idx], self.mesh.axis_group(sub).key, False)
+            for i, out in zip(idx, outs):
+                if i not in first:      # a nested body adds to the enclosing one's
+                    first[i] = len(self._entry)
+                    self._entry.append(local[i])
+                    self._alias_of[local[i]] = first[i]
+                    self._aliases.append({})
+                self._aliases[first[i]][frozenset(sub)] = out
+                self.set(out, vmas[i] | frozenset(sub))
 
     # -- queries --------------------------------------------------------------
     def _own(self, t: torch.Tensor):
@@ -180,7 +144,6 @@ class Tracker(TorchFunctionMode):
     def pvary(self, t: torch.Tensor, axes) -> torch.Tensor:
         """``t`` marked as varying over ``axes`` too (cached: one pvary per tensor and
         axis set, so a weight used twice gets one gradient all-reduce)."""
-        from ._collectives import _apply
         v = self.get(t)
         missing = frozenset(axes) - v
         if not missing:
@@ -199,7 +162,7 @@ class Tracker(TorchFunctionMode):
                                                                   t.storage_offset())
         elif t.is_floating_point() or t.is_complex():
             with self.paused():
-                out = _apply("_Pvary", self._group(missing), False, t)[0]
+                out = _ops.pvary([t], self._group(missing).key, False)[0]
         else:   # no gradient to sum: a change of type only
             with self.paused():
                 out = t.view_as(t) if t.dim() else t.clone()
@@ -209,116 +172,9 @@ class Tracker(TorchFunctionMode):
 
     def pvary_inplace(self, t: torch.Tensor, axes) -> None:
         """Before ``t`` (or a view of it) is mutated by a more varying value."""
-        from ._collectives import _apply
         root = t if t._base is None else t._base
         missing = frozenset(axes) - self.get(root)
         if missing and (root.is_floating_point() or root.is_complex()):
             with self.paused():
-                _apply("_PvaryInplace", root, self._group(missing))
+                _ops.PvaryInplace.apply(root, self._group(missing).key)
         self.set(root, self.get(root) | missing)
-
-    # -- the union rule ------------------------------------------------------------
-    def _unify(self, args, kwargs, inplace: bool):
-        """Implicit pvary of the less varying inputs; returns (args, kwargs, union)."""
-        ts = _tensors(args, kwargs)
-        if not ts:
-            return args, kwargs, EMPTY
-        vmas = [self.get(t) for t in ts]
-        union = vmas[0].union(*vmas[1:]) if len(vmas) > 1 else vmas[0]
-        if not union or all(v is union or v == union for v in vmas):
-            return args, kwargs, union
-        if inplace and isinstance(args[0], torch.Tensor):
-            self.pvary_inplace(args[0], union)
-        new = {id(t): self.pvary(t, union) for t, v in zip(ts, vmas)
-               if v != union and not (inplace and t is args[0])}
-        args = tuple(_replace(a, new) for a in args)
-        kwargs = {k: _replace(a, new) for k, a in kwargs.items()}
-        return args, kwargs, union
-
-    def _tag(self, out, union: frozenset) -> None:
-        if isinstance(out, torch.Tensor):
-            self.set(out, union)
-        elif isinstance(out, (list, tuple)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self.set(o, union)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        if self._paused:
-            return func(*args, **kwargs)
-        if func is torch.autograd.grad:
-            return self._autograd_grad(func, args, kwargs)
-        inplace = _is_inplace(func)
-        args, kwargs, union = self._unify(args, kwargs, inplace)
-        out = func(*args, **kwargs)
-        if self._alias_of and isinstance(out, torch.Tensor) and out._base is not None:
-            self._follow_views(out, args)
-        if union or inplace:
-            self._tag(out, union)
-            if inplace and isinstance(args[0], torch.Tensor) and args[0]._base is not None:
-                self.set(args[0]._base, self.get(args[0]._base) | union)
-        if kwargs and "out" in kwargs:
-            self._tag(kwargs["out"], union)
-        return out
-
-    def _follow_views(self, out: torch.Tensor, args) -> None:
-        """A view of a replicated input still counts as that input (see pvary)."""
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                j = self._alias_of.get(a)
-                if j is not None and out._base is (a if a._base is None else a._base):
-                    self._alias_of[out] = j
-                    return
-
-    def _autograd_grad(self, func, args, kwargs):
-        # a gradient varies like the input it is taken with respect to (the implicit
-        # pvary's transpose already summed it over the other axes)
-        out = func(*args, **kwargs)
-        inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
-        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-        for g, x in zip(out, inputs):
-            if isinstance(g, torch.Tensor):
-                self.set(g, self.get(x))
-        return out
-
-    # -- custom autograd Functions -------------------------------------------------
-    # Eager Function.apply bypasses torch function modes (only the ops inside its
-    # forward, run without autograd, would be seen), so while a body runs apply is
-    # wrapped: the union rule is applied to the Function as one op, outside it.
-    def apply_function(self, orig, cls, args, kwargs):
-        if self._paused:
-            return orig(cls, *args, **kwargs)
-        args, kwargs, union = self._unify(args, kwargs, False)
-        with self.paused():
-            out = orig(cls, *args, **kwargs)
-        if union:
-            self._tag(out, union)
-        return out
-
-
-_ACTIVE: list[Tracker] = []
-_ORIG_APPLY = Function.__dict__["apply"]
-
-
-def _patched_apply(cls, *args, **kwargs):
-    if _ACTIVE:
-        return _ACTIVE[-1].apply_function(_ORIG_APPLY.__func__, cls, args, kwargs)
-    return _ORIG_APPLY.__func__(cls, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def tracking(tracker: Tracker):
-    """Runs the body with ``tracker`` seeing every torch call and Function.apply."""
-    if not _ACTIVE:
-        Function.apply = classmethod(_patched_apply)
-    _ACTIVE.append(tracker)
-    try:
-        with tracker:
-            yield tracker
-    finally:
-        _ACTIVE.pop()
-        if not _ACTIVE:
-            Function.apply = _ORIG_APPLY
-

@@ -1,0 +1,475 @@
+"""functp's differentiable collectives as registered torch operators (``functp::*``).
+
+Each op has four pieces, all registered through ``torch.library``:
+
+- a ``CompositeExplicitAutograd`` kernel: the raw collective (``_primitives``);
+- a fake kernel (shapes only), so ``torch.compile`` traces it into one graph;
+- a batching rule (``register_vmap``): torch's generated rule would skip the
+  communication;
+- an ``Autograd`` kernel: a pre-built single-level ``autograd.Function`` applied
+  through the C++ ``Function.apply``.
+
+The last piece is what makes the ops cheap under ``torch.func``. A Python
+``autograd.Function`` called under a transform goes through functorch's
+``custom_function_call``, which builds a new class per call and flattens pytrees
+(~2,000 Python calls per psum under ``torch.func.grad``). Here the op reaches the
+Autograd kernel at the transform's own level, the kernel applies a fixed
+single-level Function whose forward re-dispatches the op *below* autograd on the
+still-wrapped tensors — as a native autograd kernel does — and functorch itself
+unwraps, runs the lower levels (recording their graphs) and rewraps. Backward
+formulas call these ops again, so every nesting depth (grad of grad, jvp of grad,
+vmap of grad, jacrev) is differentiated by the same rules.
+
+``group`` arguments are ``AxisGroup.key`` strings (an op schema has no place for a
+Python object); ``_mesh.group_of`` resolves them.
+
+Two transposition regimes exist (DESIGN.md). With ``sum_mode`` a cotangent is each
+rank's contribution and must be summed (psumᵀ = psum); with vma tracking, the
+cotangent of an invariant value is already the full cotangent (psumᵀ = pvary).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.autograd.function import _SingleLevelFunction
+
+from . import _primitives as prim
+from ._mesh import group_of
+
+__all__ = ["psum", "pextremum", "pvary", "all_gather", "psum_scatter", "all_to_all",
+           "ppermute", "take_block", "scale_grad"]
+
+_lib = torch.library.Library("functp", "DEF")
+_functorch = torch._C._functorch
+_peek = _functorch.peek_interpreter_stack
+_single_allowed = _functorch.get_single_level_autograd_function_allowed
+_set_single_allowed = _functorch.set_single_level_autograd_function_allowed
+_fwd_ad = torch.autograd.forward_ad
+
+
+def _needs_autograd(args) -> bool:
+    if _fwd_ad._current_level >= 0:       # a forward-mode AD level outside torch.func
+        return True
+    if not torch.is_grad_enabled():
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                return True
+        elif isinstance(a, list) and a and isinstance(a[0], torch.Tensor):   # Tensor[]
+            if any(t.requires_grad for t in a):
+                return True
+    return False
+
+
+def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callable,
+            backward: Callable, jvp: Callable, vmap: Callable):
+    """Registers ``functp::<schema>`` and returns its OpOverload.
+
+    ``raw(*args)`` computes the result; ``setup_context(ctx, args, output)``,
+    ``backward(ctx, *cts)`` (one gradient per argument) and ``jvp(ctx, *tangents)``
+    follow ``autograd.Function``'s new-style contract; ``vmap(info, in_dims, *args)``
+    returns ``(output, out_dims)``.
+    """
+    name = schema.split("(", 1)[0]
+    _lib.define(schema)
+    op = getattr(torch.ops.functp, name).default
+    listy = schema.rstrip().endswith("Tensor[]")
+
+    # Function.apply sees only top-level tensors: a Tensor[] first argument travels
+    # flattened after the other arguments, as (interp, others, *tensors)
+    def unflat(args):
+        return (list(args[1:]), *args[0]) if listy else args
+
+    def forward(interp, *args):
+        args = unflat(args)
+        if interp is None:                    # no torch.func level: compute it
+            out = raw(*args)
+            return tuple(out) if listy else out
+        # one level of torch.func: re-dispatch below autograd on the wrapped inputs;
+        # functorch unwraps them, lets the lower levels record their own graphs, and
+        # wraps the result for this level (grad on: Function.apply turned it off, and
+        # the lower levels must see the user's grad mode, not ours)
+        prev, prev_fwd = torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()
+        torch._C._set_grad_enabled(True)
+        torch._C._set_fwd_grad_enabled(True)
+        try:
+            with torch._C._AutoDispatchBelowAutograd():
+                out = op(*args)
+        finally:
+            torch._C._set_grad_enabled(prev)
+            torch._C._set_fwd_grad_enabled(prev_fwd)
+        return tuple(out) if listy else out
+
+    def rule_setup_context(ctx, inputs, output):
+        setup_context(ctx, unflat(inputs[1:]), output)
+
+    def rule_backward(ctx, *cts):
+        grads = backward(ctx, *cts)
+        return (None, None, *grads[0]) if listy else (None, *grads)
+
+    def rule_jvp(ctx, *tangents):      # tangents of non-tensors are None
+        return jvp(ctx, list(tangents[2:])) if listy else jvp(ctx, *tangents[1:])
+
+    rule = type(name, (_SingleLevelFunction,), {
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(rule_setup_context),
+        "backward": staticmethod(rule_backward),
+        "jvp": staticmethod(rule_jvp),
+        "__module__": __name__,
+        "__qualname__": f"functp::{name}",
+    })
+
+    def autograd_kernel(*args):
+        interp = _peek()
+        if interp is None and not _needs_autograd(args):
+            return raw(*args)
+        allowed = _single_allowed()
+        _set_single_allowed(True)
+        try:
+            if listy:
+                out = rule.apply(interp, args[1:], *args[0])
+            else:
+                out = rule.apply(interp, *args)
+        finally:
+            _set_single_allowed(allowed)
+        return list(out) if listy else out
+
+    def composite(*args):
+        out = raw(*args)
+        return list(out) if listy else out
+
+    _lib.impl(name, composite, "CompositeExplicitAutograd")
+    _lib.impl(name, autograd_kernel, "Autograd")
+    torch.library.register_fake(f"functp::{name}", fake, lib=_lib)
+    torch.library.register_vmap(f"functp::{name}", vmap, lib=_lib)
+    return op
+
+
+def _bdim0(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
+    return x if bdim in (None, 0) else x.movedim(bdim, 0)
+
+
+def _none(n: int) -> tuple:
+    return (None,) * n
+
+
+# -- psum / pmean ----------------------------------------------------------------------
+
+def _psum_raw(x, group, mean, sum_mode):
+    g = group_of(group)
+    y = prim.all_reduce(x, g, "sum")
+    return y / g.size if mean else y
+
+
+def _psum_ctx(ctx, args, output):
+    _, ctx.group, ctx.mean, ctx.sum_mode = args
+
+
+def _psum_bwd(ctx, ct):
+    if ctx.sum_mode:
+        return psum(ct, ctx.group, ctx.mean, True), *_none(3)
+    ct = pvary([ct], ctx.group, False)[0]   # psumᵀ = pvary: identity, psum when transposed
+    return (ct / group_of(ctx.group).size if ctx.mean else ct), *_none(3)
+
+
+psum = _define(
+    "psum(Tensor x, str group, bool mean, bool sum_mode) -> Tensor", _psum_raw,
+    lambda x, group, mean, sum_mode: torch.empty_like(x),
+    setup_context=_psum_ctx, backward=_psum_bwd,
+    jvp=lambda ctx, t, *_: psum(t, ctx.group, ctx.mean, ctx.sum_mode),
+    vmap=lambda info, dims, x, *a: (psum(x, *a), dims[0]))
+
+
+# -- pmax / pmin -------------------------------------------------------------------------
+
+def _pext_ctx(ctx, args, output):
+    x, ctx.group, ctx.op, ctx.sum_mode = args
+    ctx.save_for_backward(x, output)
+    ctx.save_for_forward(x, output)
+
+
+def _pext_bwd(ctx, ct):
+    # the gradient goes to the ranks holding the extremum, split evenly among ties
+    x, out = ctx.saved_tensors
+    mask = (x == out).to(ct.dtype)
+    if ctx.sum_mode:      # one collective for both the cotangent sum and the tie count
+        both = psum(torch.stack([ct, mask]), ctx.group, False, True)
+        return both[0] * mask / both[1], *_none(3)
+    count = psum(mask, ctx.group, False, True)
+    return pvary([ct], ctx.group, False)[0] * mask / count, *_none(3)
+
+
+def _pext_jvp(ctx, t, *_):
+    x, out = ctx.saved_tensors
+    mask = (x == out).to(t.dtype)
+    both = psum(torch.stack([t * mask, mask]), ctx.group, False, True)
+    return both[0] / both[1]
+
+
+pextremum = _define(
+    "pextremum(Tensor x, str group, str op, bool sum_mode) -> Tensor",
+    lambda x, group, op, sum_mode: prim.all_reduce(x, group_of(group), op),
+    lambda x, *_: torch.empty_like(x),
+    setup_context=_pext_ctx, backward=_pext_bwd, jvp=_pext_jvp,
+    vmap=lambda info, dims, x, *a: (pextremum(x, *a), dims[0]))
+
+
+# -- pvary ---------------------------------------------------------------------------------
+
+def _pvary_ctx(ctx, args, output):
+    _, ctx.group, ctx.sum_mode = args
+    ctx.set_materialize_grads(False)
+
+
+def _pvary_bwd(ctx, *cts):
+    # the cotangents of every differentiated input, summed in one all-reduce per
+    # dtype (a gradient bucket, as DDP does); unused outputs add nothing
+    needs = ctx.needs_input_grad[-len(cts):]
+    want = [i for i, c in enumerate(cts) if c is not None and needs[i]]
+    grads: list[Any] = [None] * len(cts)
+    for i, gi in zip(want, bucketed_psum([cts[i] for i in want], ctx.group, ctx.sum_mode)):
+        grads[i] = gi
+    return grads, None, None
+
+
+def _pvary_vmap(info, dims, xs, group, sum_mode):
+    return pvary(xs, group, sum_mode), list(dims[0])
+
+
+pvary = _define(
+    "pvary(Tensor[] xs, str group, bool sum_mode) -> Tensor[]",
+    lambda xs, group, sum_mode: [x.view_as(x) for x in xs],
+    lambda xs, group, sum_mode: [torch.empty_like(x) for x in xs],
+    setup_context=_pvary_ctx, backward=_pvary_bwd,
+    jvp=lambda ctx, ts, *_: tuple(t.view_as(t) for t in ts), vmap=_pvary_vmap)
+
+
+def bucketed_psum(ts, group: str, sum_mode: bool) -> list[torch.Tensor]:
+    """``psum`` of each tensor, with one all-reduce per dtype."""
+    out: list[Any] = [None] * len(ts)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(ts):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for idx in by_dtype.values():
+        if len(idx) == 1:
+            out[idx[0]] = psum(ts[idx[0]], group, False, sum_mode)
+            continue
+        flat = psum(torch.cat([ts[i].reshape(-1) for i in idx]), group, False, sum_mode)
+        for i, piece in zip(idx, flat.split([ts[i].numel() for i in idx])):
+            out[i] = piece.view(ts[i].shape)
+    return out
+
+
+# -- all_gather / psum_scatter ---------------------------------------------------------------
+
+def _gathered_shape(x, g, dim, tiled):
+    shape = list(x.shape)
+    if tiled:
+        shape[dim] *= g.size
+    else:
+        shape.insert(dim, g.size)
+    return shape
+
+
+def _ag_raw(x, group, dim, tiled, invariant_T):
+    return prim.all_gather(x if tiled else x.unsqueeze(dim), group_of(group), dim)
+
+
+def _ag_ctx(ctx, args, output):
+    _, ctx.group, ctx.dim, ctx.tiled, ctx.invariant_T = args
+
+
+def _ag_bwd(ctx, ct):
+    g, dim = group_of(ctx.group), ctx.dim
+    if ctx.invariant_T:     # all_gather_invariant in vma mode: keep this rank's slice
+        ct = pvary([ct], ctx.group, False)[0]
+        b = ct.shape[dim] // g.size
+        gx = ct.narrow(dim, g.index * b, b) if ctx.tiled else ct.select(dim, g.index)
+    else:
+        gx = psum_scatter(ct, ctx.group, dim, ctx.tiled)
+    return gx, *_none(4)
+
+
+all_gather = _define(
+    "all_gather(Tensor x, str group, int dim, bool tiled, bool invariant_T) -> Tensor", _ag_raw,
+    lambda x, group, dim, tiled, inv: x.new_empty(_gathered_shape(x, group_of(group), dim, tiled)),
+    setup_context=_ag_ctx, backward=_ag_bwd,
+    jvp=lambda ctx, t, *_: all_gather(t, ctx.group, ctx.dim, ctx.tiled, ctx.invariant_T),
+    vmap=lambda info, dims, x, group, dim, tiled, inv:
+        (all_gather(_bdim0(x, dims[0]), group, dim + 1, tiled, inv), 0))
+
+
+def _scattered_shape(x, g, dim, tiled):
+    shape = list(x.shape)
+    if tiled:
+        shape[dim] //= g.size
+    else:
+        del shape[dim]
+    return shape
+
+
+def _rs_raw(x, group, dim, tiled):
+    y = prim.reduce_scatter(x, group_of(group), dim)
+    return y if tiled else y.squeeze(dim)
+
+
+def _rs_ctx(ctx, args, output):
+    _, ctx.group, ctx.dim, ctx.tiled = args
+
+
+psum_scatter = _define(
+    "psum_scatter(Tensor x, str group, int dim, bool tiled) -> Tensor", _rs_raw,
+    lambda x, group, dim, tiled: x.new_empty(_scattered_shape(x, group_of(group), dim, tiled)),
+    setup_context=_rs_ctx,
+    backward=lambda ctx, ct: (all_gather(ct, ctx.group, ctx.dim, ctx.tiled, False), *_none(3)),
+    jvp=lambda ctx, t, *_: psum_scatter(t, ctx.group, ctx.dim, ctx.tiled),
+    vmap=lambda info, dims, x, group, dim, tiled:
+        (psum_scatter(_bdim0(x, dims[0]), group, dim + 1, tiled), 0))
+
+
+# -- all_to_all --------------------------------------------------------------------------------
+
+def _a2a_raw(x, group, split, concat, tiled):
+    g = group_of(group)
+    if tiled:
+        return prim.all_to_all(x, g, split, concat)
+    # untiled: dim `split` (size n) is consumed, a new dim of size n (the source rank)
+    # appears at `concat`
+    return prim.all_to_all(x, g, split, split).movedim(split, concat)
+
+
+def _a2a_fake(x, group, split, concat, tiled):
+    n = group_of(group).size
+    shape = list(x.shape)
+    if tiled:
+        shape[split] //= n
+        shape[concat] *= n
+    else:
+        del shape[split]
+        shape.insert(concat, n)
+    return x.new_empty(shape)
+
+
+def _a2a_ctx(ctx, args, output):
+    _, ctx.group, ctx.split, ctx.concat, ctx.tiled = args
+
+
+all_to_all = _define(
+    "all_to_all(Tensor x, str group, int split, int concat, bool tiled) -> Tensor",
+    _a2a_raw, _a2a_fake, setup_context=_a2a_ctx,
+    backward=lambda ctx, ct: (all_to_all(ct, ctx.group, ctx.concat, ctx.split, ctx.tiled),
+                              *_none(4)),
+    jvp=lambda ctx, t, *_: all_to_all(t, ctx.group, ctx.split, ctx.concat, ctx.tiled),
+    vmap=lambda info, dims, x, group, split, concat, tiled:
+        (all_to_all(_bdim0(x, dims[0]), group, split + 1, concat + 1, tiled), 0))
+
+
+# -- ppermute ------------------------------------------------------------------------------------
+
+def _pairs(perm) -> tuple[tuple[int, int], ...]:
+    """``perm`` travels flat (``[s0, d0, s1, d1, ...]``): schemas have no int pairs."""
+    return tuple(zip(perm[0::2], perm[1::2]))
+
+
+def _pp_ctx(ctx, args, output):
+    _, ctx.group, ctx.perm = args
+
+
+def _pp_bwd(ctx, ct):
+    inverse = [i for s, d in _pairs(ctx.perm) for i in (d, s)]
+    return ppermute(ct, ctx.group, inverse), None, None
+
+
+ppermute = _define(
+    "ppermute(Tensor x, str group, int[] perm) -> Tensor",
+    lambda x, group, perm: prim.permute(x, group_of(group), _pairs(perm)),
+    lambda x, group, perm: torch.empty_like(x),
+    setup_context=_pp_ctx, backward=_pp_bwd,
+    jvp=lambda ctx, t, *_: ppermute(t, ctx.group, ctx.perm),
+    vmap=lambda info, dims, x, group, perm: (ppermute(x, group, perm), dims[0]))
+
+
+# -- take_block: entering a nested shard_map -------------------------------------------------------
+
+def _tb_raw(x, dims, groups):
+    """This rank's block of a value whole along ``groups[i]``'s axes at ``dims[i]``."""
+    for d, key in zip(dims, groups):
+        g = group_of(key)
+        b = x.shape[d] // g.size
+        x = x.narrow(d, g.index * b, b)
+    return x.clone() if not dims else x
+
+
+def _tb_fake(x, dims, groups):
+    shape = list(x.shape)
+    for d, key in zip(dims, groups):
+        shape[d] //= group_of(key).size
+    return x.new_empty(shape)
+
+
+def _tb_ctx(ctx, args, output):
+    _, ctx.dims, ctx.groups = args
+
+
+def _tb_bwd(ctx, ct):
+    # the blocks' cotangents gathered back to whole
+    for d, key in reversed(list(zip(ctx.dims, ctx.groups))):
+        ct = all_gather(ct, key, d, True, False)
+    return ct, None, None
+
+
+take_block = _define(
+    "take_block(Tensor x, int[] dims, str[] groups) -> Tensor", _tb_raw, _tb_fake,
+    setup_context=_tb_ctx, backward=_tb_bwd,
+    jvp=lambda ctx, t, *_: take_block(t, ctx.dims, ctx.groups),
+    vmap=lambda info, bdims, x, dims, groups:
+        (take_block(_bdim0(x, bdims[0]), [d + 1 for d in dims], groups), 0))
+
+
+# -- scale_grad: identity forward, scaled cotangent ------------------------------------------------
+
+def _sg_ctx(ctx, args, output):
+    ctx.factor = args[1]
+
+
+scale_grad = _define(
+    "scale_grad(Tensor x, float factor) -> Tensor",
+    lambda x, factor: x.view_as(x), lambda x, factor: torch.empty_like(x),
+    setup_context=_sg_ctx, backward=lambda ctx, ct: (ct * ctx.factor, None),
+    jvp=lambda ctx, t, _: t.view_as(t),
+    vmap=lambda info, dims, x, factor: (scale_grad(x, factor), dims[0]))
+
+
+# -- pvary in place -----------------------------------------------------------------------------
+
+class PvaryInplace(torch.autograd.Function):
+    """pvary of a tensor about to be mutated in place by a more varying value: marks
+    it dirty, so its later uses (and its views) see the new autograd history.
+
+    A plain ``autograd.Function`` (an op cannot mutate through ``mark_dirty``): this
+    path is rare — an in-place op mixing vma — so functorch's generic handling of
+    Functions is fast enough.
+    """
+
+    @staticmethod
+    def forward(x, group: str):
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_dirty(inputs[0])
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, ct):
+        return psum(ct, ctx.group, False, False), None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return t
+
+    @staticmethod
+    def vmap(info, in_dims, x, group):
+        return PvaryInplace.apply(x, group), in_dims[0]
