@@ -124,6 +124,13 @@ class Parallelized:
         self._owners = owners
         self._hooked = hooked
         self._withheld = withheld
+        # the hooks are registered once, here, and act only while __call__ runs:
+        # registering them per call cannot be traced by torch.compile
+        self._call = _CallState()
+        for name, mod, style, pmap in hooked:
+            hook = _PlanHook(name, style, pmap, axis, self._call)
+            mod.register_forward_pre_hook(hook.pre, with_kwargs=True)
+            mod.register_forward_hook(hook.post, with_kwargs=True)
 
     def __repr__(self) -> str:
         return (f"Parallelized({type(self.module).__name__} over '{self.axis}' of {self.mesh}, "
@@ -142,15 +149,18 @@ class Parallelized:
         call_params = dict(params)
         for name in self._withheld:
             call_params[name] = None
-        handles, exits = [], []
+        state = self._call
+        if state.params is not None:
+            raise ShardingError(
+                f"apply of parallelize({type(self.module).__name__}) was called from "
+                f"inside itself; call it once per forward")
+        state.params, state.exits = params, []
         try:
-            for name, mod, style, pmap in self._hooked:
-                handles += _hooks(name, mod, style, pmap, params, self.axis, exits)
             return functional_call(self.module, call_params, args, kwargs,
                                    tie_weights=True, strict=False)
         finally:
-            for h in handles:
-                h.remove()
+            exits = state.exits
+            state.params, state.exits, state.stacks = None, None, {}
             for fn in reversed(exits):
                 fn()
 
@@ -170,20 +180,38 @@ class Parallelized:
 _REPLICATED = Replicated()
 
 
-def _hooks(name: str, mod: nn.Module, style: Style, pmap: dict[str, str], params: dict,
-           axis: str, exits: list) -> list:
-    stack: list[Call] = []      # a module called twice in one forward: one Call each
+class _CallState:
+    """What the plan's hooks need during one ``apply`` call (``params`` is None
+    outside one, and the hooks then do nothing)."""
 
-    def pre(m, args, kwargs):
-        call = Call(name, axis, {s: params[c] for s, c in pmap.items() if c in params},
-                    {}, exits)
-        stack.append(call)
-        return style.prepare_input(m, args, kwargs, call)
+    def __init__(self) -> None:
+        self.params: dict | None = None
+        self.exits: list | None = None
+        self.stacks: dict[str, list[Call]] = {}   # a module called twice: one Call each
 
-    def post(m, args, kwargs, output):
-        return style.prepare_output(m, args, kwargs, output, stack.pop())
-    return [mod.register_forward_pre_hook(pre, with_kwargs=True),
-            mod.register_forward_hook(post, with_kwargs=True)]
+
+class _PlanHook:
+    """A plan style's forward pre/post hooks on one module."""
+
+    def __init__(self, name: str, style: Style, pmap: dict[str, str], axis: str,
+                 state: _CallState):
+        self.name, self.style, self.pmap, self.axis, self.state = name, style, pmap, axis, state
+
+    def pre(self, m, args, kwargs):
+        st = self.state
+        if st.params is None:
+            return None
+        call = Call(self.name, self.axis,
+                    {s: st.params[c] for s, c in self.pmap.items() if c in st.params}, {},
+                    st.exits)
+        st.stacks.setdefault(self.name, []).append(call)
+        return self.style.prepare_input(m, args, kwargs, call)
+
+    def post(self, m, args, kwargs, output):
+        st = self.state
+        if st.params is None:
+            return None
+        return self.style.prepare_output(m, args, kwargs, output, st.stacks[self.name].pop())
 
 
 def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str,

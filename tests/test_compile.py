@@ -1,8 +1,9 @@
-"""A tape-autograd step with functp collectives compiles with fullgraph=True (no graph
-breaks) and gives the eager numbers. (torch.compile of torch.func.grad with a
-collective inside is not supported by torch 2.13; see docs.)"""
+"""Steps with functp collectives compile with fullgraph=True (no graph breaks): a
+tape-autograd step, and torch.func.grad_and_value of a shard_map in every canonical
+layout, with the unsharded program's gradients."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import functp
@@ -52,3 +53,99 @@ def _compile_body():
 
 def test_tape_autograd_step_compiles_fullgraph(run):
     run(2, _compile_body, timeout=600)
+
+
+# ---------------------------------------------------------------------------------
+# torch.compile(torch.func.grad_and_value(shard_map(...)), fullgraph=True): one graph,
+# and the gradients of the unsharded float64 program for sharded and replicated
+# parameters alike, in every canonical layout.
+
+def _mlp(p, x):
+    return torch.tanh(x @ p["w1"].T + p["b1"]) @ p["w2"].T + p["b2"]
+
+
+def _params():
+    return {"w1": randn(8, 4, seed=1), "b1": randn(8, seed=2), "w2": randn(4, 8, seed=3),
+            "b2": randn(4, seed=4)}
+
+
+def _global_loss(p, x, y):
+    return ((_mlp(p, x) - y) ** 2).mean()
+
+
+def _dp_loss(p, x, y):                       # params P(), batch P("dp")
+    return functp.pmean(((_mlp(p, x) - y) ** 2).mean(), "dp")
+
+
+def _fsdp_loss(p, x, y):                     # params P("dp") on dim 0, batch P("dp")
+    full = {k: functp.all_gather(v, "dp", tiled=True) for k, v in p.items()}
+    return functp.pmean(((_mlp(full, x) - y) ** 2).mean(), "dp")
+
+
+def _tp_loss(p, x, y):                       # Megatron: w1/b1 by rows, w2 by columns
+    h = torch.tanh(x @ p["w1"].T + p["b1"])
+    out = functp.psum(h @ p["w2"].T, "tp") + p["b2"]
+    return ((out - y) ** 2).mean()
+
+
+def _sp_loss(p, x, y):                       # sequence parallel: batch rows split over tp
+    xs = functp.all_gather(x, "tp", tiled=True)
+    h = torch.tanh(xs @ p["w1"].T + p["b1"])
+    out = functp.psum_scatter(h @ p["w2"].T, "tp", tiled=True) + p["b2"]
+    return functp.pmean(((out - y) ** 2).mean(), "tp")
+
+
+def _tp2d_loss(p, x, y):                     # dp x tp
+    return functp.pmean(_tp_loss(p, x, y), "dp")
+
+
+_TP = {"w1": P("tp", None), "b1": P("tp"), "w2": P(None, "tp"), "b2": P()}
+_LAYOUTS = {
+    "dp": ((4,), ("dp",), _dp_loss, (P(), P("dp"), P("dp"))),
+    "fsdp": ((4,), ("dp",), _fsdp_loss, (P("dp"), P("dp"), P("dp"))),
+    "tp": ((4,), ("tp",), _tp_loss, (_TP, P(), P())),
+    "sp": ((4,), ("tp",), _sp_loss, (_TP, P("tp"), P("tp"))),
+    "dp_tp": ((2, 2), ("dp", "tp"), _tp2d_loss, (_TP, P("dp"), P("dp"))),
+}
+
+
+def _compiled_grad_body(layout):
+    shape, names, local_loss, in_specs = _LAYOUTS[layout]
+    mesh = functp.make_mesh(shape, names)
+    p, x, y = _params(), randn(8, 4, seed=5), randn(8, 4, seed=6)
+    ref_grads, ref_loss = torch.func.grad_and_value(_global_loss)(p, x, y)
+    step = functp.shard_map(local_loss, mesh, in_specs=in_specs, out_specs=P())
+    local = functp.shard((p, x, y), mesh, in_specs)
+    torch._dynamo.reset()
+    compiled = torch.compile(torch.func.grad_and_value(step), fullgraph=True, backend="aot_eager")
+    for _ in range(2):     # the second call runs the cached graph
+        grads, loss = compiled(*local)
+        assert_tree_close(loss, ref_loss, f"{layout}: compiled loss")
+        assert_tree_close(functp.unshard(grads, mesh, in_specs[0]), ref_grads,
+                          f"{layout}: compiled grad")
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_compiled_func_grad_matches_unsharded(run, layout):
+    run(4, _compiled_grad_body, layout, timeout=600)
+
+
+def _compiled_plan_body():
+    mesh = functp.make_mesh((2,), ("tp",))
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                              torch.nn.Linear(8, 4)).double()
+    apply, params, specs = functp.parallelize(mlp, mesh, {"0": "colwise", "2": "rowwise"})
+    x = randn(6, 4, seed=7)
+    ref = torch.func.grad(lambda p: (torch.func.functional_call(mlp, p, (x,)) ** 2).mean())(
+        dict(mlp.named_parameters()))
+    step = functp.shard_map(lambda p, x: (apply(p, x) ** 2).mean(), mesh,
+                            in_specs=(specs, P()), out_specs=P())
+    torch._dynamo.reset()
+    grads = torch.compile(torch.func.grad(step), fullgraph=True, backend="aot_eager")(params, x)
+    assert_tree_close(apply.unshard(grads), {k: v.detach() for k, v in ref.items()},
+                      "plan: compiled grad")
+
+
+def test_compiled_func_grad_of_a_plan_matches_unsharded(run):
+    run(2, _compiled_plan_body, timeout=600)
