@@ -36,7 +36,7 @@ def _group(axis_name, what: str) -> tuple[_context.Frame, AxisGroup]:
 
 
 def _map(fn, x):
-    return optree.tree_map(fn, x)
+    return fn(x) if isinstance(x, torch.Tensor) else optree.tree_map(fn, x)
 
 
 def _dim(d: int, ndim: int, what: str, arg: str, shape) -> int:
@@ -64,7 +64,8 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
     tr = fr.tracker
     if tr is None:
         return op(t, g.key, *args)
-    with tr.paused():
+    tr._paused += 1          # our own ops are not the user's program
+    try:
         v = tr.get(t)
         missing = tuple(a for a in g.axes if a not in v)
         if missing and needs_varying:
@@ -74,6 +75,8 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
             v = v | frozenset(missing)
         out = op(t, g.key, *args)
         tr.set(out, v - frozenset(g.axes) if reduces else v)
+    finally:
+        tr._paused -= 1
     return out
 
 

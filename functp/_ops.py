@@ -46,21 +46,22 @@ _peek = _functorch.peek_interpreter_stack
 _single_allowed = _functorch.get_single_level_autograd_function_allowed
 _set_single_allowed = _functorch.set_single_level_autograd_function_allowed
 _fwd_ad = torch.autograd.forward_ad
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_stack_depth = _functorch.get_dynamic_layer_stack_depth
+_unwrap_one = _functorch.get_unwrapped
 
 
 def _needs_autograd(args) -> bool:
+    """Outside torch.func: does this call need the autograd Function? Every functp op
+    takes its tensor (or its list of tensors) first."""
     if _fwd_ad._current_level >= 0:       # a forward-mode AD level outside torch.func
         return True
     if not torch.is_grad_enabled():
         return False
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if a.requires_grad:
-                return True
-        elif isinstance(a, list) and a and isinstance(a[0], torch.Tensor):   # Tensor[]
-            if any(t.requires_grad for t in a):
-                return True
-    return False
+    x = args[0]
+    if x.__class__ is list:
+        return any([t.requires_grad for t in x])
+    return x.requires_grad
 
 
 def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callable,
@@ -85,7 +86,8 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
     def forward(interp, *args):
         args = unflat(args)
         if interp is None:                    # no torch.func level: compute it
-            out = raw(*args)
+            with _below_autograd():           # (funcol's own autograd is not wanted)
+                out = raw(*args)
             return tuple(out) if listy else out
         # one level of torch.func: re-dispatch below autograd on the wrapped inputs;
         # functorch unwraps them, lets the lower levels record their own graphs, and
@@ -124,7 +126,8 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
     def autograd_kernel(*args):
         interp = _peek()
         if interp is None and not _needs_autograd(args):
-            return raw(*args)
+            with _below_autograd():
+                return raw(*args)
         allowed = _single_allowed()
         _set_single_allowed(True)
         try:
@@ -145,6 +148,19 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
     torch.library.register_fake(f"functp::{name}", fake, lib=_lib)
     torch.library.register_vmap(f"functp::{name}", vmap, lib=_lib)
     return op
+
+
+def _vary(ct: torch.Tensor, group: str) -> torch.Tensor:
+    """pvary of a cotangent inside a vma-mode backward (psumᵀ): the identity, whose
+    own transpose is a psum. Applied only where something can still differentiate
+    this backward: tape autograd with ``create_graph``, or a torch.func level above
+    another (grad of grad, jvp of grad) or above tensors that need gradients. A
+    single ``torch.func.grad`` or a plain ``backward()`` never looks at it."""
+    if not torch.is_grad_enabled() and _fwd_ad._current_level < 0:
+        return ct
+    if _peek() is not None and _stack_depth() == 1 and not _unwrap_one(ct).requires_grad:
+        return ct
+    return pvary([ct], group, False)[0]
 
 
 def _bdim0(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
@@ -170,7 +186,7 @@ def _psum_ctx(ctx, args, output):
 def _psum_bwd(ctx, ct):
     if ctx.sum_mode:
         return psum(ct, ctx.group, ctx.mean, True), *_none(3)
-    ct = pvary([ct], ctx.group, False)[0]   # psumᵀ = pvary: identity, psum when transposed
+    ct = _vary(ct, ctx.group)
     return (ct / group_of(ctx.group).size if ctx.mean else ct), *_none(3)
 
 
@@ -198,7 +214,7 @@ def _pext_bwd(ctx, ct):
         both = psum(torch.stack([ct, mask]), ctx.group, False, True)
         return both[0] * mask / both[1], *_none(3)
     count = psum(mask, ctx.group, False, True)
-    return pvary([ct], ctx.group, False)[0] * mask / count, *_none(3)
+    return _vary(ct, ctx.group) * mask / count, *_none(3)
 
 
 def _pext_jvp(ctx, t, *_):
@@ -284,7 +300,7 @@ def _ag_ctx(ctx, args, output):
 def _ag_bwd(ctx, ct):
     g, dim = group_of(ctx.group), ctx.dim
     if ctx.invariant_T:     # all_gather_invariant in vma mode: keep this rank's slice
-        ct = pvary([ct], ctx.group, False)[0]
+        ct = _vary(ct, ctx.group)
         b = ct.shape[dim] // g.size
         gx = ct.narrow(dim, g.index * b, b) if ctx.tiled else ct.select(dim, g.index)
     else:

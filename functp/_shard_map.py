@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable
 
 import optree
@@ -11,8 +10,10 @@ import torch
 from . import _context
 from . import _ops
 from ._errors import ShardingError
+from ._boundary import SumRules, VmaRules, _floating
 from ._interop import dtensor_to_local
 from ._mesh import Mesh
+from ._reshard import GLOBAL_SHAPE
 from ._sharding import check_even_block
 from ._spec import P, normalize_spec
 from ._tree import match_specs
@@ -93,11 +94,26 @@ def _manual_axes(mesh: Mesh, axis_names) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a in names)
 
 
+class _InPlan:
+    """What shard_map knows of one input tree (its structure and leaf types) once
+    it has checked it: printable paths, normalized specs (None for non-tensors),
+    which leaves are DTensors, and the boundary rules' plan per tuple of dtypes."""
+
+    def __init__(self, paths, specs, tensors, dtensors, specs_raw):
+        self.paths, self.specs, self.tensors, self.dtensors = paths, specs, tensors, dtensors
+        self.specs_raw = specs_raw          # as given: a DTensor's is normalized per call
+        self.rules: dict = {}
+
+
 class _Body:
     def __init__(self, f, mesh: Mesh, in_specs, out_specs, check_vma: bool,
                  axes: tuple[str, ...]):
         self.f, self.mesh, self.check_vma, self.axes = f, mesh, check_vma, axes
         self.in_specs, self.out_specs = in_specs, out_specs
+        self.vma_rules, self.sum_rules = VmaRules(mesh, axes), SumRules(mesh, axes)
+        # per input tree: (treespec, leaf types) -> _InPlan; per output tree likewise
+        self._in_plans: dict = {}
+        self._out_plans: dict = {}
 
     def __call__(self, *args, **kwargs):
         if kwargs:
@@ -127,29 +143,73 @@ class _Body:
                 f"one left whole: give the outer one axis_names without {both[0]!r}, or "
                 f"the inner one axis_names without it")
 
+    # -- inputs ----------------------------------------------------------------------
+    def _in_plan(self, args, leaves, treespec) -> _InPlan:
+        # (while Dynamo traces, a treespec cannot be a key, and a trace runs once)
+        compiling = torch.compiler.is_compiling()
+        key = None if compiling else (treespec, tuple(map(type, leaves)))
+        plan = None if compiling else self._in_plans.get(key)
+        if plan is None:
+            from torch.distributed.tensor import DTensor
+            paths, _, specs, _ = match_specs(self.in_specs, args, "in_specs", "args")
+            tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+            dtensors = [i for i in tensors if isinstance(leaves[i], DTensor)]
+            norm = [None] * len(leaves)
+            for i in tensors:
+                if i not in dtensors:
+                    norm[i] = self._spec(specs[i], f"in_specs for {paths[i]}", leaves[i].shape)
+            plan = _InPlan(paths, norm, tensors, dtensors, specs)
+            if not compiling:
+                self._in_plans[key] = plan
+        return plan
+
+    def _local_inputs(self, plan: _InPlan, leaves: list) -> tuple[list, list]:
+        """This rank's blocks and their specs, checked against the spec lengths."""
+        specs = plan.specs
+        if plan.dtensors:        # a DTensor argument is a global value: take its block
+            specs = list(specs)
+            leaves = list(leaves)
+            for i in plan.dtensors:
+                leaves[i] = dtensor_to_local(leaves[i], self.mesh, plan.specs_raw[i], plan.paths[i])
+                specs[i] = self._spec(plan.specs_raw[i], f"in_specs for {plan.paths[i]}",
+                                      leaves[i].shape)
+        for i in plan.tensors:
+            x, spec = leaves[i], specs[i]
+            if len(spec) > x.ndim:       # the same tree with a lower-rank tensor
+                self._spec(spec, f"in_specs for {plan.paths[i]}", x.shape)
+            if getattr(x, GLOBAL_SHAPE, None) is not None:   # an uneven block of functp.shard
+                check_even_block(x, spec, self.mesh, plan.paths[i])
+        return leaves, specs
+
+    def _rules_plan(self, plan: _InPlan, rules, specs: list, local: list, base):
+        if base is not None or plan.dtensors:      # depends on more than the tree
+            return rules.plan(specs, [isinstance(x, torch.Tensor) and _floating(x) for x in local], base)
+        dtypes = tuple([local[i].dtype for i in plan.tensors])
+        hit = plan.rules.get((rules.check_vma, dtypes))
+        if hit is None:
+            floating = [isinstance(x, torch.Tensor) and _floating(x) for x in local]
+            hit = plan.rules[(rules.check_vma, dtypes)] = rules.plan(specs, floating)
+        return hit
+
     def _run(self, args, outer: _context.Frame | None):
-        paths, leaves, specs, treespec = match_specs(self.in_specs, args, "in_specs", "args")
-        leaves = [self._from_dtensor(p, x, s) for p, x, s in zip(paths, leaves, specs)]
-        specs = [self._in_spec(p, x, s) for p, x, s in zip(paths, leaves, specs)]
+        leaves, treespec = optree.tree_flatten(args)
+        plan = self._in_plan(args, leaves, treespec)
+        leaves, specs = self._local_inputs(plan, leaves)
         local = list(leaves)
+        base = None
         if outer is None:
             manual = self.axes
             tracker = (Tracker(self.mesh) if self.check_vma and not torch.compiler.is_compiling()
                        else None)
-            base = None
         else:   # the inputs are whole along our axes: take this rank's blocks
             manual = tuple(a for a in self.mesh.axis_names if a in self.axes or a in outer.manual)
             tracker = outer.tracker
-            base = [tracker.get(x) if tracker and s is not None else None
-                    for x, s in zip(local, specs)]
-            for i, (p, x, s) in enumerate(zip(paths, local, specs)):
-                if s is not None:
-                    local[i] = self._take_block(p, x, s)
-        if tracker is not None:
-            _dedupe(local, specs)
-            tracker.enter(local, specs, self.axes, base)
-        else:
-            self._pvary_replicated(local, specs)
+            if tracker is not None:
+                base = [tracker.get(x) if s is not None else None for x, s in zip(local, specs)]
+            for i in plan.tensors:
+                local[i] = self._take_block(plan.paths[i], local[i], specs[i])
+        rules = self.vma_rules if tracker is not None else self.sum_rules
+        rules.enter(tracker, local, self._rules_plan(plan, rules, specs, local, base))
         with _context.frame(self.mesh, self.check_vma, tracker, manual):
             if tracker is None:
                 out = self.f(*optree.tree_unflatten(treespec, local))
@@ -162,26 +222,45 @@ class _Body:
         if tracker is not None and tracker.mode is not None:
             tracker.mode.finish(out)   # a custom Function's output returned as it is
         try:
-            opaths, oleaves, ospecs, otree = match_specs(self.out_specs, out, "out_specs", "output")
-            return optree.tree_unflatten(otree, [self._exit(p, y, s, tracker, outer is not None)
-                                                 for p, y, s in zip(opaths, oleaves, ospecs)])
+            return self._outputs(out, rules, tracker, outer is not None)
         finally:
             if tracker is not None and outer is None:
-                tracker.forget(leaves)
+                tracker.forget([leaves[i] for i in plan.tensors])
 
-    def _in_spec(self, path: str, x, spec) -> P | None:
-        if not isinstance(x, torch.Tensor):
-            return None
-        spec = self._spec(spec, f"in_specs for {path}", x.shape)
-        check_even_block(x, spec, self.mesh, path)   # uneven blocks made by functp.shard
-        return spec
+    # -- outputs ---------------------------------------------------------------------
+    def _outputs(self, out, rules, tracker, nested: bool):
+        oleaves, otree = optree.tree_flatten(out)
+        compiling = torch.compiler.is_compiling()
+        key = None if compiling else (otree, tuple(map(type, oleaves)))
+        hit = None if compiling else self._out_plans.get(key)
+        if hit is None:
+            paths, _, specs, _ = match_specs(self.out_specs, out, "out_specs", "output")
+            specs = [self._spec(s, f"out_specs for {p}", y.shape)
+                     if isinstance(y, torch.Tensor) else None
+                     for p, y, s in zip(paths, oleaves, specs)]
+            hit = (paths, specs)
+            if not compiling:
+                self._out_plans[key] = hit
+        paths, specs = hit
+        for i, (y, spec) in enumerate(zip(oleaves, specs)):
+            if spec is None:
+                continue
+            if len(spec) > y.ndim:
+                self._spec(spec, f"out_specs for {paths[i]}", y.shape)
+            y = rules.exit(tracker, paths[i], y, spec)
+            oleaves[i] = self._gather_back(y, spec, tracker) if nested else y
+        return optree.tree_unflatten(otree, oleaves)
 
-    def _from_dtensor(self, path: str, x, spec):
-        """A DTensor argument is a global value: this rank's block under its spec."""
-        from torch.distributed.tensor import DTensor
-        if isinstance(x, DTensor):
-            return dtensor_to_local(x, self.mesh, spec, path)
-        return x
+    def _gather_back(self, y: torch.Tensor, spec: P, tracker) -> torch.Tensor:
+        """A nested body's output, back to whole along its axes for the outer body."""
+        vma = tracker.get(y) if tracker is not None else None
+        for d in range(len(spec)):
+            axes = spec.dim_axes(d)
+            if axes:
+                y = _ops.all_gather(y, self.mesh.axis_group(axes).key, d, True, True)
+        if tracker is not None:
+            tracker.set(y, vma - frozenset(self.axes))
+        return y
 
     def _spec(self, spec, where: str, shape) -> P:
         spec = normalize_spec(spec, self.mesh.axis_names, where, shape)
@@ -206,59 +285,3 @@ class _Body:
                         f"which does not divide it; pad it to a multiple of {g.size}")
                 dims.append((d, g))
         return _ops.take_block(x, [d for d, _ in dims], [g.key for _, g in dims]) if dims else x
-
-    def _pvary_replicated(self, local: list, specs: list) -> None:
-        """check_vma=False: every input becomes varying over the axes its spec omits,
-        so the gradients of replicated inputs are summed over those axes (one
-        bucketed all-reduce per group of leaves replicated over the same axes)."""
-        buckets: dict[tuple[str, ...], list[int]] = {}
-        for i, (x, spec) in enumerate(zip(local, specs)):
-            if spec is not None:
-                missing = tuple(a for a in self.axes if a not in spec.axes)
-                if missing and (x.is_floating_point() or x.is_complex()):
-                    buckets.setdefault(missing, []).append(i)
-        for axes, idx in buckets.items():
-            g = self.mesh.axis_group(axes)
-            for i, y in zip(idx, _ops.pvary([local[i] for i in idx], g.key, True)):
-                local[i] = y
-
-    def _exit(self, path: str, y, spec, tracker: Tracker | None, nested: bool):
-        if not isinstance(y, torch.Tensor):
-            return y
-        spec = self._spec(spec, f"out_specs for {path}", y.shape)
-        if tracker is not None:
-            vma = tracker.get(y)
-            for a in self.axes:
-                if a in vma and a not in spec.axes:
-                    raise ShardingError(
-                        f"{path} varies over mesh axis '{a}' but out_specs {spec!r} says "
-                        f"it is replicated over '{a}'; reduce it with "
-                        f"functp.psum/pmean(..., '{a}') or mention '{a}' in out_specs")
-            # an out_spec may split over an axis the value is invariant over: its
-            # blocks then carry separate cotangents, summed by this pvary
-            y = tracker.pvary(y, frozenset(spec.axes) - vma)
-        else:
-            # Each rank's copy of a replicated output counts once in the global value,
-            # so its cotangent (arriving on every rank) is split between the copies.
-            n = math.prod([self.mesh.shape[a] for a in self.axes if a not in spec.axes])
-            if n > 1 and (y.is_floating_point() or y.is_complex()):
-                y = _ops.scale_grad(y, 1.0 / n)
-        if nested:   # back to whole along our axes, for the enclosing body
-            vma = tracker.get(y) if tracker is not None else None
-            for d in range(len(spec)):
-                axes = spec.dim_axes(d)
-                if axes:
-                    y = _ops.all_gather(y, self.mesh.axis_group(axes).key, d, True, True)
-            if tracker is not None:
-                tracker.set(y, vma - frozenset(self.axes))
-        return y
-
-
-def _dedupe(local: list, specs: list) -> None:
-    """One tensor passed twice gets a separate alias per use (each gets its own tag)."""
-    seen: set[int] = set()
-    for i, (x, spec) in enumerate(zip(local, specs)):
-        if spec is not None:
-            if id(x) in seen:
-                local[i] = x.view_as(x)
-            seen.add(id(local[i]))

@@ -11,10 +11,8 @@ invariant: they vary over no axis.
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import _ops
 from ._mesh import Mesh
@@ -24,6 +22,8 @@ _TAG = "_functp_vma"
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _unwrap = torch._C._functorch.get_unwrapped
 _is_batched = torch._C._functorch.is_batchedtensor
+_level_of = torch._C._functorch.maybe_get_level        # -1: not a functorch wrapper
+_peek = torch._C._functorch.peek_interpreter_stack
 
 
 def _under_vmap(t: torch.Tensor) -> bool:
@@ -46,78 +46,85 @@ class Tracker:
         # reference per lookup); the token ties a tag to this body's run
         Tracker._runs += 1
         self._token = Tracker._runs
-        self._pvaried = WeakTensorKeyDictionary()   # tensor -> {axes: pvary'd tensor}
+        # Keyed by id() and holding the tensor, so the id stays valid for the run
+        # (these tensors are in the autograd graph anyway); a weak-keyed dict costs
+        # Python calls on every lookup.
+        self._pvaried: dict[int, tuple] = {}    # id -> (tensor, {axes: pvary'd tensor})
         self._paused = 0
-        self._entry: list[torch.Tensor] = []        # the body's replicated inputs
-        self._aliases: list[dict] = []              # per input: {axes: alias}
-        self._alias_of = WeakTensorKeyDictionary()  # input or a view of it -> index
+        self._entry: list[torch.Tensor] = []    # the body's replicated inputs
+        self._aliases: list[dict] = []          # per input: {axes: alias}
+        self._alias_of: dict[int, tuple] = {}   # id of an input or a view of it -> (it, index)
+        self.entry_views = False                # is some aliased input itself a view?
+        interp = _peek()       # the torch.func level the body's own tensors live at
+        self.level = interp.level() if interp is not None else -1
 
-    def enter(self, local: list, specs: list, axes: tuple[str, ...], base: list | None = None) -> None:
-        """Tags the inputs of a body that is manual over ``axes``: each varies over
-        the axes its spec mentions (plus, in a nested body, ``base[i]``, what it
-        varied over outside).
-
-        A floating input replicated over some of ``axes`` gets an alias per subset of
-        them, used wherever it meets a value varying over that subset. The aliases of
-        all inputs over one subset come from one ``functp::pvary``, whose backward
+    def enter(self, local: list, vmas: list, groups: list, aliased: list) -> None:
+        """Tags the inputs of a body: input ``i`` varies over ``vmas[i]`` (None: not a
+        tensor). For each ``(group key, axes, inputs)`` of ``groups``, those inputs
+        get an alias varying over ``axes`` too, used wherever they meet a value
+        varying over them; the aliases come from one ``functp::pvary`` whose backward
         sums their cotangents in one bucketed all-reduce after the whole backward.
+        ``aliased`` lists the inputs with aliases. (``_boundary.VmaRules.plan``
+        computes the three lists.)
         """
-        by_group: dict[tuple[str, ...], list[int]] = {}
-        vmas = {}
-        for i, (x, spec) in enumerate(zip(local, specs)):
-            if spec is None:
-                continue
-            vmas[i] = vma = frozenset(spec.axes) | (base[i] if base else EMPTY)
-            self.set(x, vma)
-            missing = [a for a in axes if a not in vma]
-            if missing and (x.is_floating_point() or x.is_complex()):
-                for k in range(1, len(missing) + 1):
-                    for sub in itertools.combinations(missing, k):
-                        by_group.setdefault(sub, []).append(i)
-        first = {}
-        for sub, idx in by_group.items():
-            outs = _ops.pvary([local[i] for i in idx], self.mesh.axis_group(sub).key, False)
-            for i, out in zip(idx, outs):
-                if i not in first:      # a nested body adds to the enclosing one's
-                    first[i] = len(self._entry)
-                    self._entry.append(local[i])
-                    self._alias_of[local[i]] = first[i]
-                    self._aliases.append({})
-                self._aliases[first[i]][frozenset(sub)] = out
-                self.set(out, vmas[i] | frozenset(sub))
+        token = self._token
+        for x, vma in zip(local, vmas):
+            if vma is not None:       # an input lives at the body's level: tag it only
+                x.__dict__[_TAG] = (token, vma)
+        if not aliased:
+            return
+        first = len(self._entry)       # a nested body adds to the enclosing one's
+        slot = {}
+        for j, i in enumerate(aliased, start=first):
+            slot[i] = j
+            self._alias_of[id(local[i])] = (local[i], j)
+        self._entry.extend([local[i] for i in aliased])
+        self._aliases.extend([{} for _ in aliased])
+        for key, axes, idx in groups:
+            for i, out in zip(idx, _ops.pvary([local[i] for i in idx], key, False)):
+                self._aliases[slot[i]][axes] = out
+                out.__dict__[_TAG] = (token, vmas[i] | axes)
+        self.entry_views = any([x._base is not None for x in self._entry])
 
     # -- queries --------------------------------------------------------------
-    def _own(self, t: torch.Tensor):
-        tag = t.__dict__.get(_TAG)
-        return tag[1] if tag is not None and tag[0] == self._token else None
-
     def get(self, t: torch.Tensor) -> frozenset:
-        v = self._own(t)
-        if v is None:
-            # torch.func transforms wrap tensors in C++ (no torch function call to
-            # see): a wrapper varies like the tensor it wraps
-            v = self.get(_unwrap(t)) if _is_wrapped(t) else EMPTY
+        """The axes ``t`` varies over (untagged: invariant). Written without helper
+        calls: it runs for most tensor arguments of most ops."""
+        d = t.__dict__
+        tag = d[_TAG] if _TAG in d else None
+        if tag is not None and tag[0] == self._token:
+            v = tag[1]
+        elif _level_of(t) > self.level:
+            # made by a torch.func transform inside the body (in C++: no torch
+            # function call to see): a wrapper varies like the tensor it wraps
+            v = self.get(_unwrap(t))
+        else:
+            v = EMPTY
         base = t._base
         if base is None:
             return v
-        b = self._own(base)
-        return v if not b or b is v else v | b
+        d = base.__dict__       # a view varies like its base, which may have changed
+        b = d[_TAG] if _TAG in d else None
+        if b is None or b[0] != self._token or not b[1] or b[1] is v:
+            return v
+        return v | b[1]
 
     def set(self, t: torch.Tensor, vma: frozenset) -> None:
         tag = (self._token, vma)
-        while True:    # the wrapped tensors too: they are what a transform unwraps to
-            t.__dict__[_TAG] = tag
-            if not _is_wrapped(t):
-                return
+        t.__dict__[_TAG] = tag
+        # a tensor made by a torch.func transform inside the body: tag what it wraps
+        # too, down to the body's own level (what the transform unwraps to)
+        while _level_of(t) > self.level:
             t = _unwrap(t)
+            t.__dict__[_TAG] = tag
 
     def forget(self, tensors) -> None:
         """Drops the tags of the body's inputs (the user's tensors) once it is done,
         so that none is left in their ``__dict__`` (torch.save would keep it)."""
         for t in tensors:
-            while isinstance(t, torch.Tensor):
-                t.__dict__.pop(_TAG, None)
-                t = _unwrap(t) if _is_wrapped(t) else None
+            d = t.__dict__        # set() tags an input itself only (its own level)
+            if _TAG in d:
+                del d[_TAG]
 
     @contextlib.contextmanager
     def paused(self):
@@ -148,26 +155,30 @@ class Tracker:
         missing = frozenset(axes) - v
         if not missing:
             return t
-        key = tuple(sorted(missing))
-        cache = self._pvaried.get(t)
-        if cache is not None and key in cache:
-            return cache[key]
-        j = self._alias_of.get(t)
-        if j is not None and missing in self._aliases[j] and not _under_vmap(t):
-            # an input (or a view of it): use its alias for these axes, viewed the
-            # same way, so its gradient joins the input's bucketed all-reduce
-            b = self._aliases[j][missing]
-            with self.paused():
+        cached = self._pvaried.get(id(t))
+        if cached is not None and missing in cached[1]:
+            return cached[1][missing]
+        alias = self._alias_of.get(id(t))
+        self._paused += 1
+        try:
+            if (alias is not None and missing in self._aliases[alias[1]]
+                    and not _under_vmap(t)):
+                # an input (or a view of it): use its alias for these axes, viewed the
+                # same way, so its gradient joins the input's bucketed all-reduce
+                j = alias[1]
+                b = self._aliases[j][missing]
                 out = b if t is self._entry[j] else b.as_strided(t.size(), t.stride(),
                                                                   t.storage_offset())
-        elif t.is_floating_point() or t.is_complex():
-            with self.paused():
+            elif t.is_floating_point() or t.is_complex():
                 out = _ops.pvary([t], self._group(missing).key, False)[0]
-        else:   # no gradient to sum: a change of type only
-            with self.paused():
+            else:   # no gradient to sum: a change of type only
                 out = t.view_as(t) if t.dim() else t.clone()
+        finally:
+            self._paused -= 1
         self.set(out, v | missing)
-        self._pvaried.setdefault(t, {})[key] = out
+        if cached is None:
+            cached = self._pvaried[id(t)] = (t, {})
+        cached[1][missing] = out
         return out
 
     def pvary_inplace(self, t: torch.Tensor, axes) -> None:
@@ -175,6 +186,9 @@ class Tracker:
         root = t if t._base is None else t._base
         missing = frozenset(axes) - self.get(root)
         if missing and (root.is_floating_point() or root.is_complex()):
-            with self.paused():
+            self._paused += 1
+            try:
                 _ops.PvaryInplace.apply(root, self._group(missing).key)
+            finally:
+                self._paused -= 1
         self.set(root, self.get(root) | missing)

@@ -23,22 +23,58 @@ from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
 from . import _ops
-from ._vma import EMPTY, Tracker
+from ._vma import _TAG, EMPTY, Tracker, _level_of
+
+_AUTOGRAD_GRAD = torch.autograd.grad
+# classes whose instances are never tensors, and tensor classes, seen so far (set
+# membership costs no Python call; isinstance does)
+_PLAIN = {int, float, bool, complex, str, type(None), torch.dtype, torch.device,
+          torch.Size, slice, type(Ellipsis), torch.memory_format, torch.layout}
+_TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
+
+
+def _is_tensor_type(cls) -> bool:
+    """Learns whether ``cls`` is a tensor class (once per class)."""
+    if issubclass(cls, torch.Tensor):
+        _TENSOR_TYPES.add(cls)
+        return True
+    return False
+
+
+def _tag_out(tr: Tracker, out, tag: tuple) -> None:
+    if out.__class__ in _TENSOR_TYPES:
+        out.__dict__[_TAG] = tag
+        if _level_of(out) > tr.level:     # made inside a torch.func transform in the body
+            tr.set(out, tag[1])
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                tr.set(o, tag[1])
+    elif isinstance(out, torch.Tensor):
+        tr.set(out, tag[1])
+
 
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
                     "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
                     "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
-_INPLACE: dict = {}     # func -> is it in place (names are stable: decide once)
+_INPLACE_FUNCS: set = set()       # funcs seen, sorted by whether they mutate (by name:
+_OUTOFPLACE_FUNCS: set = set()    # decided once per func)
 
 
 def _is_inplace(func) -> bool:
-    hit = _INPLACE.get(func)
-    if hit is None:
-        name = getattr(func, "__name__", "")
-        if "." in name:                               # aten overloads: "add_.Tensor"
-            name = name.split(".", 1)[0]
-        hit = _INPLACE[func] = (name[-1:] == "_" and name[-2:] != "__") or name in _INPLACE_DUNDERS
-    return hit
+    if func in _INPLACE_FUNCS:
+        return True
+    if func in _OUTOFPLACE_FUNCS:
+        return False
+    name = getattr(func, "__name__", "")
+    if "." in name:                               # aten overloads: "add_.Tensor"
+        name = name.split(".", 1)[0]
+    inplace = (name[-1:] == "_" and name[-2:] != "__") or name in _INPLACE_DUNDERS
+    try:
+        (_INPLACE_FUNCS if inplace else _OUTOFPLACE_FUNCS).add(func)
+    except TypeError:           # an unhashable callable: decide each time
+        pass
+    return inplace
 
 
 def _tensors(args, kwargs) -> list[torch.Tensor]:
@@ -107,12 +143,54 @@ class UnionRule(TorchFunctionMode):
                     self.tr.set(o, union)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
         tr = self.tr
         if tr._paused:
-            return func(*args, **kwargs)
-        if func is torch.autograd.grad:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kwargs or self._nograd_mixed or func is _AUTOGRAD_GRAD:
+            return self._general(func, args, kwargs or {})
+        # The fast path, for most ops: positional arguments, tags read from the
+        # tensors' __dict__ (no Python call), nothing to do when the inputs agree.
+        token = tr._token
+        union = None
+        for a in args:
+            cls = a.__class__
+            if cls in _PLAIN:
+                continue
+            if cls not in _TENSOR_TYPES and not _is_tensor_type(cls):
+                return self._general(func, args, {})        # a list of tensors, ...
+            d = a.__dict__
+            tag = d[_TAG] if _TAG in d else None
+            if tag is not None and tag[0] == token:
+                v = tag[1]
+                base = a._base
+                if base is not None:   # a view also varies like its base (in place)
+                    d = base.__dict__
+                    b = d[_TAG] if _TAG in d else None
+                    if b is not None and b[0] == token and b[1] and b[1] is not v:
+                        v = v | b[1]
+            else:
+                v = tr.get(a)          # an untagged or a wrapped tensor
+            if union is None or v is union:
+                union = v
+            elif v != union:
+                return self._general(func, args, {})        # inputs disagree
+        if func in _INPLACE_FUNCS or (func not in _OUTOFPLACE_FUNCS and _is_inplace(func)):
+            return self._general(func, args, {})
+        out = func(*args)
+        if union:
+            _tag_out(tr, out, (token, union))
+        elif out.__class__ in _TENSOR_TYPES:
+            # invariant (or fresh): a tag saves later lookups their calls; the tensors
+            # it wraps need none (untagged means invariant there too)
+            out.__dict__[_TAG] = (token, EMPTY)
+        if tr._alias_of and out.__class__ in _TENSOR_TYPES and out._base is not None:
+            self._follow_views(out, args)
+        return out
+
+    def _general(self, func, args, kwargs):
+        """Any call: keyword arguments, lists of tensors, in-place ops, mixed vmas."""
+        tr = self.tr
+        if func is _AUTOGRAD_GRAD:
             return self._autograd_grad(func, args, kwargs)
         if self._nograd_mixed and torch.is_grad_enabled():
             self.hook_functions(_tensors(args, kwargs))
@@ -130,13 +208,18 @@ class UnionRule(TorchFunctionMode):
         return out
 
     def _follow_views(self, out: torch.Tensor, args) -> None:
-        """A view of a replicated input still counts as that input (see pvary)."""
+        """A view of a replicated input (or of a view of one) still counts as that
+        input (see pvary); a view of one of its *aliases* does not, although the
+        aliases are views of the input too."""
         alias_of = self.tr._alias_of
+        base = out._base
+        if id(base) not in alias_of and not self.tr.entry_views:
+            return         # not a view of an input: decided in one call
         for a in args:
             if isinstance(a, torch.Tensor):
-                j = alias_of.get(a)
-                if j is not None and out._base is (a if a._base is None else a._base):
-                    alias_of[out] = j
+                hit = alias_of.get(id(a))
+                if hit is not None and base is (a if a._base is None else a._base):
+                    alias_of[id(out)] = (out, hit[1])
                     return
 
     def _autograd_grad(self, func, args, kwargs):

@@ -21,7 +21,12 @@ def snippets(path: str) -> list[tuple[int, str]]:
 def _run_page(path: str) -> int:
     import contextlib
     import io
-    env: dict = {"__name__": "__doc__"}
+    import sys
+    import types
+    # a real module (torch.compile looks up the module its code's globals name)
+    page = types.ModuleType("functp_doc_page")
+    sys.modules[page.__name__] = page
+    env: dict = page.__dict__
     for line, code in snippets(path):
         with contextlib.redirect_stdout(io.StringIO()):
             try:
