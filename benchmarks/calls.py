@@ -103,7 +103,8 @@ def per_psum(mesh, k: int = 8) -> dict[str, float]:
 
 
 def per_step(mesh) -> dict[str, float]:
-    """Calls per training step of the TP MLP, and of the same model unsharded."""
+    """Calls per training step of the TP MLP (with and without vma tracking), and of the
+    same model unsharded."""
     hidden, ffn = M.SIZES["small"]
     params = M.init_params(hidden, ffn)
     x, y = M.init_data(hidden)
@@ -114,8 +115,10 @@ def per_step(mesh) -> dict[str, float]:
                        "fc2.weight": P(None, "tp")}.get(kind, P())
     local = functp.shard(params, mesh, specs)
     psum = lambda h: functp.psum(h, "tp")
-    step = functp.shard_map(lambda p, x, y: M.mse(M.forward(p, x, post=psum), y), mesh,
-                            in_specs=(specs, P(), P()), out_specs=P())
+    loss = lambda p, x, y: M.mse(M.forward(p, x, post=psum), y)
+    step = functp.shard_map(loss, mesh, in_specs=(specs, P(), P()), out_specs=P())
+    step_novma = functp.shard_map(loss, mesh, in_specs=(specs, P(), P()), out_specs=P(),
+                                  check_vma=False)
 
     def tape_step():
         p = {k: v.detach().requires_grad_() for k, v in local.items()}
@@ -135,6 +138,8 @@ def per_step(mesh) -> dict[str, float]:
 
     return {
         "functp torch.func.grad": count(lambda: torch.func.grad(step)(local, x, y)),
+        "functp torch.func.grad, check_vma=False":
+            count(lambda: torch.func.grad(step_novma)(local, x, y)),
         "functp tape": count(tape_step),
         "hand-written Megatron, tape": count(hand_step),
         "no collectives (unsharded), torch.func.grad":

@@ -3,6 +3,7 @@
     python benchmarks/compare.py                  # 2 then 4 gloo processes, both sizes
     python benchmarks/compare.py --quick          # a smoke run: small size, few steps
     python benchmarks/compare.py --nproc 4 --layouts tp,sp --sizes medium --steps 30
+    python benchmarks/compare.py --device cuda    # NCCL, one GPU per process
 
 One training step (loss and gradients, no optimizer) of the same model (a stack of
 pre-norm MLP blocks, benchmarks/_models.py) on the same data, in the same processes,
@@ -55,6 +56,8 @@ def _parse(argv=None):
     ap.add_argument("--layouts", default=None, help=f"comma separated from {','.join(LAYOUTS)}")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: small size, 4 steps, 2 warm-up, fewer overhead reps")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cpu (gloo, the default) or cuda (nccl, one GPU per process)")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend(s) for the compiled functp step, comma separated "
                          "(inductor, aot_eager); 'none' leaves it out")
@@ -94,8 +97,12 @@ def _worker(args, out_path):
     import torch.distributed as dist
     sys.path.insert(0, HERE)
     import functp
+    global _DEVICE
+    _DEVICE = args.device
     torch.set_num_threads(1)
-    functp.make_mesh((int(os.environ["WORLD_SIZE"]),), ("dp",))     # joins the process group
+    if _DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    functp.make_mesh((int(os.environ["WORLD_SIZE"]),), ("dp",), device_type=_DEVICE)  # joins the group
     n, rank = dist.get_world_size(), dist.get_rank()
     rows, skipped, compile_info, overhead = [], [], [], []
     started = time.time()
@@ -126,13 +133,23 @@ def _worker(args, out_path):
 
 # ----------------------------------------------------------------------------- meshes
 
+_DEVICE = "cpu"       # --device, set in each worker
+
+
+def _sync() -> None:
+    """Waits for the device: a step's time includes its kernels and collectives."""
+    if _DEVICE == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
 def _mesh(layout, n):
     import functp
     if layout in ("dp", "fsdp"):
-        return functp.make_mesh((n,), ("dp",))
+        return functp.make_mesh((n,), ("dp",), device_type=_DEVICE)
     if layout in ("tp", "sp"):
-        return functp.make_mesh((n,), ("tp",))
-    return functp.make_mesh((2, n // 2), ("dp", "tp"))
+        return functp.make_mesh((n,), ("tp",), device_type=_DEVICE)
+    return functp.make_mesh((2, n // 2), ("dp", "tp"), device_type=_DEVICE)
 
 
 def _specs(layout, names):
@@ -304,8 +321,8 @@ def _build_variants(layout, size, n, dtype, compile_backend):
     D, F = M.SIZES[size]
     L = M.LAYERS
     names = M.names(L)
-    full_p = M.init_params(D, F, L, dtype)
-    x, y = M.init_data(D, dtype)
+    full_p = {k: v.to(_DEVICE) for k, v in M.init_params(D, F, L, dtype).items()}
+    x, y = (t.to(_DEVICE) for t in M.init_data(D, dtype))
     specs = _specs(layout, names)
     dspec = _data_spec(layout)
     local = functp.shard(full_p, mesh, specs)
@@ -432,11 +449,26 @@ def _build_variants(layout, size, n, dtype, compile_backend):
         def cstep(compiled=compiled, cparams=cparams, cleaves=cleaves):
             loss = compiled(cparams, xl, yl)
             return loss, dict(zip(cparams, torch.autograd.grad(loss, cleaves)))
-        out.append(Variant(f"functp compiled ({backend})", "functp", cstep,
+        out.append(Variant(f"functp compiled tape ({backend})", "functp", cstep,
                            functp_full(cstep, unshard),
                            note="forward torch.compile(fullgraph=True), backward torch.autograd.grad; "
                                 "collectives counted in the compiled graphs", may_fail=True))
-        out[-1].graphs = graphs
+        out[-1].graphs, out[-1].expected_graphs = graphs, 2
+        # the whole torch.func.grad step in one graph (the body uses check_vma=False
+        # rules while Dynamo traces; the gradients are the same)
+        ggraphs = []
+        gsm = functp.shard_map(body, mesh, in_specs=in_specs, out_specs=functp.P())
+        gcompiled = torch.compile(torch.func.grad_and_value(gsm), fullgraph=True,
+                                  backend=_counting_backend(backend, ggraphs))
+
+        def gstep(gcompiled=gcompiled):
+            grads, loss = gcompiled(local, xl, yl)
+            return loss, grads
+        out.append(Variant(f"functp compiled grad ({backend})", "functp", gstep,
+                           functp_full(gstep, unshard),
+                           note="torch.compile(torch.func.grad_and_value(shard_map), fullgraph=True); "
+                                "collectives counted in the compiled graph", may_fail=True))
+        out[-1].graphs, out[-1].expected_graphs = ggraphs, 1
 
     # --- PyTorch -------------------------------------------------------------------
     out.append(_torch_variant(layout, mesh, full_p, names, specs, x, y, xl, yl, n_elems, L))
@@ -463,6 +495,7 @@ def _build_variants(layout, size, n, dtype, compile_backend):
 
 def _torch_variant(layout, mesh, full_p, names, specs, x, y, xl, yl, n_elems, L):
     """The PyTorch library version of the layout."""
+    import torch
     import torch.distributed as dist
     import functp
     import _models as M
@@ -485,7 +518,7 @@ def _torch_variant(layout, mesh, full_p, names, specs, x, y, xl, yl, n_elems, L)
                 p.grad = g.redistribute(placements=p.placements)
 
     if layout == "dp":
-        model = DDP(module)
+        model = DDP(module, device_ids=[torch.cuda.current_device()] if _DEVICE == "cuda" else None)
         name, note = "DDP", "DistributedDataParallel, default buckets"
         loss_fn = lambda: M.mse(model(xl), yl)
         loss_scale = 1.0 / dp
@@ -592,9 +625,14 @@ def _counting_backend(name, graphs):
 
             def uuid(self):
                 return None
-        icfg.post_grad_custom_post_pass = Count()
-        icfg.fx_graph_cache = False
-        return "inductor"
+        from torch._inductor.compile_fx import compile_fx
+
+        def backend(gm, example_inputs):
+            # the pass is global: point it at this variant's list while it compiles
+            icfg.post_grad_custom_post_pass = Count()
+            icfg.fx_graph_cache = False
+            return compile_fx(gm, example_inputs)
+        return backend
     return name
 
 
@@ -734,7 +772,17 @@ def _status_bytes(key):
 def _peak_rss_rise(fn):
     """Peak resident memory during ``fn()`` above what was resident before it: freed
     heap memory is given back first (malloc_trim), then the kernel's peak-RSS mark is
-    reset (/proc/self/clear_refs) and read back afterwards (VmHWM)."""
+    reset (/proc/self/clear_refs) and read back afterwards (VmHWM). On CUDA: the peak
+    of the caching allocator's allocated bytes above those allocated before."""
+    if _DEVICE == "cuda":
+        import torch
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        res = fn()
+        torch.cuda.synchronize()
+        del res
+        return torch.cuda.max_memory_allocated() - before
     global _LIBC
     if _LIBC is None:
         _LIBC = ctypes.CDLL("libc.so.6")
@@ -797,7 +845,7 @@ def _bench_layout(layout, size, n, args, compile_info, drop=()):
             continue
         if getattr(v, "graphs", None) is not None:
             # every graph this variant compiled (one forward, one backward) runs once a step
-            if len(v.graphs) != 2:
+            if len(v.graphs) != v.expected_graphs:
                 v.note += f"; {len(v.graphs)} graphs compiled, their collectives summed"
             s = {}
             for op, b in (e for _, evs in v.graphs for e in evs):
@@ -829,6 +877,7 @@ def _bench_layout(layout, size, n, args, compile_info, drop=()):
             t0 = time.perf_counter()
             if not (v.rank0_only and rank != 0):
                 v.step()
+                _sync()
             times[v.name].append(time.perf_counter() - t0)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"times": times, "mem": mem})
@@ -879,7 +928,7 @@ def _bench_overhead(n, reps, k_calls=16, numel=256):
     mesh = functp.make_mesh((n,), ("dp",))
     group = mesh.device_mesh.get_group("dp")
     gname = group.group_name
-    x = torch.randn(numel)
+    x = torch.randn(numel, device=_DEVICE)
     ops = torch.ops._c10d_functional
 
     def raw_dist(k):
@@ -932,6 +981,7 @@ def _bench_overhead(n, reps, k_calls=16, numel=256):
             dist.barrier()
             t0 = time.perf_counter()
             methods[key]()
+            _sync()
             times[key].append(time.perf_counter() - t0)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, times)
@@ -980,14 +1030,15 @@ def _table(result) -> str:
             lines.append(f"not compared: {what} with {s['nproc']} processes: {s['why']}")
     if result["compile"]:
         lines.append("")
-        lines.append("torch.compile of the functp step (forward fullgraph=True, backward torch.autograd.grad):")
-        lines.append(f"  {'n':>1} {'layout':6} {'size':6} {'backend':10} {'first call s':>12} {'graph breaks':>12} "
-                     f"{'graphs':>6} {'compiled/eager tape novma':>26}")
+        lines.append("torch.compile of functp steps (fullgraph=True; tape: compiled forward, "
+                     "torch.autograd.grad backward; grad: torch.func.grad_and_value in one graph):")
+        lines.append(f"  {'n':>1} {'layout':6} {'size':6} {'variant':32} {'first call s':>12} {'graph breaks':>12} "
+                     f"{'graphs':>6} {'compiled/eager':>14}")
         for c in result["compile"]:
-            backend = c["variant"].split("(")[-1].rstrip(")")
-            lines.append(f"  {c['nproc']:>1} {c['layout']:6} {c['size']:6} {backend:10} {c['first_call_s']:12.1f} "
+            backend = c["variant"][len("functp compiled "):]
+            lines.append(f"  {c['nproc']:>1} {c['layout']:6} {c['size']:6} {backend:32} {c['first_call_s']:12.1f} "
                          f"{c['graph_breaks']:12d} {c['unique_graphs']:6d} "
-                         f"{c.get('vs_eager', float('nan')):26.2f}")
+                         f"{c.get('vs_eager', float('nan')):14.2f}")
     if result["overhead"]:
         lines.append("")
         o0 = result["overhead"][0]
@@ -1005,7 +1056,8 @@ def _markdown(result) -> str:
     """The README's tables: ratios at a glance, then every row."""
     rows, out = result["rows"], []
     cols = ["functp grad vma", "functp grad novma", "functp tape vma", "functp tape novma",
-            "functp plan grad vma", "functp compiled", "torch", "unsharded (rank 0)"]
+            "functp plan grad vma", "functp compiled tape", "functp compiled grad", "torch",
+            "unsharded (rank 0)"]
     out.append("| n | layout | size | hand ms | " + " | ".join(
         c.replace("functp ", "") if c != "torch" else "PyTorch" for c in cols) + " |")
     out.append("|---" * (4 + len(cols)) + "|")
@@ -1031,10 +1083,10 @@ def _markdown(result) -> str:
                    f"{_fmt_bytes(r['bytes'])} | {ops} | {r['peak_mib']:.2f} |")
     if result["compile"]:
         out.append("")
-        out.append("| n | layout | size | backend | first call (compile) s | graph breaks | Dynamo graphs | compiled / eager tape novma |")
+        out.append("| n | layout | size | compiled step | first call (compile) s | graph breaks | Dynamo graphs | compiled / eager |")
         out.append("|---|---|---|---|---:|---:|---:|---:|")
         for c in result["compile"]:
-            backend = c["variant"].split("(")[-1].rstrip(")")
+            backend = c["variant"][len("functp compiled "):]
             out.append(f"| {c['nproc']} | {c['layout']} | {c['size']} | {backend} | {c['first_call_s']:.1f} | "
                        f"{c['graph_breaks']} | {c['unique_graphs']} | {c.get('vs_eager', float('nan')):.2f} |")
     if result["overhead"]:
@@ -1061,7 +1113,8 @@ def main(argv=None):
         with open(args.show) as f:
             result = json.load(f)
         cfg = result["config"]
-        print(f"{cfg['command']}  ({cfg['date']}, {cfg['machine']}, torch {cfg['torch']}, gloo)")
+        print(f"{cfg['command']}  ({cfg['date']}, {cfg['machine']}, torch {cfg['torch']}, "
+              f"{cfg.get('backend', 'gloo')})")
         print(_markdown(result) if args.markdown else _table(result))
         return
     if "RANK" in os.environ:
@@ -1089,17 +1142,18 @@ def main(argv=None):
             for k in ("rows", "skipped", "compile", "overhead"):
                 merged[k] += part[k]
             merged["runs"].append({"nproc": n, "seconds": time.time() - t0})
-    for c in merged["compile"]:       # compiled / eager tape (no vma): the ratio of their ratios to hand
+    for c in merged["compile"]:       # compiled / the same step eager: the ratio of their ratios to hand
         pair = {r["variant"]: r for r in merged["rows"]
                 if (r["nproc"], r["layout"], r["size"]) == (c["nproc"], c["layout"], c["size"])}
-        if "functp tape novma" in pair:
-            c["vs_eager"] = pair[c["variant"]]["ratio"] / pair["functp tape novma"]["ratio"]
+        eager = "functp grad vma" if "compiled grad" in c["variant"] else "functp tape novma"
+        if eager in pair and c["variant"] in pair:
+            c["vs_eager"] = pair[c["variant"]]["ratio"] / pair[eager]["ratio"]
     import _models as M
     merged["config"] = {
         "command": " ".join(["python benchmarks/compare.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, {platform.platform()}",
-        "torch": torch.__version__, "backend": "gloo (CPU)", "nproc": args.nproc,
+        "torch": torch.__version__, "backend": "nccl (CUDA)" if args.device == "cuda" else "gloo (CPU)", "nproc": args.nproc,
         "steps": args.steps, "warmup": args.warmup, "sizes": {s: M.SIZES[s] for s in args.sizes},
         "layers": M.LAYERS, "batch": M.BATCH, "seq": M.SEQ, "layouts": args.layouts,
         "compile_backend": args.compile_backend, "seconds": time.time() - started}

@@ -143,9 +143,51 @@ def _hessian_vector_body():
     assert_tree_close(functp.unshard(hvp, mesh, P("x")), hvp_ref, "hessian-vector product")
 
 
+def _second_order_program():
+    def glob(x):
+        return (torch.sin(x).sum(0) ** 2).sum() + (x ** 3).sum()
+
+    def local(x):
+        full = functp.all_gather(x, "x", tiled=True)
+        col = functp.psum(torch.sin(x).sum(0), "x")
+        own = functp.psum_scatter(full ** 3, "x", tiled=True) / N
+        return (col ** 2).sum() + functp.psum(own.sum(), "x")
+    return glob, local
+
+
+def _forward_over_reverse_body():
+    """The hvp as jvp of grad: the collectives' backward runs under a jvp level."""
+    mesh = _mesh()
+    glob, local = _second_order_program()
+    x, v = randn(2 * N, 3, seed=1), randn(2 * N, 3, seed=2)
+    f = _shard_map(local, mesh, P("x"), P())
+    ref = torch.func.jvp(torch.func.grad(glob), (x,), (v,))[1]
+    xl, vl = functp.shard((x, v), mesh, P("x"))
+    got = torch.func.jvp(torch.func.grad(f), (xl,), (vl,))[1]
+    assert_tree_close(functp.unshard(got, mesh, P("x")), ref, "jvp(grad)")
+
+
+def _tape_double_backward_body():
+    """Tape autograd with create_graph=True, then backward through that gradient."""
+    mesh = _mesh()
+    glob, local = _second_order_program()
+    x, v = randn(2 * N, 3, seed=1), randn(2 * N, 3, seed=2)
+    xg = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(glob(xg), xg, create_graph=True)
+    (ref,) = torch.autograd.grad((g * v).sum(), xg)
+    f = _shard_map(local, mesh, P("x"), P())
+    xl, vl = functp.shard((x, v), mesh, P("x"))
+    xl = xl.clone().requires_grad_()
+    (gl,) = torch.autograd.grad(f(xl), xl, create_graph=True)
+    (got,) = torch.autograd.grad((gl * vl).sum(), xl)
+    assert_tree_close(functp.unshard(gl.detach(), mesh, P("x")), g.detach(), "tape grad")
+    assert_tree_close(functp.unshard(got, mesh, P("x")), ref, "tape double backward")
+
+
 @pytest.mark.parametrize("body", [_vmap_around_body, _vmap_inside_body, _jvp_body, _vjp_body,
                                   _jacrev_body,
-                                  _vmap_grad_body, _grad_vmap_body, _hessian_vector_body],
+                                  _vmap_grad_body, _grad_vmap_body, _hessian_vector_body,
+                                  _forward_over_reverse_body, _tape_double_backward_body],
                          ids=lambda b: b.__name__.strip("_").replace("_body", ""))
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
 def test_transform(run, body, check_vma):
