@@ -28,11 +28,13 @@ writes benchmarks/results/compare.json. See benchmarks/README.md for the columns
 from __future__ import annotations
 
 import argparse
+import cProfile
 import ctypes
 import datetime
 import json
 import os
 import platform
+import pstats
 import re
 import statistics
 import subprocess
@@ -394,6 +396,13 @@ def _build_variants(layout, size, n, dtype, compile_backend):
         return hand_full_loss(loss), functp.unshard(dict(zip(names, grads)), mesh, specs)
     out.append(Variant("hand", "hand-written", hand_step, hand_full))
 
+    # --- spmd_types (torchtitan's default SPMD layer), where installed ----------------
+    if layout in ("tp", "sp", "2d"):
+        v = _spmd_types_variant(layout, mesh, names, specs, local, xl, yl, n_elems, bucket,
+                                hand_full_loss)
+        if v is not None:
+            out.append(v)
+
     # --- functp ---------------------------------------------------------------------
     body = _functp_body(layout, L, n_elems)
     in_specs = (specs, dspec, dspec)
@@ -491,6 +500,65 @@ def _build_variants(layout, size, n, dtype, compile_backend):
     out.append(Variant("unsharded (rank 0)", "unsharded", ustep, ufull, rank0_only=True,
                        note="the whole model on one process; the others wait"))
     return out
+
+
+def _spmd_types_variant(layout, mesh, names, specs, local, xl, yl, n_elems, bucket,
+                        full_loss):
+    """The step written with spmd_types 0.3.1's local SPMD types, as its docs recommend
+    (docs/local_spmd_types.md, "Tensor parallelism"): a type asserted on every
+    parameter once, by a helper at setup (the type stays on the tensor); column-parallel entry ``invariant_to_replicate`` (TP) or
+    ``all_gather(src=S(seq), dst=R)`` (SP); row-parallel exit ``all_reduce(dst=I)``
+    (TP) or ``reduce_scatter(dst=S(seq))`` (SP); the gradients of parameters that
+    are replicated over dp (and, in SP, over tp) reduced after backward by the
+    "wrapper" (here one bucket, as the hand-written step does). Tape autograd:
+    spmd_types' Functions have no ``setup_context`` for torch.func. None when
+    spmd_types is not installed (``pip install -e ".[bench]"``)."""
+    try:
+        import spmd_types as spmd
+    except ImportError:
+        return None
+    import torch
+    import functp
+    import _models as M
+    dm = mesh.device_mesh
+    g_tp = dm.get_group("tp")
+    g_dp = dm.get_group("dp") if "dp" in mesh.shape else None
+    dp = mesh.shape.get("dp", 1)
+    sp = layout == "sp"
+    sp_params = {k: v.clone().requires_grad_() for k, v in local.items()}
+    leaves = list(sp_params.values())
+    # TP-sharded parameters vary over tp; the others are invariant (TP: module
+    # responsibility) or replicated with the reduction left to the wrapper (SP)
+    types = {k: {g_tp: spmd.V if specs[k].axes else (spmd.R if sp else spmd.I)} for k in names}
+    repl = [i for i, k in enumerate(names) if not specs[k].axes]
+    if sp:
+        pre = lambda h: spmd.all_gather(h, g_tp, src=spmd.S(1), dst=spmd.R)
+        post = lambda h: spmd.reduce_scatter(h, g_tp, dst=spmd.S(1))
+    else:
+        pre = lambda h: spmd.invariant_to_replicate(h, g_tp)
+        post = lambda h: spmd.all_reduce(h, g_tp, dst=spmd.I)
+
+    with spmd.set_current_mesh(dm):
+        for k, v in sp_params.items():
+            spmd.assert_type(v, types[k])
+
+    def step():
+        with spmd.set_current_mesh(dm):
+            out_ = M.forward(sp_params, xl, M.LAYERS, pre=pre, post=post)
+            loss = ((out_ - yl) ** 2).sum() / n_elems if sp else M.mse(out_, yl)
+            grads = list(torch.autograd.grad(loss, leaves))
+        if sp:
+            for i, gi in zip(repl, bucket([grads[i] for i in repl], g_tp, 1.0)):
+                grads[i] = gi
+        if g_dp is not None:
+            grads = bucket(grads, g_dp, 1.0 / dp)
+        return loss, grads
+
+    def full():
+        loss, grads = step()
+        return full_loss(loss), functp.unshard(dict(zip(names, grads)), mesh, specs)
+    return Variant("spmd_types", "spmd_types", step, full,
+                   note="spmd_types' Megatron recipe (local SPMD types), tape autograd")
 
 
 def _torch_variant(layout, mesh, full_p, names, specs, x, y, xl, yl, n_elems, L):
@@ -859,6 +927,18 @@ def _bench_layout(layout, size, n, args, compile_info, drop=()):
         counts[v.name] = cc.summary()
         unknown |= cc.unknown
         logs[v.name] = (len(log), sum(e.nbytes for e in log.events)) if v.kind == "functp" else None
+    # host overhead: Python calls (functions and builtins) of one step, on this rank
+    pycalls = {}
+    for v in variants:
+        dist.barrier()
+        if v.rank0_only and rank != 0:
+            pycalls[v.name] = 0
+            continue
+        prof = cProfile.Profile()
+        prof.enable()
+        v.step()
+        prof.disable()
+        pycalls[v.name] = pstats.Stats(prof).total_calls
     # memory: peak RSS rise of one step, median of 3, per rank
     mem = {}
     for v in variants:
@@ -901,6 +981,7 @@ def _bench_layout(layout, size, n, args, compile_info, drop=()):
                "bytes": sum(b for _, b in c.values()),
                "by_op": {op: list(cb) for op, cb in sorted(c.items())},
                "peak_mib": max(e["mem"][v.name] for e in everyone) / 2 ** 20,
+               "py_calls": pycalls[v.name],        # rank 0's
                "first_step_s": warm.get(v.name)}
         if logs.get(v.name) is not None:
             row["comm_log"] = list(logs[v.name])
@@ -1011,7 +1092,7 @@ def _fmt_bytes(b):
 def _table(result) -> str:
     lines = []
     hdr = (f"{'n':>1} {'layout':6} {'size':6} {'variant':32} {'ms':>8} {'/hand':>6} {'p10-p90':>11} "
-           f"{'colls':>5} {'bytes':>8} {'peakMiB':>7}")
+           f"{'colls':>5} {'bytes':>8} {'peakMiB':>7} {'pycalls':>7}")
     lines.append(hdr)
     lines.append("-" * len(hdr))
     prev = None
@@ -1022,7 +1103,8 @@ def _table(result) -> str:
         prev = key
         lines.append(f"{r['nproc']:>1} {r['layout']:6} {r['size']:6} {r['variant'][:32]:32} {r['ms']:8.2f} "
                      f"{r['ratio']:6.2f} {r['ratio_p10']:5.2f}-{r['ratio_p90']:<5.2f} "
-                     f"{r['collectives']:5d} {_fmt_bytes(r['bytes']):>8} {r['peak_mib']:7.2f}")
+                     f"{r['collectives']:5d} {_fmt_bytes(r['bytes']):>8} {r['peak_mib']:7.2f} "
+                     f"{r.get('py_calls', 0):7d}")
     if result["skipped"]:
         lines.append("")
         for s in result["skipped"]:
@@ -1056,8 +1138,8 @@ def _markdown(result) -> str:
     """The README's tables: ratios at a glance, then every row."""
     rows, out = result["rows"], []
     cols = ["functp grad vma", "functp grad novma", "functp tape vma", "functp tape novma",
-            "functp plan grad vma", "functp compiled tape", "functp compiled grad", "torch",
-            "unsharded (rank 0)"]
+            "functp plan grad vma", "functp compiled tape", "functp compiled grad", "spmd_types",
+            "torch", "unsharded (rank 0)"]
     out.append("| n | layout | size | hand ms | " + " | ".join(
         c.replace("functp ", "") if c != "torch" else "PyTorch" for c in cols) + " |")
     out.append("|---" * (4 + len(cols)) + "|")
@@ -1074,13 +1156,13 @@ def _markdown(result) -> str:
                          (f"{r['ratio']:.2f} ({r['variant']})" if c == "torch" else f"{r['ratio']:.2f}"))
         out.append(f"| {n} | {layout} | {size} | {by['hand']['ms']:.1f} | " + " | ".join(cells) + " |")
     out.append("")
-    out.append("| n | layout | size | variant | ms | / hand | p10–p90 | collectives | bytes | by op | peak MiB |")
-    out.append("|---|---|---|---|---:|---:|---|---:|---:|---|---:|")
+    out.append("| n | layout | size | variant | ms | / hand | p10–p90 | collectives | bytes | by op | peak MiB | Python calls |")
+    out.append("|---|---|---|---|---:|---:|---|---:|---:|---|---:|---:|")
     for r in rows:
         ops = ", ".join(f"{op} {c}" for op, (c, _) in r["by_op"].items()) or "–"
         out.append(f"| {r['nproc']} | {r['layout']} | {r['size']} | {r['variant']} | {r['ms']:.1f} | "
                    f"{r['ratio']:.2f} | {r['ratio_p10']:.2f}–{r['ratio_p90']:.2f} | {r['collectives']} | "
-                   f"{_fmt_bytes(r['bytes'])} | {ops} | {r['peak_mib']:.2f} |")
+                   f"{_fmt_bytes(r['bytes'])} | {ops} | {r['peak_mib']:.2f} | {r.get('py_calls', '–')} |")
     if result["compile"]:
         out.append("")
         out.append("| n | layout | size | compiled step | first call (compile) s | graph breaks | Dynamo graphs | compiled / eager |")
