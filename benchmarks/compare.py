@@ -927,25 +927,19 @@ def _bench_layout(layout, size, n, args, compile_info, drop=()):
         counts[v.name] = cc.summary()
         unknown |= cc.unknown
         logs[v.name] = (len(log), sum(e.nbytes for e in log.events)) if v.kind == "functp" else None
-    # host overhead: Python calls (functions and builtins) of one step, on this rank
-    pycalls = {}
+    # per rank: the Python calls (functions and builtins) of one step, and how far
+    # one step raises peak memory (the smaller of 2)
+    pycalls, mem = {}, {}
     for v in variants:
         dist.barrier()
         if v.rank0_only and rank != 0:
-            pycalls[v.name] = 0
+            pycalls[v.name] = mem[v.name] = 0
             continue
         prof = cProfile.Profile()
         prof.enable()
         v.step()
         prof.disable()
         pycalls[v.name] = pstats.Stats(prof).total_calls
-    # memory: peak RSS rise of one step, median of 3, per rank
-    mem = {}
-    for v in variants:
-        dist.barrier()
-        if v.rank0_only and rank != 0:
-            mem[v.name] = 0
-            continue
         mem[v.name] = min(_peak_rss_rise(v.step) for _ in range(2))
     dist.barrier()
     # timing: variants alternate, the order rotating every round

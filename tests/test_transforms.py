@@ -121,29 +121,9 @@ def _grad_vmap_body():
     assert_tree_close((functp.unshard(got[0], mesh, P(None, "x")), got[1]), ref, "grad(vmap)")
 
 
-def _hessian_vector_body():
-    """Second order: grad of (grad . v) through psum, all_gather and psum_scatter."""
-    mesh = _mesh()
-    x, v = randn(2 * N, 3, seed=1), randn(2 * N, 3, seed=2)
-
-    def glob(x):
-        return (torch.sin(x).sum(0) ** 2).sum() + (x ** 3).sum()
-
-    def local(x):
-        full = functp.all_gather(x, "x", tiled=True)
-        col = functp.psum(torch.sin(x).sum(0), "x")
-        own = functp.psum_scatter(full ** 3, "x", tiled=True) / N
-        return (col ** 2).sum() + functp.psum(own.sum(), "x")
-    f = _shard_map(local, mesh, P("x"), P())
-    hvp_ref = torch.func.grad(lambda x: (torch.func.grad(glob)(x) * v).sum())(x)
-    xl, vl = functp.shard((x, v), mesh, P("x"))
-    hvp = torch.func.grad(lambda x: (torch.func.grad(f)(x) * vl).sum())(xl)
-    # the inner grad is a local block: the outer function sums blocks only locally,
-    # so its gradient is this rank's block of the global hvp
-    assert_tree_close(functp.unshard(hvp, mesh, P("x")), hvp_ref, "hessian-vector product")
-
-
 def _second_order_program():
+    """(global, local) programs whose second derivatives pass through psum,
+    all_gather and psum_scatter."""
     def glob(x):
         return (torch.sin(x).sum(0) ** 2).sum() + (x ** 3).sum()
 
@@ -153,6 +133,20 @@ def _second_order_program():
         own = functp.psum_scatter(full ** 3, "x", tiled=True) / N
         return (col ** 2).sum() + functp.psum(own.sum(), "x")
     return glob, local
+
+
+def _hessian_vector_body():
+    """Second order: grad of (grad . v)."""
+    mesh = _mesh()
+    glob, local = _second_order_program()
+    x, v = randn(2 * N, 3, seed=1), randn(2 * N, 3, seed=2)
+    f = _shard_map(local, mesh, P("x"), P())
+    hvp_ref = torch.func.grad(lambda x: (torch.func.grad(glob)(x) * v).sum())(x)
+    xl, vl = functp.shard((x, v), mesh, P("x"))
+    hvp = torch.func.grad(lambda x: (torch.func.grad(f)(x) * vl).sum())(xl)
+    # the inner grad is a local block: the outer function sums blocks only locally,
+    # so its gradient is this rank's block of the global hvp
+    assert_tree_close(functp.unshard(hvp, mesh, P("x")), hvp_ref, "hessian-vector product")
 
 
 def _forward_over_reverse_body():
