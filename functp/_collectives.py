@@ -30,8 +30,13 @@ AxisName = Any   # a mesh axis name, or a tuple of names (major to minor)
 
 def _group(axis_name, what: str) -> tuple[_context.Frame, AxisGroup]:
     fr = _context.current(what)
+    try:
+        return fr, fr.groups[axis_name]       # resolved and checked once per body
+    except (KeyError, TypeError):             # (TypeError: an unhashable name)
+        pass
     g = fr.mesh.axis_group(axis_name, f"functp.{what}({axis_name!r})")
     fr.check_axes(g.axes, f"functp.{what}({axis_name!r})")
+    fr.groups[axis_name] = g
     return fr, g
 
 
@@ -67,14 +72,15 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
     tr._paused += 1          # our own ops are not the user's program
     try:
         v = tr.get(t)
-        missing = tuple(a for a in g.axes if a not in v)
-        if missing and needs_varying:
-            raise ShardingError(_invariant_reduction_message(what, g, missing, t))
+        missing = g.axis_set - v
         if missing:
+            if needs_varying:
+                raise ShardingError(_invariant_reduction_message(
+                    what, g, tuple(a for a in g.axes if a in missing), t))
             t = tr.pvary(t, missing)
-            v = v | frozenset(missing)
+            v = v | missing
         out = op(t, g.key, *args)
-        tr.set(out, v - frozenset(g.axes) if reduces else v)
+        tr.set(out, v - g.axis_set if reduces else v)
     finally:
         tr._paused -= 1
     return out

@@ -7,7 +7,7 @@ after shard_map returned, or an outer transform) needs nothing from here.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import ShardingError
@@ -20,6 +20,8 @@ class Frame:
     check_vma: bool
     tracker: Any = None      # the vma Tracker when check_vma is on (and not compiling)
     manual: tuple[str, ...] = ()   # the mesh axes collectives may name here
+    # axis name (or tuple) -> its AxisGroup, once resolved and checked in this body
+    groups: dict = field(default_factory=dict, compare=False)
 
     def check_axes(self, axes: tuple[str, ...], what: str) -> None:
         auto = [a for a in axes if a not in self.manual]
@@ -53,8 +55,12 @@ def top() -> Frame | None:
 
 
 @contextlib.contextmanager
-def frame(mesh: Mesh, check_vma: bool, tracker: Any = None, manual: tuple[str, ...] = ()):
-    _STACK.append(Frame(mesh, check_vma, tracker, manual or mesh.axis_names))
+def frame(mesh: Mesh, check_vma: bool, tracker: Any = None, manual: tuple[str, ...] = (),
+          groups: dict | None = None):
+    """Binds a body's mesh axes while it runs. ``groups``: a cache of resolved axis
+    groups that the caller keeps across calls with the same mesh and manual axes."""
+    _STACK.append(Frame(mesh, check_vma, tracker, manual or mesh.axis_names,
+                        {} if groups is None else groups))
     try:
         yield _STACK[-1]
     finally:

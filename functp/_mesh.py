@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -20,23 +20,24 @@ __all__ = ["Mesh", "make_mesh", "AxisGroup"]
 class AxisGroup:
     """Everything a collective over a tuple of mesh axes needs, resolved once.
 
-    Collectives keep this in their autograd context, so their backward never reads
-    ambient state (the backward may run after ``shard_map`` has returned). A plain
-    frozen dataclass, not a NamedTuple, so that torch.func's pytree handling of a
-    Function's arguments treats it as one leaf.
-    ``order[i]`` is the process-group rank of the member whose index along ``axes``
-    (major to minor, in the order given) is ``i``; ``None`` when they coincide.
+    functp's ops take it by ``key`` (a string: op schemas hold no Python objects) and
+    keep that key in their autograd context, so a backward never reads ambient state
+    (it may run after ``shard_map`` has returned). ``order[i]`` is the process-group
+    rank of the member whose index along ``axes`` (major to minor, in the order
+    given) is ``i``; ``None`` when they coincide. ``axis_set`` is ``axes`` as a set.
     """
     axes: tuple[str, ...]
     size: int
     index: int
     group_name: str
     order: tuple[int, ...] | None
+    key: str = field(init=False)
+    axis_set: frozenset = field(init=False)
 
-    @property
-    def key(self) -> str:
-        """The name functp's registered ops take for this group (``group_of`` reads it)."""
-        return f"{self.group_name}|{','.join(self.axes)}"
+    def __post_init__(self) -> None:
+        # derived once: collectives read both on every call
+        object.__setattr__(self, "key", f"{self.group_name}|{','.join(self.axes)}")
+        object.__setattr__(self, "axis_set", frozenset(self.axes))
 
     def group_rank(self, i: int) -> int:
         return i if self.order is None else self.order[i]

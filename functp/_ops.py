@@ -128,15 +128,15 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
         if interp is None and not _needs_autograd(args):
             with _below_autograd():
                 return raw(*args)
-        allowed = _single_allowed()
-        _set_single_allowed(True)
-        try:
-            if listy:
-                out = rule.apply(interp, args[1:], *args[0])
-            else:
-                out = rule.apply(interp, *args)
-        finally:
-            _set_single_allowed(allowed)
+        if interp is None:     # functorch refuses a single-level Function only under it
+            out = rule.apply(interp, args[1:], *args[0]) if listy else rule.apply(interp, *args)
+        else:
+            allowed = _single_allowed()
+            _set_single_allowed(True)
+            try:
+                out = rule.apply(interp, args[1:], *args[0]) if listy else rule.apply(interp, *args)
+            finally:
+                _set_single_allowed(allowed)
         return list(out) if listy else out
 
     def composite(*args):

@@ -102,6 +102,7 @@ class _InPlan:
     def __init__(self, paths, specs, tensors, dtensors, specs_raw):
         self.paths, self.specs, self.tensors, self.dtensors = paths, specs, tensors, dtensors
         self.specs_raw = specs_raw          # as given: a DTensor's is normalized per call
+        self.spec_lens = [len(specs[i]) if specs[i] is not None else 0 for i in tensors]
         self.rules: dict = {}
 
 
@@ -114,6 +115,7 @@ class _Body:
         # per input tree: (treespec, leaf types) -> _InPlan; per output tree likewise
         self._in_plans: dict = {}
         self._out_plans: dict = {}
+        self._axis_groups: dict = {}     # manual axes -> {axis name: AxisGroup}, for frames
 
     def __call__(self, *args, **kwargs):
         if kwargs:
@@ -144,9 +146,8 @@ class _Body:
                 f"the inner one axis_names without it")
 
     # -- inputs ----------------------------------------------------------------------
-    def _in_plan(self, args, leaves, treespec) -> _InPlan:
+    def _in_plan(self, args, leaves, treespec, compiling: bool) -> _InPlan:
         # (while Dynamo traces, a treespec cannot be a key, and a trace runs once)
-        compiling = torch.compiler.is_compiling()
         key = None if compiling else (treespec, tuple(map(type, leaves)))
         plan = None if compiling else self._in_plans.get(key)
         if plan is None:
@@ -163,7 +164,7 @@ class _Body:
                 self._in_plans[key] = plan
         return plan
 
-    def _local_inputs(self, plan: _InPlan, leaves: list) -> tuple[list, list]:
+    def _local_inputs(self, plan: _InPlan, leaves: list, compiling: bool) -> tuple[list, list]:
         """This rank's blocks and their specs, checked against the spec lengths."""
         specs = plan.specs
         if plan.dtensors:        # a DTensor argument is a global value: take its block
@@ -173,12 +174,14 @@ class _Body:
                 leaves[i] = dtensor_to_local(leaves[i], self.mesh, plan.specs_raw[i], plan.paths[i])
                 specs[i] = self._spec(plan.specs_raw[i], f"in_specs for {plan.paths[i]}",
                                       leaves[i].shape)
-        for i in plan.tensors:
-            x, spec = leaves[i], specs[i]
-            if len(spec) > x.ndim:       # the same tree with a lower-rank tensor
-                self._spec(spec, f"in_specs for {plan.paths[i]}", x.shape)
-            if getattr(x, GLOBAL_SHAPE, None) is not None:   # an uneven block of functp.shard
-                check_even_block(x, spec, self.mesh, plan.paths[i])
+        for i, n in zip(plan.tensors, plan.spec_lens):
+            x = leaves[i]
+            if n > x.ndim:       # the same tree with a lower-rank tensor
+                self._spec(specs[i], f"in_specs for {plan.paths[i]}", x.shape)
+            # an uneven block made by functp.shard (Dynamo cannot trace __dict__)
+            if (getattr(x, GLOBAL_SHAPE, None) is not None if compiling
+                    else GLOBAL_SHAPE in x.__dict__):
+                check_even_block(x, specs[i], self.mesh, plan.paths[i])
         return leaves, specs
 
     def _rules_plan(self, plan: _InPlan, rules, specs: list, local: list, base):
@@ -192,15 +195,15 @@ class _Body:
         return hit
 
     def _run(self, args, outer: _context.Frame | None):
+        compiling = torch.compiler.is_compiling()
         leaves, treespec = optree.tree_flatten(args)
-        plan = self._in_plan(args, leaves, treespec)
-        leaves, specs = self._local_inputs(plan, leaves)
+        plan = self._in_plan(args, leaves, treespec, compiling)
+        leaves, specs = self._local_inputs(plan, leaves, compiling)
         local = list(leaves)
         base = None
         if outer is None:
             manual = self.axes
-            tracker = (Tracker(self.mesh) if self.check_vma and not torch.compiler.is_compiling()
-                       else None)
+            tracker = Tracker(self.mesh) if self.check_vma and not compiling else None
         else:   # the inputs are whole along our axes: take this rank's blocks
             manual = tuple(a for a in self.mesh.axis_names if a in self.axes or a in outer.manual)
             tracker = outer.tracker
@@ -210,7 +213,8 @@ class _Body:
                 local[i] = self._take_block(plan.paths[i], local[i], specs[i])
         rules = self.vma_rules if tracker is not None else self.sum_rules
         rules.enter(tracker, local, self._rules_plan(plan, rules, specs, local, base))
-        with _context.frame(self.mesh, self.check_vma, tracker, manual):
+        groups = self._axis_groups.setdefault(manual, {})
+        with _context.frame(self.mesh, self.check_vma, tracker, manual, groups):
             if tracker is None:
                 out = self.f(*optree.tree_unflatten(treespec, local))
             elif outer is not None:
@@ -222,15 +226,14 @@ class _Body:
         if tracker is not None and tracker.mode is not None:
             tracker.mode.finish(out)   # a custom Function's output returned as it is
         try:
-            return self._outputs(out, rules, tracker, outer is not None)
+            return self._outputs(out, rules, tracker, outer is not None, compiling)
         finally:
             if tracker is not None and outer is None:
                 tracker.forget([leaves[i] for i in plan.tensors])
 
     # -- outputs ---------------------------------------------------------------------
-    def _outputs(self, out, rules, tracker, nested: bool):
+    def _outputs(self, out, rules, tracker, nested: bool, compiling: bool):
         oleaves, otree = optree.tree_flatten(out)
-        compiling = torch.compiler.is_compiling()
         key = None if compiling else (otree, tuple(map(type, oleaves)))
         hit = None if compiling else self._out_plans.get(key)
         if hit is None:

@@ -27,12 +27,15 @@ _peek = torch._C._functorch.peek_interpreter_stack
 
 
 def _under_vmap(t: torch.Tensor) -> bool:
+    """Is ``t`` batched by a vmap somewhere in its functorch wrappers? (An alias
+    viewed with as_strided cannot stand for a batched view.)"""
     while True:
         if _is_batched(t):
             return True
         if not _is_wrapped(t):
             return False
         t = _unwrap(t)
+
 
 class Tracker:
     """The vma of every tensor made while one shard_map body runs."""
@@ -42,6 +45,7 @@ class Tracker:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
         self.mode = None          # the UnionRule applying the rule with these tags
+        self._groups: dict[frozenset, object] = {}
         # tags live on the tensors themselves (a dict keyed by tensor costs a weak
         # reference per lookup); the token ties a tag to this body's run
         Tracker._runs += 1
@@ -145,8 +149,13 @@ class Tracker:
             self._paused = paused
 
     # -- pvary ------------------------------------------------------------------
-    def _group(self, axes):
-        return self.mesh.axis_group(tuple(a for a in self.mesh.axis_names if a in axes))
+    def _group(self, axes: frozenset):
+        """The group over a set of axes, in mesh order (cached by the set)."""
+        g = self._groups.get(axes)
+        if g is None:
+            g = self._groups[axes] = self.mesh.axis_group(
+                tuple(a for a in self.mesh.axis_names if a in axes))
+        return g
 
     def pvary(self, t: torch.Tensor, axes) -> torch.Tensor:
         """``t`` marked as varying over ``axes`` too (cached: one pvary per tensor and

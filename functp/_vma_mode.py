@@ -173,17 +173,40 @@ class UnionRule(TorchFunctionMode):
             if union is None or v is union:
                 union = v
             elif v != union:
-                return self._general(func, args, {})        # inputs disagree
+                return self._mixed(func, args)              # inputs disagree
         if func in _INPLACE_FUNCS or (func not in _OUTOFPLACE_FUNCS and _is_inplace(func)):
             return self._general(func, args, {})
         out = func(*args)
-        if union:
+        if out.__class__ in _TENSOR_TYPES:
+            out.__dict__[_TAG] = (token, union or EMPTY)
+            # made inside a torch.func transform in the body: tag what it wraps too
+            # (an invariant needs no tags there: untagged means invariant)
+            if union and _level_of(out) > tr.level:
+                tr.set(out, union)
+            base = out._base
+            if base is not None and tr._alias_of and (id(base) in tr._alias_of or tr.entry_views):
+                self._follow_views(out, args)
+        elif union:
             _tag_out(tr, out, (token, union))
-        elif out.__class__ in _TENSOR_TYPES:
-            # invariant (or fresh): a tag saves later lookups their calls; the tensors
-            # it wraps need none (untagged means invariant there too)
-            out.__dict__[_TAG] = (token, EMPTY)
-        if tr._alias_of and out.__class__ in _TENSOR_TYPES and out._base is not None:
+        return out
+
+    def _mixed(self, func, args):
+        """Positional tensors that vary over different axes (the fast path checked
+        that every argument is a tensor or a plain value): pvary the less varying
+        ones to the union, as ``_general`` would, without rescanning for lists,
+        keywords and ``out=``."""
+        if (not torch.is_grad_enabled() or func in _INPLACE_FUNCS
+                or (func not in _OUTOFPLACE_FUNCS and _is_inplace(func))):
+            return self._general(func, args, {})
+        tr = self.tr
+        vmas = [tr.get(a) if a.__class__ in _TENSOR_TYPES else None for a in args]
+        union = EMPTY.union(*[v for v in vmas if v is not None])
+        args = [a if v is None or v == union else tr.pvary(a, union)
+                for a, v in zip(args, vmas)]
+        out = func(*args)
+        self._tag(out, union)
+        if (tr._alias_of and out.__class__ in _TENSOR_TYPES and out._base is not None
+                and (id(out._base) in tr._alias_of or tr.entry_views)):
             self._follow_views(out, args)
         return out
 
@@ -197,7 +220,8 @@ class UnionRule(TorchFunctionMode):
         inplace = _is_inplace(func)
         args, kwargs, union = self._unify(args, kwargs, inplace)
         out = func(*args, **kwargs)
-        if tr._alias_of and isinstance(out, torch.Tensor) and out._base is not None:
+        if (tr._alias_of and isinstance(out, torch.Tensor) and out._base is not None
+                and (id(out._base) in tr._alias_of or tr.entry_views)):
             self._follow_views(out, args)
         if union or inplace:
             self._tag(out, union)
@@ -210,11 +234,10 @@ class UnionRule(TorchFunctionMode):
     def _follow_views(self, out: torch.Tensor, args) -> None:
         """A view of a replicated input (or of a view of one) still counts as that
         input (see pvary); a view of one of its *aliases* does not, although the
-        aliases are views of the input too."""
+        aliases are views of the input too. (Callers check first that ``out``'s base
+        is an input, or that some input is itself a view.)"""
         alias_of = self.tr._alias_of
         base = out._base
-        if id(base) not in alias_of and not self.tr.entry_views:
-            return         # not a view of an input: decided in one call
         for a in args:
             if isinstance(a, torch.Tensor):
                 hit = alias_of.get(id(a))
