@@ -213,7 +213,8 @@ class _Body:
                 local[i] = self._take_block(plan.paths[i], local[i], specs[i])
         rules = self.vma_rules if tracker is not None else self.sum_rules
         rules.enter(tracker, local, self._rules_plan(plan, rules, specs, local, base))
-        groups = self._axis_groups.setdefault(manual, {})
+        # (not while Dynamo traces: filling a cache it guards on would recompile)
+        groups = {} if compiling else self._axis_groups.setdefault(manual, {})
         with _context.frame(self.mesh, self.check_vma, tracker, manual, groups):
             if tracker is None:
                 out = self.f(*optree.tree_unflatten(treespec, local))

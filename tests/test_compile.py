@@ -117,12 +117,15 @@ def _compiled_grad_body(layout):
     step = functp.shard_map(local_loss, mesh, in_specs=in_specs, out_specs=P())
     local = functp.shard((p, x, y), mesh, in_specs)
     torch._dynamo.reset()
-    compiled = torch.compile(torch.func.grad_and_value(step), fullgraph=True, backend="aot_eager")
-    for _ in range(2):     # the second call runs the cached graph
+    from torch._dynamo.testing import CompileCounterWithBackend
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(torch.func.grad_and_value(step), fullgraph=True, backend=counter)
+    for _ in range(3):     # later calls run the cached graph
         grads, loss = compiled(*local)
         assert_tree_close(loss, ref_loss, f"{layout}: compiled loss")
         assert_tree_close(functp.unshard(grads, mesh, in_specs[0]), ref_grads,
                           f"{layout}: compiled grad")
+    assert counter.frame_count == 1, f"{layout}: compiled {counter.frame_count} times, not once"
 
 
 @pytest.mark.parametrize("layout", sorted(_LAYOUTS))
