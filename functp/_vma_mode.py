@@ -41,19 +41,6 @@ def _is_tensor_type(cls) -> bool:
     return False
 
 
-def _tag_out(tr: Tracker, out, tag: tuple) -> None:
-    if out.__class__ in _TENSOR_TYPES:
-        out.__dict__[_TAG] = tag
-        if _level_of(out) > tr.level:     # made inside a torch.func transform in the body
-            tr.set(out, tag[1])
-    elif isinstance(out, (list, tuple)):
-        for o in out:
-            if isinstance(o, torch.Tensor):
-                tr.set(o, tag[1])
-    elif isinstance(out, torch.Tensor):
-        tr.set(out, tag[1])
-
-
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
                     "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
                     "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
@@ -187,7 +174,7 @@ class UnionRule(TorchFunctionMode):
             if base is not None and tr._alias_of and (id(base) in tr._alias_of or tr.entry_views):
                 self._follow_views(out, args)
         elif union:
-            _tag_out(tr, out, (token, union))
+            self._tag(out, union)        # a tuple of tensors, or a tensor class not seen yet
         return out
 
     def _mixed(self, func, args):
