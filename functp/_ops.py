@@ -97,7 +97,7 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
         torch._C._set_grad_enabled(True)
         torch._C._set_fwd_grad_enabled(True)
         try:
-            with torch._C._AutoDispatchBelowAutograd():
+            with _below_autograd():
                 out = op(*args)
         finally:
             torch._C._set_grad_enabled(prev)
@@ -128,22 +128,19 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
         if interp is None and not _needs_autograd(args):
             with _below_autograd():
                 return raw(*args)
+        flat = (interp, args[1:], *args[0]) if listy else (interp, *args)
         if interp is None:     # functorch refuses a single-level Function only under it
-            out = rule.apply(interp, args[1:], *args[0]) if listy else rule.apply(interp, *args)
+            out = rule.apply(*flat)
         else:
             allowed = _single_allowed()
             _set_single_allowed(True)
             try:
-                out = rule.apply(interp, args[1:], *args[0]) if listy else rule.apply(interp, *args)
+                out = rule.apply(*flat)
             finally:
                 _set_single_allowed(allowed)
         return list(out) if listy else out
 
-    def composite(*args):
-        out = raw(*args)
-        return list(out) if listy else out
-
-    _lib.impl(name, composite, "CompositeExplicitAutograd")
+    _lib.impl(name, raw, "CompositeExplicitAutograd")   # (a Tensor[] op's raw returns a list)
     _lib.impl(name, autograd_kernel, "Autograd")
     torch.library.register_fake(f"functp::{name}", fake, lib=_lib)
     torch.library.register_vmap(f"functp::{name}", vmap, lib=_lib)

@@ -103,7 +103,7 @@ class _InPlan:
         self.paths, self.specs, self.tensors, self.dtensors = paths, specs, tensors, dtensors
         self.specs_raw = specs_raw          # as given: a DTensor's is normalized per call
         self.spec_lens = [len(specs[i]) if specs[i] is not None else 0 for i in tensors]
-        self.rules: dict = {}
+        self.boundary: dict = {}        # (check_vma, leaf dtypes) -> the boundary rules' plan
 
 
 class _Body:
@@ -185,13 +185,17 @@ class _Body:
         return leaves, specs
 
     def _rules_plan(self, plan: _InPlan, rules, specs: list, local: list, base):
-        if base is not None or plan.dtensors:      # depends on more than the tree
-            return rules.plan(specs, [isinstance(x, torch.Tensor) and _floating(x) for x in local], base)
-        dtypes = tuple([local[i].dtype for i in plan.tensors])
-        hit = plan.rules.get((rules.check_vma, dtypes))
-        if hit is None:
-            floating = [isinstance(x, torch.Tensor) and _floating(x) for x in local]
-            hit = plan.rules[(rules.check_vma, dtypes)] = rules.plan(specs, floating)
+        """``rules.plan`` for these inputs, cached in ``plan`` by the leaves' dtypes
+        (not for a nested body or DTensor inputs: it depends on more than the tree)."""
+        key = None
+        if base is None and not plan.dtensors:
+            key = (rules.check_vma, tuple([local[i].dtype for i in plan.tensors]))
+            hit = plan.boundary.get(key)
+            if hit is not None:
+                return hit
+        hit = rules.plan(specs, [isinstance(x, torch.Tensor) and _floating(x) for x in local], base)
+        if key is not None:
+            plan.boundary[key] = hit
         return hit
 
     def _run(self, args, outer: _context.Frame | None):

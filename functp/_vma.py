@@ -195,9 +195,6 @@ class Tracker:
         root = t if t._base is None else t._base
         missing = frozenset(axes) - self.get(root)
         if missing and (root.is_floating_point() or root.is_complex()):
-            self._paused += 1
-            try:
+            with self.paused():
                 _ops.PvaryInplace.apply(root, self._group(missing).key)
-            finally:
-                self._paused -= 1
         self.set(root, self.get(root) | missing)

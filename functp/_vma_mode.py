@@ -161,7 +161,7 @@ class UnionRule(TorchFunctionMode):
                 union = v
             elif v != union:
                 return self._mixed(func, args)              # inputs disagree
-        if func in _INPLACE_FUNCS or (func not in _OUTOFPLACE_FUNCS and _is_inplace(func)):
+        if func not in _OUTOFPLACE_FUNCS and _is_inplace(func):
             return self._general(func, args, {})
         out = func(*args)
         if out.__class__ in _TENSOR_TYPES:
@@ -170,8 +170,7 @@ class UnionRule(TorchFunctionMode):
             # (an invariant needs no tags there: untagged means invariant)
             if union and _level_of(out) > tr.level:
                 tr.set(out, union)
-            base = out._base
-            if base is not None and tr._alias_of and (id(base) in tr._alias_of or tr.entry_views):
+            if out._base is not None and tr._alias_of:
                 self._follow_views(out, args)
         elif union:
             self._tag(out, union)        # a tuple of tensors, or a tensor class not seen yet
@@ -182,8 +181,7 @@ class UnionRule(TorchFunctionMode):
         that every argument is a tensor or a plain value): pvary the less varying
         ones to the union, as ``_general`` would, without rescanning for lists,
         keywords and ``out=``."""
-        if (not torch.is_grad_enabled() or func in _INPLACE_FUNCS
-                or (func not in _OUTOFPLACE_FUNCS and _is_inplace(func))):
+        if not torch.is_grad_enabled() or (func not in _OUTOFPLACE_FUNCS and _is_inplace(func)):
             return self._general(func, args, {})
         tr = self.tr
         vmas = [tr.get(a) if a.__class__ in _TENSOR_TYPES else None for a in args]
@@ -192,8 +190,7 @@ class UnionRule(TorchFunctionMode):
                 for a, v in zip(args, vmas)]
         out = func(*args)
         self._tag(out, union)
-        if (tr._alias_of and out.__class__ in _TENSOR_TYPES and out._base is not None
-                and (id(out._base) in tr._alias_of or tr.entry_views)):
+        if tr._alias_of and isinstance(out, torch.Tensor) and out._base is not None:
             self._follow_views(out, args)
         return out
 
@@ -207,8 +204,7 @@ class UnionRule(TorchFunctionMode):
         inplace = _is_inplace(func)
         args, kwargs, union = self._unify(args, kwargs, inplace)
         out = func(*args, **kwargs)
-        if (tr._alias_of and isinstance(out, torch.Tensor) and out._base is not None
-                and (id(out._base) in tr._alias_of or tr.entry_views)):
+        if tr._alias_of and isinstance(out, torch.Tensor) and out._base is not None:
             self._follow_views(out, args)
         if union or inplace:
             self._tag(out, union)
@@ -221,10 +217,12 @@ class UnionRule(TorchFunctionMode):
     def _follow_views(self, out: torch.Tensor, args) -> None:
         """A view of a replicated input (or of a view of one) still counts as that
         input (see pvary); a view of one of its *aliases* does not, although the
-        aliases are views of the input too. (Callers check first that ``out``'s base
-        is an input, or that some input is itself a view.)"""
+        aliases are views of the input too. (Callers check that ``out`` is a view and
+        that the body has aliased inputs.)"""
         alias_of = self.tr._alias_of
         base = out._base
+        if id(base) not in alias_of and not self.tr.entry_views:
+            return         # not a view of an input: decided in one call
         for a in args:
             if isinstance(a, torch.Tensor):
                 hit = alias_of.get(id(a))
@@ -269,7 +267,7 @@ class UnionRule(TorchFunctionMode):
                 var = getattr(edge, "variable", None)     # a leaf's AccumulateGrad
                 v = self.tr.get(var) if var is not None else self._vma_of_edge(edge, nr)
             vmas.append(v)
-        union = frozenset(self.tr.get(out)).union(*[v for v in vmas if v])
+        union = self.tr.get(out).union(*[v for v in vmas if v])
         groups = {i: self.tr._group(union - v).key for i, v in enumerate(vmas)
                   if v is not None and union - v}
         if not groups:
