@@ -8,6 +8,7 @@ bridge the two.
 """
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import optree
@@ -224,13 +225,12 @@ def _broadcast_tree(tree, mesh: Mesh, src: int):
         raise ShardingError(f"shard: src_rank={src} is not a rank of the world "
                             f"(size {dist.get_world_size()})")
     device = torch.device(mesh.device_type) if mesh.device_type != "cpu" else None
-    meta = [None]
+    meta = None
     if dist.get_rank() == src:
         leaves, treespec = optree.tree_flatten(tree)
-        meta = [(treespec, [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
-                            else ("value", t) for t in leaves])]
-    dist.broadcast_object_list(meta, src=src)
-    treespec, info = meta[0]
+        meta = (treespec, [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
+                           else ("value", t) for t in leaves])
+    treespec, info = _broadcast_pickled(meta, src, device)
     out = []
     for k, item in enumerate(info):
         if item[0] == "value":
@@ -242,3 +242,17 @@ def _broadcast_tree(tree, mesh: Mesh, src: int):
         dist.broadcast(t, src=src)
         out.append(t)
     return optree.tree_unflatten(treespec, out)
+
+
+def _broadcast_pickled(obj, src: int, device) -> Any:
+    """``obj`` from global rank ``src`` on every rank, pickled into a byte tensor.
+
+    Not ``dist.broadcast_object_list``: torch's object collectives call
+    ``Tensor.numpy()``, and torch's CPU wheel does not install numpy."""
+    mine = dist.get_rank() == src
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
+    n = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=device)
+    dist.broadcast(n, src=src)
+    buf = data.to(device) if mine else torch.empty(int(n), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src)
+    return obj if mine else pickle.loads(bytes(buf.cpu().tolist()))

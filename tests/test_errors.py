@@ -94,6 +94,18 @@ def _collective_errors():
     _raises(body(lambda x: functp.ppermute(x, "tp", [(0, 2)])), "index 2", "0..1")
 
 
+def _short_errors():
+    # a spec tree that does not fit a 40-leaf tree: the leaf that differs, no values
+    mesh = _mesh()
+    tree = {f"layer{i}": torch.randn(64) for i in range(40)}
+    specs = {f"layer{i}": P() for i in range(39)}
+    msg = _raises(lambda: functp.shard(tree, mesh, specs), "missing key(s) 'layer39'", "prefix")
+    assert len(msg) < 600 and "tensor(" not in msg, msg
+    msg = _raises(lambda: functp.shard(tree, mesh, {"layer0": tree["layer0"]}), "not a spec",
+                  "shape (64,)")
+    assert "tensor(" not in msg, msg
+
+
 def _nested_error():
     mesh, x = _mesh(), torch.zeros(2)
     inner = functp.shard_map(_ident, mesh, in_specs=P(), out_specs=P())
@@ -109,7 +121,7 @@ def _mesh_errors():
 
 
 @pytest.mark.parametrize("body", [_in_spec_errors, _out_spec_errors, _shard_errors,
-                                  _placement_errors, _collective_errors, _nested_error,
+                                  _placement_errors, _collective_errors, _short_errors, _nested_error,
                                   _mesh_errors],
                          ids=lambda b: b.__name__.strip("_"))
 def test_bad_input_raises_on_every_rank(run, body):
