@@ -12,7 +12,7 @@ from ._collectives import (all_gather, all_gather_invariant, all_to_all, axis_in
                            pvary)
 from ._comm_log import CommEvent, comm_log
 from ._checkpoint import full_state_dict, load, save
-from ._errors import ShardingError
+from ._errors import CheckpointError, ShardingError
 from ._functional import functionalize
 from ._interop import from_dtensor, to_dtensor
 from ._mesh import Mesh, make_mesh
@@ -28,7 +28,7 @@ from ._styles import (Colwise, ExpertDispatch, ExpertParallel, ExpertRouter, Pre
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mesh", "make_mesh", "P", "ShardingError",
+    "Mesh", "make_mesh", "P", "ShardingError", "CheckpointError",
     "functionalize", "shard", "unshard", "shard_map",
     "psum", "pmean", "pmax", "pmin", "pvary", "pcast", "all_gather", "all_gather_invariant",
     "psum_scatter", "all_to_all", "ppermute", "axis_index", "axis_size",

@@ -1,4 +1,5 @@
-"""The one exception type functp raises for a user's mistake."""
+"""The exceptions functp raises: ShardingError for a user's mistake or ranks that
+disagree, and its subclass CheckpointError for a checkpoint that cannot be written or read."""
 from __future__ import annotations
 
 
@@ -8,4 +9,15 @@ class ShardingError(ValueError):
     Raised identically on every rank before any communication, so that a bad input
     never leaves some ranks waiting in a collective. The message names the leaf (its
     pytree path), its shape, the spec, the mesh, and what to change.
+    """
+
+
+class CheckpointError(ShardingError):
+    """A checkpoint that cannot be written or read: a failed write, a missing,
+    incomplete or damaged checkpoint, or one that does not hold what ``like=`` asks for.
+
+    Raised by :func:`functp.save` and :func:`functp.load` on every rank together, so no
+    rank is left waiting. The message's first line is the cause and the checkpoint's
+    path; DCP's own report (every failed rank's traceback), when there is one, is
+    chained as ``__cause__``.
     """

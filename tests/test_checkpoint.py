@@ -1,12 +1,21 @@
 """Checkpoints over torch.distributed.checkpoint: saved on a (2, 2) mesh, loaded bit for
 bit on (4,), (2,), (2, 2) with other specs and on one process; full_state_dict; and a
 2-D training run (AdamW on local blocks) stopped and resumed on other meshes with the
-losses of the uninterrupted run."""
+losses of the uninterrupted run; and checkpoints that cannot load wrong: damaged,
+truncated, missing or half-written ones, like= leaves that do not fit and failed saves
+raise the same CheckpointError on every rank, in seconds."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import functp
 from functp import P, ShardingError
@@ -156,3 +165,257 @@ def test_training_resumes_on_another_mesh(run, tmp_path):
         torch.testing.assert_close(run(2, _resume_body, path, shape)[0], reference[2:],
                                    rtol=1e-12, atol=1e-14)
     assert reference[4] < reference[0]
+
+
+# ---------------------------------------------------------------------------------
+# checkpoints that cannot load wrong: every rank raises the same CheckpointError, fast
+
+_SMALL_SPECS = {"w": P("x"), "b": P(), "step": P()}
+
+
+def _small():
+    return {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": randn(8, seed=5),
+            "step": 3}
+
+
+def _mesh2():
+    return functp.make_mesh((2,), ("x",))
+
+
+def _save_small(path):
+    mesh = _mesh2()
+    functp.save(path, functp.shard(_small(), mesh, _SMALL_SPECS), mesh, _SMALL_SPECS)
+
+
+def _outcome(fn):
+    """``(error type, message, seconds)`` of ``fn()``'s failure; ``None`` if it did not fail."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:       # noqa: BLE001 - the driver asserts on it
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return None
+
+
+def _try_load(path, kw):
+    specs = P() if "like" in kw else _SMALL_SPECS
+    return _outcome(lambda: functp.load(path, _mesh2(), specs, **kw))
+
+
+def _try_load_full(path, kw):
+    return _outcome(lambda: functp.load(path, **kw))
+
+
+def _all_raise(outcomes, *words, kind="CheckpointError"):
+    """Every rank raised ``kind`` within 30 s, its first line holding ``words``."""
+    for rank, out in enumerate(outcomes):
+        assert out is not None, f"rank {rank} did not fail"
+        name, msg, secs = out
+        first = msg.split("\n")[0]
+        assert name == kind, (rank, name, msg)
+        for w in words:
+            assert w in first, f"rank {rank}: {w!r} not in the first line of: {msg}"
+        assert secs < 30, (rank, secs)
+        assert "tensor(" not in msg, msg
+    return [o[1] for o in outcomes]
+
+
+def test_checkpoint_error_is_a_sharding_error():
+    assert issubclass(functp.CheckpointError, functp.ShardingError)
+    assert issubclass(functp.CheckpointError, Exception)
+    assert "CheckpointError" in functp.__all__
+
+
+def _block_bytes(t):
+    return bytes(t.contiguous().view(torch.uint8).flatten().tolist())
+
+
+def _flip_in_data(path, fqn, data):
+    """Flips 4 bytes inside ``data`` (a stored block's raw bytes) where rank 0's file
+    stores ``fqn``: tensor values, not torch.save's zip records, so DCP alone would
+    load them silently. Returns the file's name."""
+    meta = dcp.FileSystemReader(path).read_metadata()
+    (info,) = [s for i, s in meta.storage_data.items()
+               if i.fqn == fqn and s.relative_path.startswith("__0_")]
+    file = os.path.join(path, info.relative_path)
+    raw = bytearray(open(file, "rb").read())
+    at = raw.find(data, info.offset, info.offset + info.length)
+    assert at >= 0, "the block's bytes are stored as they are"
+    at += len(data) // 2
+    raw[at:at + 4] = bytes(b ^ 0xFF for b in raw[at:at + 4])
+    with open(file, "wb") as f:
+        f.write(raw)
+    return info.relative_path
+
+
+def test_corrupted_bytes_raise_on_every_rank(run, tmp_path):
+    path = str(tmp_path / "ckpt")
+    run(2, _save_small, path)
+    w = _small()["w"]
+    file = _flip_in_data(path, "w", _block_bytes(w[:4]))
+    # DCP alone reads the damaged values without a word
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = {"w": torch.empty(8, 8)}
+        dcp.load(plain, checkpoint_id=path, no_dist=True)
+    assert not torch.equal(plain["w"], w)
+    _all_raise(run(2, _try_load, path, {}), "'w'", file, path, "corrupted")
+    _all_raise(run(1, _try_load_full, path, {}), "'w'", file, path, "corrupted")
+    # keys not asked for are not read, so not checked: a subset still loads
+    assert run(2, _try_load, path, {"like": {"b": 0}}) == [None, None]
+
+
+def test_truncated_metadata(run, tmp_path):
+    path = str(tmp_path / "ckpt")
+    run(2, _save_small, path)
+    meta = os.path.join(path, ".metadata")
+    raw = open(meta, "rb").read()
+    with open(meta, "wb") as f:
+        f.write(raw[:len(raw) // 2])
+    _all_raise(run(2, _try_load, path, {}), ".metadata is unreadable", path)
+    # without the checksum of .metadata: unpickling it fails, with the same message
+    os.remove(os.path.join(path, ".functp_checksums.json"))
+    _all_raise(run(2, _try_load, path, {}), ".metadata is unreadable", path)
+    _all_raise(run(1, _try_load_full, path, {}), ".metadata is unreadable", path)
+
+
+def test_missing_checkpoint(run, tmp_path):
+    path = str(tmp_path / "nowhere")
+    _all_raise(run(2, _try_load, path, {}), f"no checkpoint at {path}")
+    _all_raise(run(1, _try_load_full, path, {}), f"no checkpoint at {path}")
+
+
+def test_interrupted_save_is_incomplete(run, tmp_path):
+    path = str(tmp_path / "ckpt")
+    run(2, _save_small, path)
+    os.remove(os.path.join(path, ".functp_checksums.json"))   # the save stopped before it
+    _all_raise(run(2, _try_load, path, {}), "incomplete", "did not finish", path)
+    _all_raise(run(1, _try_load_full, path, {}), "incomplete", path)
+    _all_raise(run(2, _try_load, path, {"like": {"w": 0}}), "incomplete", path)
+
+
+def _save_as_older_functp(path):
+    """What functp.save wrote before checksums: the blocks and the tree structure."""
+    import optree
+    mesh = _mesh2()
+    local = functp.shard(_small(), mesh, _SMALL_SPECS)
+    dtensors = {"w": functp.to_dtensor(local["w"], mesh, _SMALL_SPECS["w"]),
+                "b": local["b"], "step": 3,
+                "__functp_treespec__": optree.tree_structure(_small())}
+    dcp.save(dtensors, checkpoint_id=path)
+
+
+def _load_older(path):
+    mesh = _mesh2()
+    got = functp.load(path, mesh, _SMALL_SPECS)
+    want = functp.shard(_small(), mesh, _SMALL_SPECS)
+    return all(torch.equal(got[k], want[k]) for k in ("w", "b")) and got["step"] == 3
+
+
+def test_checkpoint_of_an_older_functp_loads(run, tmp_path):
+    # no checksums, and no mark that it should have them: loaded unchecked
+    path = str(tmp_path / "ckpt")
+    run(2, _save_as_older_functp, path)
+    assert run(2, _load_older, path) == [True, True]
+
+
+def _save_fails_on_rank1(path, how):
+    mesh = _mesh2()
+    local = functp.shard(_small(), mesh, _SMALL_SPECS)
+    if how == "shapes":       # rank 1 alone finds its block does not fit: before DCP starts
+        shapes = {"w": (8, 8) if dist.get_rank() == 0 else (7, 8), "b": (8,), "step": None}
+        return _outcome(lambda: functp.save(path, local, mesh, _SMALL_SPECS, shapes=shapes))
+
+    def full_disk(self, plan, planner):
+        raise OSError(28, "No space left on device (simulated)")
+    writer = dcp.FileSystemWriter
+    if dist.get_rank() == 1:  # rank 1's write fails in the middle of DCP's steps
+        writer.write_data = full_disk
+    try:
+        return _outcome(lambda: functp.save(path, local, mesh, _SMALL_SPECS))
+    finally:
+        if "write_data" in writer.__dict__:
+            del writer.write_data
+
+
+def test_failed_save_raises_the_cause_on_every_rank(run, tmp_path):
+    path = str(tmp_path / "ckpt")
+    run(2, _save_small, path)
+    # a preparation that fails on one rank: that rank's error, the other names it
+    (name0, msg0, _), (name1, msg1, _) = run(2, _save_fails_on_rank1, path, "shapes")
+    assert name1 == "ShardingError" and "(7, 8)" in msg1, msg1
+    assert name0 == "CheckpointError" and "rank 1 failed" in msg0 and "(7, 8)" in msg0, msg0
+    assert run(2, _try_load, path, {}) == [None, None], "nothing written: the old one loads"
+    # a write that fails on rank 1: the real cause on every rank, and no complete checkpoint
+    _all_raise(run(2, _save_fails_on_rank1, path, "disk"),
+               "OSError", "No space left on device (simulated)", "on rank 1", path)
+    _all_raise(run(2, _try_load, path, {}), "incomplete", path)
+    # DCP cannot make the directory: its error, not "CheckpointException ranks:..."
+    afile = str(tmp_path / "afile")
+    open(afile, "w").close()
+    msgs = _all_raise(run(2, _try_save, afile), "FileExistsError", afile)
+    assert not any("CheckpointException ranks" in m.split("\n")[0] for m in msgs)
+
+
+def _try_save(path):
+    mesh = _mesh2()
+    return _outcome(lambda: functp.save(path, functp.shard(_small(), mesh, _SMALL_SPECS),
+                                        mesh, _SMALL_SPECS))
+
+
+def _like_body(path):
+    mesh = _mesh2()
+    want = functp.shard(_small(), mesh, _SMALL_SPECS)["w"]
+    # this mesh's block, or the full tensor: both fit
+    for like in (torch.zeros(4, 8), torch.zeros(8, 8)):
+        got = functp.load(path, mesh, {"w": P("x")}, like={"w": like})["w"]
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    got = functp.load(path, mesh, {"w": P("x")}, like={"w": torch.zeros(4, 8, dtype=torch.float64)},
+                      convert=True)["w"]
+    assert got.dtype == torch.float64 and torch.equal(got, want.double())
+    load = lambda like, **kw: functp.load(path, mesh, {"w": P("x")}, like={"w": like}, **kw)
+    rank1_only = torch.zeros(4 if dist.get_rank() == 0 else 5, 8)
+    return (_outcome(lambda: load(torch.zeros(3, 8))),
+            _outcome(lambda: load(torch.zeros(4, 8, dtype=torch.float64))),
+            _outcome(lambda: load(torch.zeros(3, 8, dtype=torch.float64), convert=True)),
+            _outcome(lambda: load(rank1_only)))
+
+
+def test_like_checks_shape_and_dtype(run, tmp_path):
+    path = str(tmp_path / "ckpt")
+    run(2, _save_small, path)
+    shape, dtype, convert, one_rank = zip(*run(2, _like_body, path))
+    for msgs in (_all_raise(shape, "like['w']", "(3, 8)", "'w'", "(8, 8)", "(4, 8)", path),
+                 _all_raise(convert, "like['w']", "(3, 8)", "(8, 8)")):
+        assert all("placeholder" in m for m in msgs)
+    msgs = _all_raise(dtype, "like['w']", "torch.float64", "torch.float32", path)
+    assert all("convert=True" in m for m in msgs)
+    # a leaf that does not fit on rank 1 alone: rank 0 does not wait, it names rank 1
+    assert one_rank[1][0] == "CheckpointError" and "(5, 8)" in one_rank[1][1]
+    assert one_rank[0][0] == "CheckpointError" and "rank 1 failed" in one_rank[0][1]
+    assert "(5, 8)" in one_rank[0][1].split("\n")[0] and all(o[2] < 30 for o in one_rank)
+
+
+def _without_numpy(path):
+    real = sys.modules.get("numpy")
+    sys.modules["numpy"] = None          # what importlib sees when numpy is not installed
+    try:
+        return (_try_save(path), _try_load(path, {}))
+    finally:
+        sys.modules["numpy"] = real
+
+
+def test_without_numpy(run, tmp_path):
+    path = str(tmp_path / "ckpt")
+    run(2, _save_small, path)
+    saves, loads = zip(*run(2, _without_numpy, path))
+    _all_raise(saves, "functp.save needs numpy", "pip install numpy")
+    _all_raise(loads, "functp.load needs numpy", "pip install numpy")
+    assert run(2, _try_load, path, {}) == [None, None], "the ranks are still in step"
+    # one process reads without DCP's collectives: numpy is not needed
+    script = ("import sys, warnings; sys.modules['numpy'] = None; warnings.simplefilter('ignore');"
+              "import torch, functp; t = functp.load(sys.argv[1]);"
+              "assert torch.equal(t['w'], torch.arange(64.).reshape(8, 8)) and t['step'] == 3")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", script, path], check=True, env=env, timeout=120)
