@@ -22,7 +22,7 @@ SECTIONS = [
     ("Sharding whole values", ["_sharding", "_reshard", "_functional"]),
     ("shard_map", ["_shard_map"]),
     ("Collectives", ["_collectives"]),
-    ("Communication log", ["_comm_log"]),
+    ("Communication log and the cross-rank check", ["_comm_log", "_crosscheck"]),
     ("Plans and styles", ["_plans", "_styles"]),
     ("DTensor and checkpoints", ["_interop", "_checkpoint"]),
 ]

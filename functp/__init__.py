@@ -12,6 +12,7 @@ from ._collectives import (all_gather, all_gather_invariant, all_to_all, axis_in
                            pvary)
 from ._comm_log import CommEvent, comm_log
 from ._checkpoint import full_state_dict, load, save
+from ._crosscheck import debug_enabled, set_debug
 from ._errors import CheckpointError, ShardingError
 from ._functional import functionalize
 from ._interop import from_dtensor, to_dtensor
@@ -32,7 +33,7 @@ __all__ = [
     "functionalize", "shard", "unshard", "shard_map",
     "psum", "pmean", "pmax", "pmin", "pvary", "pcast", "all_gather", "all_gather_invariant",
     "psum_scatter", "all_to_all", "ppermute", "axis_index", "axis_size",
-    "comm_log", "CommEvent",
+    "comm_log", "CommEvent", "set_debug", "debug_enabled",
     "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",
     "save", "load", "full_state_dict",
     "parallelize", "Parallelized", "match_plan", "register_style", "Style", "Replicated",

@@ -1,6 +1,7 @@
 """Named device meshes: ``make_mesh`` and the process group behind every axis tuple."""
 from __future__ import annotations
 
+import datetime
 import itertools
 import math
 import os
@@ -14,6 +15,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ._errors import ShardingError
 
 __all__ = ["Mesh", "make_mesh", "AxisGroup"]
+
+
+@dataclass(frozen=True)
+class CheckGroup:
+    """The process group of a whole mesh, over which the cross-rank check mode
+    (``_crosscheck``) compares what the ranks are about to do."""
+    group_name: str
+    size: int
+    ranks: tuple[int, ...]       # global ranks, in group order
+    device: torch.device
+    mesh: str                    # the mesh, as printed in errors
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,8 @@ class AxisGroup:
     index: int
     group_name: str
     order: tuple[int, ...] | None
+    check: CheckGroup | None = None
+    instance: int = 0          # which of the mesh's groups over these axes this rank is in
     key: str = field(init=False)
     axis_set: frozenset = field(init=False)
 
@@ -41,6 +55,9 @@ class AxisGroup:
 
     def group_rank(self, i: int) -> int:
         return i if self.order is None else self.order[i]
+
+    def pg(self) -> dist.ProcessGroup:
+        return dist.distributed_c10d._resolve_process_group(self.group_name)
 
 
 # Every AxisGroup of every mesh, by key: functp's torch ops take a group as a string
@@ -77,6 +94,13 @@ class Mesh:
                 f"every process that calls shard_map must belong to its mesh")
         self.coordinate: dict[str, int] = dict(zip(self.axis_names, coord))
         self._groups = self._build_groups()
+        self.timeout: datetime.timedelta | None = None     # set by make_mesh / set_timeout
+        whole = self._groups[frozenset(self.axis_names)]
+        self.check = CheckGroup(
+            whole.group_name, math.prod(self.axis_sizes),
+            tuple(dist.get_process_group_ranks(whole)),
+            torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda"
+            else torch.device(self.device_type), repr(self))
         # every ordered tuple of axes resolved now, so that a step (compiled or not)
         # only looks groups up: resolving needs host-side tensor work and group queries
         self._axis_groups: dict[tuple[str, ...], AxisGroup] = {}
@@ -109,6 +133,17 @@ class Mesh:
             for sub in itertools.combinations(self.axis_names, k):
                 groups[frozenset(sub)] = dm[sub]._flatten().get_group()
         return groups
+
+    def set_timeout(self, timeout: float | datetime.timedelta) -> None:
+        """How long a collective on this mesh waits for the other ranks before it
+        fails (``ShardingError`` naming the collective); every group of the mesh."""
+        td = timeout if isinstance(timeout, datetime.timedelta) else \
+            datetime.timedelta(seconds=float(timeout))
+        if td.total_seconds() <= 0:
+            raise ShardingError(f"make_mesh: timeout must be positive, got {timeout!r}")
+        for pg in {id(g): g for g in self._groups.values()}.values():
+            dist.distributed_c10d._set_pg_timeout(td, pg)
+        self.timeout = td
 
     def _check_axes(self, axis_name, what: str) -> tuple[str, ...]:
         axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
@@ -148,7 +183,10 @@ class Mesh:
             order[d] = g
         return AxisGroup(axes, math.prod(self.shape[a] for a in axes),
                          self._linear(axes, self.coordinate), pg.group_name,
-                         None if order == list(range(len(order))) else tuple(order))
+                         None if order == list(range(len(order))) else tuple(order),
+                         self.check,
+                         self._linear([a for a in self.axis_names if a not in axes],
+                                      self.coordinate))
 
     def _linear(self, axes: Sequence[str], coord: dict[str, int]) -> int:
         i = 0
@@ -172,16 +210,33 @@ def _default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# the timeout functp gives a process group it creates (NCCL's default; gloo's is 30 min)
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def _world_timeout() -> datetime.timedelta:
+    """The default group's timeout: the one ``init_process_group(timeout=)`` set."""
+    world = dist.group.WORLD
+    for dev in ("cpu", "cuda"):
+        try:
+            return world._get_backend(torch.device(dev)).options._timeout
+        except Exception:        # noqa: BLE001 - no such backend, or no options on it
+            continue
+    return DEFAULT_TIMEOUT
+
+
 def _ensure_process_group(device_type: str, needed: int) -> None:
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                timeout=DEFAULT_TIMEOUT)
     elif needed == 1:
         # A one-process mesh needs no launcher: handy for the unsharded reference run.
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=DEFAULT_TIMEOUT)
     else:
         raise ShardingError(
             f"a mesh of {needed} ranks needs {needed} processes, but this one was not "
@@ -190,12 +245,18 @@ def _ensure_process_group(device_type: str, needed: int) -> None:
 
 
 def make_mesh(shape: Sequence[int], axis_names: Sequence[str],
-              device_type: str | None = None) -> Mesh:
+              device_type: str | None = None, *,
+              timeout: float | datetime.timedelta | None = None) -> Mesh:
     """Builds a named mesh over all processes, joining the process group if needed.
 
     **Arguments:** ``shape`` – ranks along each axis (their product must equal the
     world size); ``axis_names`` – one unique name per axis; ``device_type`` – ``"cpu"``
-    (gloo) or ``"cuda"`` (nccl), by default cuda when available.
+    (gloo) or ``"cuda"`` (nccl), by default cuda when available; ``timeout`` –
+    seconds (or a ``timedelta``) a collective waits for the other ranks before it
+    raises ``ShardingError`` naming it. By default every group of the mesh gets the
+    world group's timeout: the one given to ``init_process_group``, or 10 minutes when
+    functp starts the process group (torch's own default for gloo is 30 minutes). On
+    NCCL a timed-out collective is also aborted by NCCL's watchdog.
 
     Calling it again with the same arguments returns the same mesh (groups are made
     once). Example, under ``torchrun --nproc-per-node 4``::
@@ -221,6 +282,11 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str],
             f"make_mesh{shape, names}: the mesh has {math.prod(shape)} ranks but the world "
             f"has {world} processes; choose a shape whose sizes multiply to {world}")
     key = (shape, names, device_type, id(dist.group.WORLD))
-    if key not in _MESHES:
-        _MESHES[key] = Mesh(init_device_mesh(device_type, shape, mesh_dim_names=names))
-    return _MESHES[key]
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        mesh = _MESHES[key] = Mesh(init_device_mesh(device_type, shape, mesh_dim_names=names))
+        # DeviceMesh's subgroups get torch's default timeout, not the world's
+        mesh.set_timeout(timeout if timeout is not None else _world_timeout())
+    elif timeout is not None:
+        mesh.set_timeout(timeout)
+    return mesh

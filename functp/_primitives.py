@@ -10,19 +10,25 @@ from __future__ import annotations
 
 import torch
 
-from . import _comm_log
+from . import _comm_log, _crosscheck
 from ._mesh import AxisGroup
 
 _ops = torch.ops._c10d_functional
 
 
-def _record(op: str, g: AxisGroup, x: torch.Tensor) -> None:
+def _record(op: str, g: AxisGroup, x: torch.Tensor, how: str = "") -> None:
+    """Before every collective: the check mode's fingerprint exchange, and comm_log."""
+    if _crosscheck.ENABLED:
+        _crosscheck.collective(op + how, g, x)
     if _comm_log._ACTIVE and not torch.compiler.is_compiling():
         _comm_log.record(op, g.axes, x.numel() * x.element_size())
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return _ops.wait_tensor(t)
+def _wait(t: torch.Tensor, op: str, g: AxisGroup) -> torch.Tensor:
+    try:
+        return _ops.wait_tensor(t)
+    except RuntimeError as e:     # a timeout or a peer gone: say which collective
+        raise _crosscheck.failed(op, g, e) from e
 
 
 def _blocks_to_group_order(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
@@ -46,8 +52,8 @@ def all_reduce(x: torch.Tensor, g: AxisGroup, op: str = "sum") -> torch.Tensor:
     """``op`` is ``sum``, ``max`` or ``min`` (gloo has no ``avg``; pmean divides)."""
     if g.size == 1:
         return x.clone()
-    _record("all_reduce", g, x)
-    return _wait(_ops.all_reduce(x.contiguous(), op, g.group_name))
+    _record("all_reduce", g, x, f"({op})")
+    return _wait(_ops.all_reduce(x.contiguous(), op, g.group_name), f"all_reduce({op})", g)
 
 
 def all_gather(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
@@ -56,7 +62,7 @@ def all_gather(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
         return x.clone()
     _record("all_gather", g, x)
     y = _wait(_ops.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), g.size,
-                                          g.group_name))
+                                          g.group_name), "all_gather", g)
     return _blocks_from_group_order(y, g).movedim(0, dim)
 
 
@@ -66,7 +72,8 @@ def reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
         return x.clone()
     _record("reduce_scatter", g, x)
     y = _blocks_to_group_order(x.movedim(dim, 0), g).contiguous()
-    return _wait(_ops.reduce_scatter_tensor(y, "sum", g.size, g.group_name)).movedim(0, dim)
+    return _wait(_ops.reduce_scatter_tensor(y, "sum", g.size, g.group_name),
+                 "reduce_scatter", g).movedim(0, dim)
 
 
 def all_to_all(x: torch.Tensor, g: AxisGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
@@ -77,7 +84,8 @@ def all_to_all(x: torch.Tensor, g: AxisGroup, split_dim: int, concat_dim: int) -
     _record("all_to_all", g, x)
     y = _blocks_to_group_order(x.movedim(split_dim, 0), g).contiguous()
     y = _wait(_ops.all_to_all_single(y, [y.shape[0] // g.size] * g.size,
-                                     [y.shape[0] // g.size] * g.size, g.group_name))
+                                     [y.shape[0] // g.size] * g.size, g.group_name),
+              "all_to_all", g)
     # y: received blocks stacked on dim 0 in group order, each shaped like a block of x
     y = _blocks_from_group_order(y, g).unflatten(0, (g.size, -1)).movedim(1, split_dim + 1)
     # now (size, *block shape): put the block index next to concat_dim and merge
@@ -103,5 +111,5 @@ def permute(x: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) ->
         flat = flat[:0]
     if me in src:
         recv[g.group_rank(src[me])] = n
-    y = _wait(_ops.all_to_all_single(flat.contiguous(), recv, send, g.group_name))
+    y = _wait(_ops.all_to_all_single(flat.contiguous(), recv, send, g.group_name), "permute", g)
     return y.view(x.shape) if me in src else torch.zeros_like(x)

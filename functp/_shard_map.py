@@ -7,7 +7,7 @@ from typing import Any, Callable
 import optree
 import torch
 
-from . import _context
+from . import _context, _crosscheck
 from . import _ops
 from ._errors import ShardingError
 from ._boundary import SumRules, VmaRules, _floating
@@ -16,7 +16,7 @@ from ._mesh import Mesh
 from ._reshard import GLOBAL_SHAPE
 from ._sharding import check_even_block
 from ._spec import P, normalize_spec
-from ._tree import match_specs
+from ._tree import keystr, match_specs
 from ._vma import Tracker
 from ._vma_mode import tracking
 
@@ -215,6 +215,11 @@ class _Body:
                 base = [tracker.get(x) if s is not None else None for x, s in zip(local, specs)]
             for i in plan.tensors:
                 local[i] = self._take_block(plan.paths[i], local[i], specs[i])
+        if _crosscheck.ENABLED and not compiling:    # ranks agree on the blocks
+            name = getattr(self.f, "__name__", "body")
+            _crosscheck.boundary(self.mesh, name, "entry", plan.paths, local)
+            if outer is None:     # (a nested body's blocks carry the outer vma tags)
+                local = _crosscheck.mark(self.mesh, name, "backward done", local)
         rules = self.vma_rules if tracker is not None else self.sum_rules
         rules.enter(tracker, local, self._rules_plan(plan, rules, specs, local, base))
         # (not while Dynamo traces: filling a cache it guards on would recompile)
@@ -231,12 +236,26 @@ class _Body:
         if tracker is not None and tracker.mode is not None:
             tracker.mode.finish(out)   # a custom Function's output returned as it is
         try:
-            return self._outputs(out, rules, tracker, outer is not None, compiling)
+            out = self._outputs(out, rules, tracker, outer is not None, compiling)
+            if _crosscheck.ENABLED and not compiling:
+                out = self._check_outputs(out, outer is None)
+            return out
         finally:
             if tracker is not None and outer is None:
                 tracker.forget([leaves[i] for i in plan.tensors])
 
     # -- outputs ---------------------------------------------------------------------
+    def _check_outputs(self, out, top: bool):
+        """The check mode at the exit: ranks agree on the output blocks, and the
+        backward starts on every rank together."""
+        name = getattr(self.f, "__name__", "body")
+        paths, leaves, treespec = optree.tree_flatten_with_path(out)
+        paths = [keystr("output", p) for p in paths]
+        _crosscheck.boundary(self.mesh, name, "exit", paths, leaves)
+        if top:
+            leaves = _crosscheck.mark(self.mesh, name, "backward start", leaves)
+        return optree.tree_unflatten(treespec, leaves)
+
     def _outputs(self, out, rules, tracker, nested: bool, compiling: bool):
         oleaves, otree = optree.tree_flatten(out)
         key = None if compiling else (otree, tuple(map(type, oleaves)))

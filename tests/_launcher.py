@@ -26,8 +26,10 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    # the cross-rank check mode is on in every test unless FUNCTP_DEBUG=0 is given
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                      FUNCTP_DEBUG=os.environ.get("FUNCTP_DEBUG", "1"))
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)

@@ -23,10 +23,17 @@ def _pools():
 def run(_pools):
     """``run(world, body, *args)``: runs ``body(*args)`` on ``world`` gloo ranks and
     returns the list of their return values; a rank's exception fails the test
-    with that rank's traceback."""
-    def _run(world: int, body, *args, timeout: float = 300.0):
+    with that rank's traceback. ``last=True`` discards the pool afterwards."""
+    def _run(world: int, body, *args, timeout: float = 300.0, last: bool = False):
+        # last=True: the body leaves process groups out of step (a timed-out
+        # collective, a changed world timeout), so its pool is not used again
         pool = _pools.get(world)
         if pool is None or not pool.alive():
             pool = _pools[world] = Pool(world)
-        return pool.run(body, args, timeout=timeout)
+        try:
+            return pool.run(body, args, timeout=timeout)
+        finally:
+            if last:
+                pool.close(force=True)
+                _pools.pop(world, None)
     return _run

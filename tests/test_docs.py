@@ -19,14 +19,24 @@ def snippets(path: str) -> list[tuple[int, str]]:
 
 
 def _run_page(path: str) -> int:
-    import contextlib
-    import io
     import sys
     import types
     # a real module (torch.compile looks up the module its code's globals name)
     page = types.ModuleType("functp_doc_page")
     sys.modules[page.__name__] = page
     env: dict = page.__dict__
+    import torch
+    dtype = torch.get_default_dtype()       # a page may change it: not for the next page
+    try:
+        _exec_snippets(path, env)
+    finally:
+        torch.set_default_dtype(dtype)
+    return len(snippets(path))
+
+
+def _exec_snippets(path: str, env: dict) -> None:
+    import contextlib
+    import io
     for line, code in snippets(path):
         with contextlib.redirect_stdout(io.StringIO()):
             try:
@@ -34,7 +44,6 @@ def _run_page(path: str) -> int:
             except Exception as e:
                 raise AssertionError(f"{os.path.basename(path)}, snippet at line {line} "
                                      f"failed: {e!r}") from e
-    return len(snippets(path))
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if snippets(p)],

@@ -1,0 +1,224 @@
+"""Ranks that disagree: with the check mode on (FUNCTP_DEBUG=1, which the suite sets
+for every worker), every rank raises ShardingError naming each rank's collective,
+shape, dtype and call site — never a hang, a crash in the backend or wrong data. And
+without it, a collective that one rank skipped fails after the mesh's timeout, naming
+the collective."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import functp
+from functp import P, ShardingError
+
+_LIMIT = 30.0      # seconds any case may take to fail (the timeouts below are 3 s)
+
+
+def _mesh(kind: str):
+    return (functp.make_mesh((dist.get_world_size(),), ("x",)) if kind == "1d" else
+            functp.make_mesh((2, dist.get_world_size() // 2), ("dp", "x")))
+
+
+def _caught(fn):
+    """(error type, message, seconds) on this rank."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except ShardingError as e:
+        return "ShardingError", str(e), time.monotonic() - t0
+    return "none", "", time.monotonic() - t0
+
+
+def _psum_body(kind, make):
+    """A body whose psum gets ``make(rank)`` (another dtype or shape on one rank)."""
+    mesh = _mesh(kind)
+    f = functp.shard_map(lambda x: functp.psum(make(functp.axis_index("x"), x), "x"), mesh,
+                         in_specs=P(), out_specs=P(), check_vma=False)
+    return _caught(lambda: f(torch.ones(4, 3)))
+
+
+def _dtype_in_psum(kind):
+    return _psum_body(kind, lambda i, x: x.double() if i == 0 else x)
+
+
+def _int_in_psum(kind):
+    return _psum_body(kind, lambda i, x: x.int() if i == 0 else x)
+
+
+def _shape_in_psum(kind):
+    return _psum_body(kind, lambda i, x: torch.ones(4, 5) if i == 0 else x)
+
+
+def _entry_blocks(kind):
+    # (2, 3) on one rank, (3, 2) on the others: a "replicated" input that is not
+    mesh = _mesh(kind)
+    x = torch.ones(2, 3) if dist.get_rank() == 0 else torch.ones(3, 2)
+    f = functp.shard_map(lambda x: x * 2, mesh, in_specs=P(), out_specs=P())
+    return _caught(lambda: f({"w": x}))
+
+
+def _exit_blocks(kind):
+    mesh = _mesh(kind)
+    f = functp.shard_map(lambda x: x.reshape(2, 3) if functp.axis_index("x") == 0
+                         else x.reshape(3, 2), mesh, in_specs=P(), out_specs=P())
+    return _caught(lambda: f(torch.ones(6)))
+
+
+def _skipped_after_caught_exception(kind):
+    # rank 0 raises inside the body and catches it: its psum count falls behind
+    mesh = _mesh(kind)
+
+    def body(x):
+        y = functp.psum(x, "x")
+        if dist.get_rank() == 0 and not _skipped_after_caught_exception.done:
+            _skipped_after_caught_exception.done = True
+            raise KeyError("user error")
+        return functp.psum(y, "x")
+
+    f = functp.shard_map(body, mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    _skipped_after_caught_exception.done = False
+
+    def step():
+        try:
+            f(torch.ones(3))
+        except KeyError:
+            pass
+        return f(torch.ones(3))
+    return _caught(step)
+
+
+def _backward_only_on_rank0(kind, how):
+    # the gathered value reaches the loss on rank 0 only: only rank 0's backward
+    # runs the all_gather's transpose (a reduce-scatter)
+    mesh = _mesh(kind)
+
+    def body(x):
+        y = functp.all_gather(x, "x", tiled=True)
+        return y.sum() if dist.get_rank() == 0 else x.sum() * 3
+
+    f = functp.shard_map(body, mesh, in_specs=P("x"), out_specs=P(), check_vma=False)
+    x = torch.ones(dist.get_world_size() * 2)
+    if how == "grad":
+        return _caught(lambda: torch.func.grad(lambda x: f(x))(x))
+    return _caught(lambda: f(x.requires_grad_()).backward())
+
+
+_CASES = {
+    "dtype_in_psum": (_dtype_in_psum, ["all_reduce(sum)", "torch.float64", "torch.float32",
+                                       "test_crosscheck.py"]),
+    "int_in_psum": (_int_in_psum, ["torch.int32", "torch.float32"]),
+    "shape_in_psum": (_shape_in_psum, ["(4, 5)", "(4, 3)"]),
+    "entry_blocks": (_entry_blocks, ["shard_map(<lambda>) entry", "args[0]['w']",
+                                     "(2, 3)", "(3, 2)"]),
+    "exit_blocks": (_exit_blocks, ["exit", "output: torch.float32 (2, 3)", "(3, 2)"]),
+    "skipped": (_skipped_after_caught_exception, ["ranks disagree", "all_reduce(sum)",
+                                                  "shard_map(body) entry"]),
+}
+
+
+def _expect_on_every_rank(results, words):
+    for r, (kind, msg, secs) in enumerate(results):
+        assert kind == "ShardingError", f"rank {r} did not raise"
+        assert secs < _LIMIT, f"rank {r} took {secs:.1f} s to fail"
+        for w in words:
+            assert w in msg, f"rank {r}: {w!r} not in {msg}"
+        assert "tensor(" not in msg and len(msg) < 3000, msg
+
+
+@pytest.mark.parametrize("world,kind", [(2, "1d"), (4, "1d"), (4, "2d")])
+@pytest.mark.parametrize("case", list(_CASES))
+def test_divergence_raises_on_every_rank(run, world, kind, case):
+    body, words = _CASES[case]
+    _expect_on_every_rank(run(world, body, kind), words)
+
+
+@pytest.mark.parametrize("how", ["grad", "tape"])
+@pytest.mark.parametrize("world,kind", [(2, "1d"), (4, "2d")])
+def test_backward_collective_on_some_ranks(run, world, kind, how):
+    results = run(world, _backward_only_on_rank0, kind, how)
+    # rank 0 is in the transpose; the others are one step further (the entry's
+    # backward, or the dp reduction of a 2-d mesh)
+    _expect_on_every_rank(results, ["rank 0: #", "backward reduce_scatter over ('x',)",
+                                    "in <lambda>"])
+
+
+def _agree_and_match(kind):
+    """With the check on, a program where ranks agree gives the gradients it gives
+    without it: the marks at the boundary are identities."""
+    mesh = _mesh(kind)
+
+    def loss(w, x):
+        h = functp.psum(x @ w, "x")
+        return functp.pmean((h ** 2).sum(), "x") if kind else h
+
+    f = functp.shard_map(loss, mesh, in_specs=(P("x"), P(None, "x")), out_specs=P())
+    n = mesh.axis_size("x")
+    torch.manual_seed(0)          # the same full values on every rank
+    w, x = torch.randn(2 * n, 3, dtype=torch.float64), torch.randn(5, 2 * n, dtype=torch.float64)
+    wl, xl = functp.shard(w, mesh, P("x")), functp.shard(x, mesh, P(None, "x"))
+    out = []
+    for on in (True, False):
+        prev = functp.set_debug(on)
+        try:
+            out.append(torch.func.grad(f)(wl, xl))
+        finally:
+            functp.set_debug(prev)
+    full = torch.func.grad(lambda w: ((x @ w) ** 2).sum())(w)
+    want = functp.shard(full, mesh, P("x"))
+    return [(g - want).abs().max().item() for g in out]
+
+
+@pytest.mark.parametrize("world,kind", [(2, "1d"), (4, "2d")])
+def test_check_mode_changes_no_result(run, world, kind):
+    res = run(world, _agree_and_match, kind)
+    assert all(e < 1e-12 for r in res for e in r), res
+
+
+# -- without the check mode: the timeout names the collective -----------------------------
+
+def _skipped_without_check(names, debug):
+    # fresh axis names: new process groups, since a timed-out one stays out of step
+    prev = functp.set_debug(debug)
+    try:
+        mesh = functp.make_mesh((2, dist.get_world_size() // 2), names, timeout=3)
+        f = functp.shard_map(lambda x: functp.psum(x, names[1]), mesh, in_specs=P(),
+                             out_specs=P(), check_vma=False)
+        if dist.get_rank() == 0:       # rank 0 waits for a psum no other rank runs
+            return _caught(lambda: f(torch.ones(3)))
+        time.sleep(6)
+        return "skipped"
+    finally:
+        functp.set_debug(prev)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "checked"])
+def test_skipped_collective_times_out_with_a_name(run, debug):
+    # (the mesh's whole group is the world's, whose timeout becomes 3 s)
+    names = ("to_dp", "to_x") if debug else ("tp_dp", "tp_x")
+    res = run(4, _skipped_without_check, names, debug, last=True)
+    kind, msg, secs = res[0]
+    assert kind == "ShardingError" and secs < 3 + _LIMIT, (kind, secs)
+    if debug:
+        assert "not every rank of the mesh reached it" in msg and "shard_map" in msg, msg
+    else:
+        assert "all_reduce(sum) over ('tp_x',)" in msg and "timeout" in msg, msg
+        assert "collective #" in msg, msg
+    assert res[1:] == ["skipped"] * 3
+
+
+def _timeouts():
+    mesh = functp.make_mesh((2,), ("x",))
+    default = mesh.timeout
+    mesh = functp.make_mesh((2,), ("x",), timeout=45)
+    got = mesh.timeout.total_seconds()
+    functp.make_mesh((2,), ("x",), timeout=default)        # leave the pool as it was
+    with pytest.raises(ShardingError, match="positive"):
+        functp.make_mesh((2,), ("x",), timeout=0)
+    return got
+
+
+def test_make_mesh_timeout_is_set(run):
+    assert run(2, _timeouts, last=True) == [45.0, 45.0]
