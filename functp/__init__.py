@@ -15,8 +15,10 @@ from ._checkpoint import full_state_dict, load, save
 from ._crosscheck import debug_enabled, set_debug
 from ._errors import CheckpointError, ShardingError
 from ._functional import functionalize
+from ._grads import clip_by_global_norm, global_norm, reduce_unreduced
 from ._interop import from_dtensor, to_dtensor
 from ._mesh import Mesh, make_mesh
+from ._precision import MixedPrecision
 from ._plans import Parallelized, match_plan, parallelize
 from ._shard_map import shard_map
 from ._reshard import global_shapes, reshard
@@ -36,6 +38,7 @@ __all__ = [
     "comm_log", "CommEvent", "set_debug", "debug_enabled",
     "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",
     "save", "load", "full_state_dict",
+    "global_norm", "clip_by_global_norm", "reduce_unreduced", "MixedPrecision",
     "parallelize", "Parallelized", "match_plan", "register_style", "Style", "Replicated",
     "Colwise", "Rowwise", "VocabParallelEmbedding", "SequenceParallel", "PrepareInput",
     "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch",

@@ -13,6 +13,10 @@ Both give the gradients of the global function (DESIGN.md, "Autodiff contract"):
 
 ``plan`` is what depends only on the input specs and leaf dtypes: shard_map caches
 it per input tree, so that a step only applies it.
+
+``unreduced`` axes: a floating input replicated over them enters as if it varied
+over them, with no alias (vma) or no pvary (sum rules) over them — the identity
+forward of a pvary without its transpose, so each rank keeps its own cotangent.
 """
 from __future__ import annotations
 
@@ -37,8 +41,8 @@ class VmaRules:
 
     check_vma = True
 
-    def __init__(self, mesh: Mesh, axes: tuple[str, ...]):
-        self.mesh, self.axes = mesh, axes
+    def __init__(self, mesh: Mesh, axes: tuple[str, ...], unreduced: frozenset = EMPTY):
+        self.mesh, self.axes, self.unreduced = mesh, axes, frozenset(unreduced)
 
     def plan(self, specs: list, floating: list[bool], base: list | None = None):
         """``(vmas, groups, aliased)``: each input's vma; ``(group key, axes,
@@ -49,7 +53,8 @@ class VmaRules:
         for i, spec in enumerate(specs):
             if spec is None:
                 continue
-            vmas[i] = vma = frozenset(spec.axes) | (base[i] if base else EMPTY)
+            vmas[i] = vma = (frozenset(spec.axes) | (base[i] if base else EMPTY)
+                             | (self.unreduced if floating[i] else EMPTY))
             missing = [a for a in self.axes if a not in vma]
             if missing and floating[i]:
                 for k in range(1, len(missing) + 1):
@@ -63,6 +68,11 @@ class VmaRules:
     def enter(self, tracker: Tracker, local: list, plan) -> None:
         _dedupe(local)
         tracker.enter(local, *plan)
+
+    def cast(self, tracker: Tracker, local: list, dtype: torch.dtype) -> None:
+        """The floating inputs, entered, cast to ``dtype`` with their aliases (the
+        aliases' pvary stays before the cast: its reduction keeps the entry dtype)."""
+        tracker.cast_inputs(local, dtype)
 
     def exit(self, tracker: Tracker, path: str, y: torch.Tensor, spec: P) -> torch.Tensor:
         vma = tracker.get(y)
@@ -83,8 +93,8 @@ class SumRules:
 
     check_vma = False
 
-    def __init__(self, mesh: Mesh, axes: tuple[str, ...]):
-        self.mesh, self.axes = mesh, axes
+    def __init__(self, mesh: Mesh, axes: tuple[str, ...], unreduced: frozenset = EMPTY):
+        self.mesh, self.axes, self.unreduced = mesh, axes, frozenset(unreduced)
 
     def plan(self, specs: list, floating: list[bool], base: list | None = None):
         """``[(group key, [inputs])]``: the floating inputs replicated over the same
@@ -92,7 +102,8 @@ class SumRules:
         buckets: dict[tuple[str, ...], list[int]] = {}
         for i, spec in enumerate(specs):
             if spec is not None and floating[i]:
-                missing = tuple(a for a in self.axes if a not in spec.axes)
+                missing = tuple(a for a in self.axes
+                                if a not in spec.axes and a not in self.unreduced)
                 if missing:
                     buckets.setdefault(missing, []).append(i)
         return [(self.mesh.axis_group(axes).key, idx) for axes, idx in buckets.items()]
@@ -101,6 +112,11 @@ class SumRules:
         for key, idx in plan:
             for i, y in zip(idx, _ops.pvary([local[i] for i in idx], key, True)):
                 local[i] = y
+
+    def cast(self, tracker: None, local: list, dtype: torch.dtype) -> None:
+        for i, x in enumerate(local):
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                local[i] = x.to(dtype)
 
     def exit(self, tracker: None, path: str, y: torch.Tensor, spec: P) -> torch.Tensor:
         # Each rank's copy of a replicated output counts once in the global value, so

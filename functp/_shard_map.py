@@ -13,6 +13,7 @@ from ._errors import ShardingError
 from ._boundary import SumRules, VmaRules, _floating
 from ._interop import dtensor_to_local
 from ._mesh import Mesh
+from ._precision import MixedPrecision, floating
 from ._reshard import GLOBAL_SHAPE
 from ._sharding import check_even_block
 from ._spec import P, normalize_spec
@@ -25,7 +26,8 @@ __all__ = ["shard_map"]
 
 def shard_map(f: Callable | None = None, mesh: Mesh | None = None, in_specs: Any = None,
               out_specs: Any = None, *, check_vma: bool = True,
-              axis_names: Any = None) -> Callable:
+              axis_names: Any = None, unreduced: Any = (),
+              mixed_precision: MixedPrecision | None = None) -> Callable:
     """Maps ``f``, written for one rank's local blocks, over the mesh.
 
     **Arguments:** ``f`` – the per-shard program; it may call functp's collectives.
@@ -41,6 +43,13 @@ def shard_map(f: Callable | None = None, mesh: Mesh | None = None, in_specs: Any
     collectives may name only these; along the others values stay whole. A
     shard_map called inside another body must name axes the outer one does not:
     its inputs are whole along them and it splits them by its in_specs itself.
+    ``unreduced`` – mesh axes (a name or a tuple) over which the gradients of inputs
+    replicated along them are left *unreduced*: each rank gets its own contribution,
+    not their sum, and no gradient all-reduce over those axes runs. Sum the
+    contributions of several microbatches locally, then reduce once with
+    :func:`reduce_unreduced` (JAX's "unreduced" sharding state).
+    ``mixed_precision`` – a :class:`MixedPrecision`: the dtype the body computes in
+    and the dtype the boundary's gradient all-reduces run in.
 
     **Returns:** a function taking and returning *local blocks*. Gradients through it
     (``torch.func.grad`` or ``torch.autograd``) are the local blocks of the gradient of
@@ -59,7 +68,8 @@ def shard_map(f: Callable | None = None, mesh: Mesh | None = None, in_specs: Any
     if f is None:
         return functools.partial(shard_map, mesh=mesh, in_specs=in_specs,
                                  out_specs=out_specs, check_vma=check_vma,
-                                 axis_names=axis_names)
+                                 axis_names=axis_names, unreduced=unreduced,
+                                 mixed_precision=mixed_precision)
     if not callable(f):
         raise ShardingError(f"shard_map: the first argument must be a function, got {f!r}")
     if not isinstance(mesh, Mesh):
@@ -74,12 +84,26 @@ def shard_map(f: Callable | None = None, mesh: Mesh | None = None, in_specs: Any
             raise ShardingError(
                 f"shard_map: {name} is required; use P() for replicated values")
     in_specs = tuple(in_specs) if isinstance(in_specs, list) else in_specs
-    body = _Body(f, mesh, in_specs, out_specs, check_vma, _manual_axes(mesh, axis_names))
+    axes = _manual_axes(mesh, axis_names)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise ShardingError(f"shard_map: mixed_precision must be a functp.MixedPrecision, "
+                            f"got {mixed_precision!r}")
+    body = _Body(f, mesh, in_specs, out_specs, check_vma, axes, _unreduced(axes, unreduced),
+                 mixed_precision)
 
     @functools.wraps(f)
     def mapped(*args, **kwargs):
         return body(*args, **kwargs)
     return mapped
+
+
+def _unreduced(axes: tuple[str, ...], unreduced) -> frozenset:
+    names = {unreduced} if isinstance(unreduced, str) else set(unreduced or ())
+    if not names <= set(axes):
+        raise ShardingError(
+            f"shard_map: unreduced={sorted(names)} must name axes the body is manual "
+            f"over, {axes}")
+    return frozenset(names)
 
 
 def _manual_axes(mesh: Mesh, axis_names) -> tuple[str, ...]:
@@ -108,10 +132,13 @@ class _InPlan:
 
 class _Body:
     def __init__(self, f, mesh: Mesh, in_specs, out_specs, check_vma: bool,
-                 axes: tuple[str, ...]):
+                 axes: tuple[str, ...], unreduced: frozenset = frozenset(),
+                 precision: MixedPrecision | None = None):
         self.f, self.mesh, self.check_vma, self.axes = f, mesh, check_vma, axes
+        self.precision = precision
         self.in_specs, self.out_specs = in_specs, out_specs
-        self.vma_rules, self.sum_rules = VmaRules(mesh, axes), SumRules(mesh, axes)
+        self.vma_rules = VmaRules(mesh, axes, unreduced)
+        self.sum_rules = SumRules(mesh, axes, unreduced)
         # per input tree: (treespec, leaf types) -> _InPlan; per output tree likewise
         self._in_plans: dict = {}
         self._out_plans: dict = {}
@@ -221,7 +248,13 @@ class _Body:
             if outer is None:     # (a nested body's blocks carry the outer vma tags)
                 local = _crosscheck.mark(self.mesh, name, "backward done", local)
         rules = self.vma_rules if tracker is not None else self.sum_rules
+        mp = self.precision
+        red = mp and (mp.reduce_dtype or mp.param_dtype)
+        if red:                                              # the reduction's dtype
+            local = [x.to(red) if floating(x) else x for x in local]
         rules.enter(tracker, local, self._rules_plan(plan, rules, specs, local, base))
+        if mp is not None and mp.param_dtype is not None:    # then the body's
+            rules.cast(tracker, local, mp.param_dtype)
         # (not while Dynamo traces: filling a cache it guards on would recompile)
         groups = {} if compiling else self._axis_groups.setdefault(manual, {})
         with _context.frame(self.mesh, self.check_vma, tracker, manual, groups):

@@ -90,6 +90,30 @@ class Tracker:
                 out.__dict__[_TAG] = (token, vmas[i] | axes)
         self.entry_views = any([x._base is not None for x in self._entry])
 
+    def cast_inputs(self, local: list, dtype: torch.dtype) -> None:
+        """Replaces the entered floating inputs by casts to ``dtype`` (mixed
+        precision), tagged as they were; an aliased input's aliases are cast too, so
+        the body meets only ``dtype`` while the aliases' pvary (and the gradient
+        reduction it transposes to) stays in the entry dtype. Runs before the body,
+        outside the tracking mode."""
+        for i, x in enumerate(local):
+            if not (isinstance(x, torch.Tensor) and x.is_floating_point()) or x.dtype == dtype:
+                continue
+            y = x.to(dtype)
+            if _TAG in x.__dict__:
+                y.__dict__[_TAG] = x.__dict__[_TAG]
+            hit = self._alias_of.pop(id(x), None)
+            if hit is not None:
+                j = hit[1]
+                self._alias_of[id(y)] = (y, j)
+                self._entry[j] = y
+                aliases = self._aliases[j]
+                for axes, a in list(aliases.items()):
+                    b = aliases[axes] = a.to(dtype)
+                    b.__dict__[_TAG] = a.__dict__[_TAG]
+            local[i] = y
+        self.entry_views = any([x._base is not None for x in self._entry])
+
     # -- queries --------------------------------------------------------------
     def get(self, t: torch.Tensor) -> frozenset:
         """The axes ``t`` varies over (untagged: invariant). Written without helper
