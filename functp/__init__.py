@@ -19,6 +19,7 @@ from ._grads import clip_by_global_norm, global_norm, reduce_unreduced
 from ._interop import from_dtensor, to_dtensor
 from ._mesh import Mesh, make_mesh
 from ._precision import MixedPrecision
+from ._remat import checkpoint, checkpoint_name, remat, remat_policies
 from ._plans import Parallelized, match_plan, parallelize
 from ._shard_map import shard_map
 from ._reshard import global_shapes, reshard
@@ -39,6 +40,7 @@ __all__ = [
     "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",
     "save", "load", "full_state_dict",
     "global_norm", "clip_by_global_norm", "reduce_unreduced", "MixedPrecision",
+    "checkpoint", "remat", "checkpoint_name", "remat_policies",
     "parallelize", "Parallelized", "match_plan", "register_style", "Style", "Replicated",
     "Colwise", "Rowwise", "VocabParallelEmbedding", "SequenceParallel", "PrepareInput",
     "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch",

@@ -65,3 +65,17 @@ def frame(mesh: Mesh, check_vma: bool, tracker: Any = None, manual: tuple[str, .
         yield _STACK[-1]
     finally:
         _STACK.pop()
+
+
+@contextlib.contextmanager
+def reentered(fr: Frame | None):
+    """``fr`` current again (a recompute in a backward that runs after its body
+    returned); nothing for ``None``."""
+    if fr is None:
+        yield None
+        return
+    _STACK.append(fr)
+    try:
+        yield fr
+    finally:
+        _STACK.pop()
