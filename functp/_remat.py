@@ -167,16 +167,23 @@ class _Recompute(torch.autograd.Function):
                 return tuple(optree.tree_leaves(st.fn(*optree.tree_unflatten(st.tree, leaves))))
             # torch.func.vjp, not autograd.grad: under torch.func this backward may not
             # make tensors require grad
+            # torch.func.grad runs this backward with create_graph=True, so at its
+            # level the recompute and its vjp would be recorded and kept until the
+            # step ends (no memory saved). With that one level and nothing above it,
+            # nobody differentiates this backward: record nothing there.
+            quiet = (torch.no_grad() if torch._C._functorch.get_dynamic_layer_stack_depth() == 1
+                     else contextlib.nullcontext())
             _recomputing[0] += 1
             try:
-                with _tracking(tracker), (_Replay(st.kept) if st.kept
-                                          else contextlib.nullcontext()):
+                with quiet, _tracking(tracker), (_Replay(st.kept) if st.kept
+                                                 else contextlib.nullcontext()):
                     outs, pull = torch.func.vjp(run, *[xs[i] for i in want])
+                cts = tuple(c if c is not None else torch.zeros_like(o)
+                            for o, c in zip(outs, cts))
+                with quiet, _tracking(tracker):
+                    got = pull(cts)
             finally:
                 _recomputing[0] -= 1
-            cts = tuple(c if c is not None else torch.zeros_like(o) for o, c in zip(outs, cts))
-            with _tracking(tracker):
-                got = pull(cts)
         grads: list = [None] * len(xs)
         for i, g in zip(want, got):
             grads[i] = g
