@@ -80,3 +80,22 @@ def test_pipeline_matches_unsharded():
     out = _run_example("pipeline.py")
     assert "pipelined training matches the unsharded model" in out, out
     assert out.count("   match   collectives {('permute', ('pp',)): 8") == 4, out
+
+
+def _run_with_args(script: str, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MISMATCH" not in out.stdout, out.stdout
+    return out.stdout
+
+
+def test_train_llama_full_matches_unsharded_in_float64_and_bf16():
+    # remat, microbatches with one dp reduction, clipping, AdamW, save on (2, 2) and
+    # resume on (1, 4): every step against the unsharded run
+    out = _run_with_args("train_llama_full.py")
+    assert "training matches the unsharded model" in out and out.count("   match") == 6, out
+    assert "resumed on (dp=1, tp=4)" in out, out
+    out = _run_with_args("train_llama_full.py", "--bf16")
+    assert "bf16 training matches the unsharded model" in out, out
