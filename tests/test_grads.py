@@ -61,6 +61,27 @@ def _outside(shape, names):
     return True
 
 
+def _packed(world):
+    """A packed gate_up weight: each rank's block is [its rows of gate; its rows of
+    up], not a slice of cat([gate, up]); the global norm is still the full one's."""
+    mesh = functp.make_mesh((world,), ("tp",))
+    gate, up, other = randn(8, 4, seed=1), randn(8, 4, seed=2), randn(3, seed=3)
+    r = mesh.coordinate["tp"]
+    local = {"gate_up": torch.cat([gate.chunk(world)[r], up.chunk(world)[r]]), "b": other}
+    specs = {"gate_up": P("tp", None), "b": P()}
+    want_norm, want = _clip_reference({"gate_up": torch.cat([gate, up]), "b": other}, 0.5, 2.0)
+    got, norm = functp.clip_by_global_norm(local, 0.5, mesh, specs)
+    torch.testing.assert_close(norm, want_norm, **TOL)
+    coef = want["b"] / other
+    torch.testing.assert_close(got["gate_up"], local["gate_up"] * coef[0], **TOL)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_global_norm_of_a_packed_weight(run, world):
+    assert all(run(world, _packed, world))
+
+
 @pytest.mark.parametrize("world,shape,names", [(2, (2,), ("x",)), (4, (4,), ("x",)),
                                                (4, (2, 2), ("dp", "tp")),
                                                (8, (2, 4), ("dp", "tp"))],
