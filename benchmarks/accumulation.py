@@ -10,7 +10,6 @@ for 4 microbatches each reducing its gradient, and for 4 microbatches with
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -22,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import functp  # noqa: E402
 from functp import P  # noqa: E402
 import _models as M  # noqa: E402
+from _run import launch, save_and_leave  # noqa: E402
 
 K = 4
 
@@ -80,17 +80,11 @@ def main() -> None:
         for lay in ("DP (4)", "2-D (dp=2, tp=2)"):
             for k, (n, b) in res[lay].items():
                 print(f"  {lay:18s} {k:30s} {n:4d} all-reduces {b:10d} bytes")
-        os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-        with open(os.path.join(os.path.dirname(__file__), "results", "accumulation.json"),
-                  "w") as fh:
-            json.dump(res, fh, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_and_leave("accumulation", res)
 
 
 if __name__ == "__main__":
     if "RANK" in os.environ:
         main()
     else:
-        from torch.distributed.run import main as torchrun
-        torchrun(["--standalone", "--nproc-per-node", "4", os.path.abspath(__file__)])
+        launch(4, __file__)

@@ -16,7 +16,6 @@ benchmarks/results/calls.json:
 from __future__ import annotations
 
 import cProfile
-import json
 import os
 import pstats
 import sys
@@ -28,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import functp  # noqa: E402
 from functp import P  # noqa: E402
 import _models as M  # noqa: E402
+from _run import launch, save_and_leave  # noqa: E402
 
 REPS = 20
 
@@ -163,16 +163,11 @@ def main() -> None:
         print("Python calls per TP MLP step (2 layers, small)")
         for k, v in ps.items():
             print(f"  {k:45s} {v:8.1f}   {v / base:5.2f}x unsharded torch.func.grad")
-        os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-        with open(os.path.join(os.path.dirname(__file__), "results", "calls.json"), "w") as fh:
-            json.dump(res, fh, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_and_leave("calls", res)
 
 
 if __name__ == "__main__":
     if "RANK" in os.environ:
         main()
     else:
-        from torch.distributed.run import main as torchrun
-        torchrun(["--standalone", "--nproc-per-node", "2", os.path.abspath(__file__)])
+        launch(2, __file__)

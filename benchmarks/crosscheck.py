@@ -12,7 +12,6 @@ benchmarks/results/crosscheck.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ import functp  # noqa: E402
 from functp import P  # noqa: E402
 import _models as M  # noqa: E402
 from calls import count  # noqa: E402
+from _run import launch, save_and_leave  # noqa: E402
 
 
 def seconds(fn, device: str, reps: int = 20, rounds: int = 7) -> float:
@@ -93,11 +93,7 @@ def main(device: str) -> None:
             print(f"  {name:44s} {r['off']['s'] * 1e3:8.3f} {r['on']['s'] * 1e3:8.3f} "
                   f"{r['on']['s'] / r['off']['s']:6.2f} {r['us_per_check']:9.1f} "
                   f"{r['off']['calls']:9.0f} {r['on']['calls']:9.0f}")
-        os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-        with open(os.path.join(os.path.dirname(__file__), "results", "crosscheck.json"), "w") as fh:
-            json.dump(res, fh, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_and_leave("crosscheck", res)
 
 
 if __name__ == "__main__":
@@ -108,6 +104,4 @@ if __name__ == "__main__":
     if "RANK" in os.environ:
         main(a.device)
     else:
-        from torch.distributed.run import main as torchrun
-        torchrun(["--standalone", "--nproc-per-node", str(a.nproc), os.path.abspath(__file__),
-                  "--device", a.device])
+        launch(a.nproc, __file__, "--device", a.device)

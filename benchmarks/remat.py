@@ -12,7 +12,6 @@ peak on a GPU; min of 3), the median time of 5, and the collectives (comm_log).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ import functp  # noqa: E402
 from functp import P  # noqa: E402
 import _models as M  # noqa: E402
 import compare  # noqa: E402
+from _run import launch, save_and_leave  # noqa: E402
 
 LAYERS, BATCH, SEQ = 4, 16, 128
 
@@ -97,11 +97,7 @@ def main(device: str) -> None:
               f"{dist.get_world_size()} ranks ({device}, torch {torch.__version__})")
         for k, r in rows.items():
             print(f"  {k:45s} peak {r['peak_mib']:8.1f} MiB  {r['ms']:8.1f} ms  {r['collectives']}")
-        os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-        with open(os.path.join(os.path.dirname(__file__), "results", "remat.json"), "w") as fh:
-            json.dump({"torch": torch.__version__, "device": device, "rows": rows}, fh, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_and_leave("remat", {"torch": torch.__version__, "device": device, "rows": rows})
 
 
 if __name__ == "__main__":
@@ -115,6 +111,4 @@ if __name__ == "__main__":
         # live tensors (glibc would otherwise keep freed blocks of a recompute in its
         # heap, and the high-water mark would not show what remat saves)
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-        from torch.distributed.run import main as torchrun
-        torchrun(["--standalone", "--nproc-per-node", "2", os.path.abspath(__file__),
-                  "--device", a.device])
+        launch(2, __file__, "--device", a.device)

@@ -1,0 +1,29 @@
+"""What every benchmark script does around its measurement: start its own processes
+when run directly, and end by writing rank 0's results to benchmarks/results/."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def launch(nproc: int, script: str, *args: str) -> None:
+    """Runs ``script`` under torchrun on ``nproc`` local processes (its ``main`` runs
+    when RANK is set)."""
+    from torch.distributed.run import main as torchrun
+    torchrun(["--standalone", "--nproc-per-node", str(nproc), os.path.abspath(script), *args])
+
+
+def save_and_leave(name: str, res: dict) -> None:
+    """Rank 0 writes ``res`` to results/<name>.json; every rank leaves the group."""
+    if dist.get_rank() == 0:
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(os.path.join(RESULTS, f"{name}.json"), "w") as fh:
+            json.dump(res, fh, indent=1)
+        sys.stdout.flush()
+    dist.barrier()
+    dist.destroy_process_group()
