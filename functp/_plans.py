@@ -231,6 +231,62 @@ def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str,
                 f"the '{'/'.join(axes)}' size), or give that module the 'replicated' style")
 
 
+# styles tried, in order, for a module that shares a weight with a module the plan
+# splits but has no rule of its own (a tied embedding and LM head)
+_TIE_CANDIDATES = {nn.Embedding: ("embedding_rowwise", "embedding_colwise"),
+                   nn.Linear: ("colwise_gather_output", "colwise", "rowwise")}
+
+
+def _param_specs(style: Style, mod: nn.Module, axis: str, own: dict, where: str) -> dict:
+    try:
+        pspecs = style.param_specs(mod, axis)
+    except ShardingError as e:
+        raise ShardingError(f"{where}: {e}") from None
+    extra = sorted(set(pspecs) - set(own))
+    if extra:
+        raise ShardingError(
+            f"{where}: the style gives specs for {extra}, which are not parameters of "
+            f"{type(mod).__name__} (it has {sorted(own)})")
+    return pspecs
+
+
+def _tied_styles(module: nn.Module, matched: dict, specs: dict, canon: dict, mesh: Mesh,
+                 axis: str) -> dict[str, tuple[str, str, Style]]:
+    """For each module without a rule holding a weight tied to one the plan splits:
+    the first style of :data:`_TIE_CANDIDATES` that splits it the same way (the
+    embedding of an LM head split over the vocabulary becomes vocab-parallel), or an
+    error naming both modules. Without this the module would take its block of the
+    shared weight for the whole of it."""
+    out: dict[str, tuple[str, str, Style]] = {}
+    uses = list(module.named_parameters(remove_duplicate=False))
+    # the module whose rule laid out each shared weight
+    ruled = {canon[id(p)]: n.rpartition(".")[0] for n, p in uses if n.rpartition(".")[0] in matched}
+    for name, p in uses:
+        c = canon[id(p)]
+        mname, _, short = name.rpartition(".")
+        if mname in matched or mname in out or c not in ruled or not specs.get(c, P()).axes:
+            continue
+        mod = module.get_submodule(mname)
+        cands = next((c for t, c in _TIE_CANDIDATES.items() if isinstance(mod, t)), ())
+        for cand in cands:
+            style = get_style(cand)
+            try:
+                got = style.param_specs(mod, axis).get(short)
+                got = got if got is None else normalize_spec(got, mesh.axis_names, cand, p.shape)
+            except ShardingError:
+                continue
+            if got == specs[c]:
+                out[mname] = (f"tied to {ruled[c]!r}", repr(cand), style)
+                break
+        else:
+            raise ShardingError(
+                f"parameter {name!r} is tied to module {ruled[c]!r}, whose rule splits it "
+                f"as {specs[c]!r}, but module {mname!r} ({type(mod).__name__}) has no rule "
+                f"and no style of {list(cands)} splits it that way; add a rule "
+                f"for {mname!r} that does, or untie the weights")
+    return out
+
+
 def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any], *,
                 axis: str = "tp") -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
     """Applies a tensor-parallel ``plan`` to ``module`` over mesh axis ``axis``.
@@ -248,7 +304,10 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any], *,
     ``apply(params, *args, **kwargs)``, which runs the module with
     ``torch.func.functional_call`` and, only during that call, the plan's hooks.
     Call it inside a ``shard_map`` body. Parameters no rule covers are replicated;
-    rank 0 warns about them and about rules that matched nothing.
+    rank 0 warns about them and about rules that matched nothing. A module without a
+    rule that shares a weight with one the plan splits (a tied embedding) gets the
+    style that splits it the same way (``embedding_rowwise`` for an LM head split
+    over the vocabulary), or a clear error.
 
     Model code must take local sizes from tensors (``view(b, s, -1, head_dim)``),
     as transformers' models do, since a rank holds only its heads.
@@ -277,20 +336,13 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any], *,
     specs: dict[str, P] = {}
     owners: dict[str, tuple[str, Style]] = {}
     hooked, withheld = [], []
-    for mname, (rule, label, style) in matched.items():
+
+    def take(mname: str, rule: str, label: str, style: Style) -> None:
         mod = module.get_submodule(mname)
         prefix = mname + "." if mname else ""
         own = dict(mod.named_parameters(recurse=False))
-        try:
-            pspecs = style.param_specs(mod, axis)
-        except ShardingError as e:
-            raise ShardingError(f"plan rule {rule!r} -> {label} on module {mname!r}: {e}") from None
-        extra = sorted(set(pspecs) - set(own))
-        if extra:
-            raise ShardingError(
-                f"plan rule {rule!r} -> {label} on module {mname!r}: the style gives specs "
-                f"for {extra}, which are not parameters of {type(mod).__name__} "
-                f"(it has {sorted(own)})")
+        pspecs = _param_specs(style, mod, axis, own, f"plan rule {rule!r} -> {label} on "
+                              f"module {mname!r}")
         for short, spec in pspecs.items():
             c = canon[id(own[short])]
             spec = normalize_spec(spec, mesh.axis_names,
@@ -304,9 +356,15 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any], *,
                     f"modules styles that split the shared weight the same way")
             specs[c] = spec
             owners.setdefault(c, (f"{rule!r} -> {label}", style))
-        withheld += [prefix + s for s in style.withheld(mod)]
+        withheld.extend(prefix + s for s in style.withheld(mod))
         if style.has_hooks():
             hooked.append((mname, mod, style, {s: canon[id(p)] for s, p in own.items()}))
+
+    for mname, (rule, label, style) in matched.items():
+        take(mname, rule, label, style)
+    for mname, (rule, label, style) in _tied_styles(module, matched, specs, canon, mesh,
+                                                    axis).items():
+        take(mname, rule, label, style)
     uncovered = [n for n in full if n not in specs]
     specs = {n: specs.get(n, P()) for n in full}
     for n, p in full.items():

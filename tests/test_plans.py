@@ -518,3 +518,23 @@ def test_tied_embedding_and_head_share_one_vocab_split(run):
     msg = run(2, _tied, "rowwise")[0]
     assert "'emb.weight'" in msg and "tied to 'head.weight'" in msg
     assert "P('tp', None)" in msg and "P(None, 'tp')" in msg
+
+
+def _tied_one_rule(plan, world):
+    """A rule for one of the tied modules only: the other gets the style that splits
+    the shared weight the same way (before, the embedding took its block of the
+    vocabulary for the whole: IndexError deep in the model)."""
+    m = _seeded(Tied)
+    ids = torch.tensor([[1, 2, 7], [0, 5, 4]])
+    _check(_tp_mesh(world), m, plan, (ids,), (P(),), lambda y: (y.sin() ** 2).sum())
+    apply, _, specs = functp.parallelize(m, _tp_mesh(world), plan)
+    return apply.styles["emb.weight"], specs["emb.weight"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tied_weight_with_a_rule_for_one_module(run, world):
+    for style, spec in run(world, _tied_one_rule, {"head": "colwise_gather_output"}, world):
+        assert spec == P("tp", None) and "'colwise_gather_output'" in style, style
+    # and the other way round: a rule for the embedding only
+    for style, spec in run(world, _tied_one_rule, {"emb": "embedding_rowwise"}, world):
+        assert spec == P("tp", None) and "embedding_rowwise" in style, style
