@@ -23,7 +23,8 @@ SECTIONS = [
     ("shard_map", ["_shard_map"]),
     ("Collectives", ["_collectives"]),
     ("Communication log and the cross-rank check", ["_comm_log", "_crosscheck"]),
-    ("Training: norms, accumulation, mixed precision, remat", ["_grads", "_precision", "_remat"]),
+    ("Training: norms, accumulation, mixed precision, remat, optimizers",
+     ["_grads", "_precision", "_remat", "_optim"]),
     ("Plans and styles", ["_plans", "_styles"]),
     ("DTensor and checkpoints", ["_interop", "_checkpoint"]),
 ]

@@ -149,12 +149,6 @@ def make_step(mesh):
     return step
 
 
-def opt_specs(keys):
-    sp = specs()
-    return {"state": {i: {"step": P(), "exp_avg": sp[k], "exp_avg_sq": sp[k]}
-                      for i, k in enumerate(keys)}, "param_groups": P()}
-
-
 # -- the unsharded reference ---------------------------------------------------------
 
 def ref_step(params, ids, targets):
@@ -178,8 +172,7 @@ def adamw(params: dict):
 
 
 def apply_grads(params: dict, grads: dict, opt) -> None:
-    for k, v in params.items():
-        v.grad = grads[k].to(v.dtype)
+    functp.set_grads(params, grads)         # .grad of each block, in its dtype
     opt.step()
 
 
@@ -205,10 +198,11 @@ def main() -> None:
     for i, batch in enumerate(data):
         ids, targets = batch[:, :-1], batch[:, 1:]
         if i == SAVE_AFTER:        # save on (2, 2); resume on (1, 4), moments included
-            functp.save(ckpt, {"params": local, "opt": opt.state_dict()}, mesh,
-                        {"params": specs(), "opt": opt_specs(keys)})
+            # AdamW's moments are laid out like their parameters
+            layout = {"params": specs(), "opt": functp.optimizer_specs(opt, local, specs())}
+            functp.save(ckpt, {"params": local, "opt": opt.state_dict()}, mesh, layout)
             mesh = functp.make_mesh((1, 4), ("dp", "tp"))
-            state = functp.load(ckpt, mesh, {"params": specs(), "opt": opt_specs(keys)})
+            state = functp.load(ckpt, mesh, layout)
             local = {k: state["params"][k].requires_grad_() for k in keys}
             opt = adamw(local)
             opt.load_state_dict(state["opt"])

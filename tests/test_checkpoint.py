@@ -419,3 +419,40 @@ def test_without_numpy(run, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-c", script, path], check=True, env=env, timeout=120)
+
+
+
+def _optimizer_specs_body(path):
+    """optimizer_specs gives the spec tree _opt_specs builds by hand (by parameter
+    index), and a save/load with it resumes on another mesh."""
+    mesh = functp.make_mesh((2, 2), ("dp", "tp"))
+    params, opt = _start(mesh)
+    _train(mesh, params, opt, 1)
+    specs = functp.optimizer_specs(opt, params, _SPECS)
+    assert specs == _opt_specs(), specs
+    functp.save(path, {"params": params, "opt": opt.state_dict()}, mesh,
+                {"params": _SPECS, "opt": specs})
+    mesh4 = functp.make_mesh((1, 4), ("dp", "tp"))
+    state = functp.load(path, mesh4, {"params": _SPECS, "opt": _opt_specs()})
+    want = functp.shard(functp.unshard(opt.state_dict()["state"][0]["exp_avg"], mesh,
+                                       _SPECS[_KEYS[0]]), mesh4, _SPECS[_KEYS[0]])
+    return torch.equal(state["opt"]["state"][0]["exp_avg"], want)
+
+
+def test_optimizer_specs_from_parameter_specs(run, tmp_path):
+    assert run(4, _optimizer_specs_body, str(tmp_path / "ckpt")) == [True] * 4
+
+
+def _set_grads_errors():
+    p = {"w": torch.zeros(2, 3, requires_grad=True)}
+    functp.set_grads(p, {"w": torch.ones(2, 3, dtype=torch.float64)})
+    assert p["w"].grad.dtype == torch.float32
+    with pytest.raises(ShardingError, match="no gradient for"):
+        functp.set_grads(p, {})
+    with pytest.raises(ShardingError, match=r"shape \(3,\)"):
+        functp.set_grads(p, {"w": torch.ones(3)})
+    return True
+
+
+def test_set_grads(run):
+    assert run(1, _set_grads_errors) == [True]
