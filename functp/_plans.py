@@ -214,6 +214,31 @@ class _PlanHook:
         return self.style.prepare_output(m, args, kwargs, output, st.stacks[self.name].pop())
 
 
+def _check_heads(root: nn.Module, name: str, x: torch.Tensor, spec: P, mesh: Mesh,
+                 desc: str) -> None:
+    """A projection inside an attention module (one with an integer ``head_dim``, as
+    transformers' and functp's have) must split whole heads: 2 key/value heads of 64
+    rows each do divide 128 rows over 4 ranks, but each rank would hold half a head."""
+    mname = name.rpartition(".")[0]
+    parent = root.get_submodule(mname.rpartition(".")[0]) if "." in mname else root
+    hd = getattr(parent, "head_dim", None)
+    if not isinstance(hd, int) or hd < 1:
+        return
+    for d in range(len(spec)):
+        axes = spec.dim_axes(d)
+        if not axes or x.shape[d] % hd:
+            continue
+        heads, n = x.shape[d] // hd, mesh.axis_size(axes)
+        if heads % n:
+            raise ShardingError(
+                f"parameter {name!r} (shape {tuple(x.shape)}), plan rule {desc}, spec "
+                f"{spec!r}: dimension {d} holds {heads} heads of {hd} (head_dim of "
+                f"{mname.rpartition('.')[0] or 'the model'!r}), which do not split over "
+                f"{n} ranks of {axes}; use a '{'/'.join(axes)}' size that divides {heads}, "
+                f"or give {mname!r} the 'replicated' style (key/value heads of GQA often "
+                f"need it)")
+
+
 def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str,
                      blocks: int) -> None:
     for d in range(len(spec)):
@@ -370,6 +395,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any], *,
     for n, p in full.items():
         desc, style = owners.get(n, ("(none)", _REPLICATED))
         _check_divisible(n, p, specs[n], mesh, desc, style.blocks)
+        _check_heads(module, n, p, specs[n], mesh, desc)
     _warn_plan(module, unused, uncovered, axis, full)
     apply = Parallelized(module, mesh, axis, specs, owners, hooked, withheld)
     local = apply.shard({n: p.detach() for n, p in full.items()})

@@ -538,3 +538,21 @@ def test_tied_weight_with_a_rule_for_one_module(run, world):
     # and the other way round: a rule for the embedding only
     for style, spec in run(world, _tied_one_rule, {"emb": "embedding_rowwise"}, world):
         assert spec == P("tp", None) and "embedding_rowwise" in style, style
+
+
+
+def _kv_heads_on_tp4():
+    """2 key/value heads of 4 rows on tp=4: the rows divide (8 over 4) but the heads do
+    not; the error says so, naming the module and the fix."""
+    from functp.models import LLAMA_TP_PLAN, Llama, LlamaConfig
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=4))
+    with pytest.raises(functp.ShardingError) as e:
+        functp.parallelize(model, _tp_mesh(4), LLAMA_TP_PLAN)
+    return str(e.value)
+
+
+def test_heads_must_split_whole(run):
+    for msg in run(4, _kv_heads_on_tp4):
+        assert "layers.0.self_attn.k_proj.weight" in msg and "2 heads of 4" in msg, msg
+        assert "'replicated'" in msg and "divides 2" in msg, msg
