@@ -28,6 +28,7 @@ import torch
 from . import _ops
 from ._errors import ShardingError
 from ._mesh import Mesh
+from ._precision import floating
 from ._spec import P
 from ._vma import EMPTY, Tracker
 
@@ -115,7 +116,7 @@ class SumRules:
 
     def cast(self, tracker: None, local: list, dtype: torch.dtype) -> None:
         for i, x in enumerate(local):
-            if isinstance(x, torch.Tensor) and x.is_floating_point():
+            if floating(x):
                 local[i] = x.to(dtype)
 
     def exit(self, tracker: None, path: str, y: torch.Tensor, spec: P) -> torch.Tensor:

@@ -35,7 +35,7 @@ from ._errors import CheckpointError, ShardingError
 from ._interop import _strides, mesh_order, spec_to_placements
 from ._mesh import Mesh
 from ._reshard import _RawOps, layout, leaf_specs, local_shape, mark_uneven, plan, run_plan
-from ._sharding import _shapes_for
+from ._sharding import _broadcast_pickled, _shapes_for
 from ._spec import P
 from ._tree import keystr
 
@@ -109,18 +109,6 @@ def _dcp(what: str, path: str, fn: Callable[[], Any], ranks: bool = True) -> Any
         raise CheckpointError(f"{what}: {_first_line(cause)}{where} ({path}){more}") from e
 
 
-def _broadcast_text(text: str, src: int, device: torch.device) -> str:
-    """``text`` from global rank ``src`` on every rank, as bytes in tensors (not
-    ``broadcast_object_list``, which needs numpy)."""
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
-    n = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(n, src=src)
-    buf = data if dist.get_rank() == src else torch.empty(int(n), dtype=torch.uint8,
-                                                           device=device)
-    dist.broadcast(buf, src=src)
-    return bytes(buf.cpu().tolist()).decode()
-
-
 def _all_ok(what: str, path: str, device: torch.device | None, fn: Callable[[], Any]) -> Any:
     """``fn()`` on every rank, then one flag all-reduce over the world.
 
@@ -150,7 +138,8 @@ def _all_ok(what: str, path: str, device: torch.device | None, fn: Callable[[], 
     first = int(flag)
     if first == world:
         return out
-    line = _broadcast_text(str(err).split("\n", 1)[0] if err is not None else "", first, device)
+    line = _broadcast_pickled(str(err).split("\n", 1)[0] if err is not None else "", first,
+                              device)
     if err is not None:
         raise err
     line = line.removeprefix(f"{what}: ")

@@ -4,9 +4,11 @@ errors a failed collective turns into.
 SPMD code goes wrong quietly when ranks disagree: a collective one rank skipped pairs
 with the next one of another rank; blocks of other shapes or dtypes crash inside the
 backend or come back as garbage. In the check mode every collective (forward and
-backward) and every ``shard_map`` boundary first exchanges a three-number fingerprint
-over the whole mesh: a sequence number, a hash of what it is (collective, axes, dtype,
-shape, direction) and a hash of where it was called. If the fingerprints differ, the
+backward) and every ``shard_map`` boundary first exchanges a five-number fingerprint
+over the whole mesh: a sequence number, a hash of what runs (collective, axes,
+direction; a boundary's leaves), a hash of where it was called, a hash of the block
+(dtype and shape, compared within one process group of the collective's axes) and
+that group's index. If the fingerprints differ, the
 ranks exchange their descriptions and every rank raises the same ``ShardingError``
 naming each rank's collective and call site — before the real collective runs, so
 nothing is left half-done. A rank that never arrives (it returned early or raised)

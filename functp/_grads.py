@@ -27,27 +27,27 @@ __all__ = ["global_norm", "clip_by_global_norm", "reduce_unreduced"]
 
 
 def _split_axes(tree: Any, mesh: Mesh | None, specs: Any, what: str):
-    """``(leaves, axes per leaf, treespec, frame)``; ``axes`` in mesh order, ``None``
-    for a non-tensor leaf; ``frame`` is the enclosing body's, or ``None``."""
+    """``(leaves, axes per leaf, frame)``; ``axes`` in mesh order, ``None`` for a
+    non-tensor leaf; ``frame`` is the enclosing body's, or ``None``."""
     fr = _context.top()
     if fr is not None and specs is None:
         if fr.tracker is None:
             raise ShardingError(
                 f"functp.{what} inside a shard_map body with check_vma=False cannot see "
                 f"how the leaves are split: pass specs= (the body's in_specs for them)")
-        leaves, treespec = optree.tree_flatten(tree)
+        leaves = optree.tree_leaves(tree)
         axes = [tuple(a for a in fr.mesh.axis_names if a in fr.tracker.get(x))
                 if isinstance(x, torch.Tensor) else None for x in leaves]
-        return leaves, axes, treespec, fr
+        return leaves, axes, fr
     if fr is None and (mesh is None or specs is None):
         raise ShardingError(
             f"functp.{what} outside a shard_map body needs mesh= and specs= (how each "
             f"leaf's block is laid out)")
     m = fr.mesh if fr is not None else mesh
-    items, treespec = leaf_specs(tree, m, specs, "tree")
+    items, _ = leaf_specs(tree, m, specs, "tree")
     axes = [tuple(a for a in m.axis_names if a in s.axes) if isinstance(x, torch.Tensor)
             else None for _, x, s in items]
-    return [x for _, x, _ in items], axes, treespec, fr
+    return [x for _, x, _ in items], axes, fr
 
 
 def _sum_over(t: torch.Tensor, axes: tuple[str, ...], mesh: Mesh, fr, op: str) -> torch.Tensor:
@@ -78,7 +78,7 @@ def global_norm(tree: Any, mesh: Mesh | None = None, specs: Any = None, *,
 
         norm = functp.global_norm(grads, mesh, specs)    # e.g. specs = {"w": P("tp")}
     """
-    leaves, axes, _, fr = _split_axes(tree, mesh, specs, "global_norm")
+    leaves, axes, fr = _split_axes(tree, mesh, specs, "global_norm")
     m = fr.mesh if fr is not None else mesh
     p = float(norm_type)
     if not p > 0:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._errors import ShardingError
+
 __all__ = ["MixedPrecision"]
 
 
@@ -31,14 +33,19 @@ class MixedPrecision:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
 
+    @property
+    def reduction_dtype(self) -> torch.dtype | None:
+        """The dtype inputs enter in: ``reduce_dtype``, else ``param_dtype``."""
+        return self.reduce_dtype or self.param_dtype
+
     def __post_init__(self):
         for name in ("param_dtype", "reduce_dtype"):
             d = getattr(self, name)
             if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
-                from ._errors import ShardingError
                 raise ShardingError(f"MixedPrecision: {name} must be a floating torch.dtype "
                                     f"or None, got {d!r}")
 
 
 def floating(x) -> bool:
+    """A tensor of a floating dtype: what a precision policy casts."""
     return isinstance(x, torch.Tensor) and x.is_floating_point()

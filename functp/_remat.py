@@ -268,19 +268,17 @@ def checkpoint(fn: Callable | None = None, *, policy: Callable | None = None) ->
             _recording.pop()
         outs, otree = optree.tree_flatten(out)
         if tracker is not None and tracker.mode is not None:
-            tracker.mode._nograd_mixed = False      # no custom Function ran: nothing
-            tracker.mode._nograd_inputs.clear()     # to hook (see _vma_mode)
+            tracker.mode.discard_nograd()     # no custom Function ran: nothing to hook
         state = _State(fn=fn, tree=tree, kept=rec.kept(keep) if rec is not None else {},
                        frame=fr, rng=rng,
                        vmas=[tracker.get(x) for x in leaves] if tracker is not None else None)
         del rec
+        # one call standing for fn, not tracked: its outputs take the first run's tags
+        with tracker.paused() if tracker is not None else contextlib.nullcontext():
+            res = _Recompute.apply(state, len(leaves), *leaves, *outs)
         if tracker is not None:
-            with tracker.paused():    # one call standing for fn: tags set below
-                res = _Recompute.apply(state, len(leaves), *leaves, *outs)
             for r, o in zip(res, outs):
                 tracker.set(r, tracker.get(o))
-        else:
-            res = _Recompute.apply(state, len(leaves), *leaves, *outs)
         return optree.tree_unflatten(otree, list(res))
     return wrapped
 

@@ -136,6 +136,7 @@ class _Body:
                  precision: MixedPrecision | None = None):
         self.f, self.mesh, self.check_vma, self.axes = f, mesh, check_vma, axes
         self.precision = precision
+        self.name = getattr(f, "__name__", "body")       # for the check mode's errors
         self.in_specs, self.out_specs = in_specs, out_specs
         self.vma_rules = VmaRules(mesh, axes, unreduced)
         self.sum_rules = SumRules(mesh, axes, unreduced)
@@ -243,15 +244,13 @@ class _Body:
             for i in plan.tensors:
                 local[i] = self._take_block(plan.paths[i], local[i], specs[i])
         if _crosscheck.ENABLED and not compiling:    # ranks agree on the blocks
-            name = getattr(self.f, "__name__", "body")
-            _crosscheck.boundary(self.mesh, name, "entry", plan.paths, local)
+            _crosscheck.boundary(self.mesh, self.name, "entry", plan.paths, local)
             if outer is None:     # (a nested body's blocks carry the outer vma tags)
-                local = _crosscheck.mark(self.mesh, name, "backward done", local)
+                local = _crosscheck.mark(self.mesh, self.name, "backward done", local)
         rules = self.vma_rules if tracker is not None else self.sum_rules
         mp = self.precision
-        red = mp and (mp.reduce_dtype or mp.param_dtype)
-        if red:                                              # the reduction's dtype
-            local = [x.to(red) if floating(x) else x for x in local]
+        if mp is not None and mp.reduction_dtype is not None:   # the reduction's dtype
+            local = [x.to(mp.reduction_dtype) if floating(x) else x for x in local]
         rules.enter(tracker, local, self._rules_plan(plan, rules, specs, local, base))
         if mp is not None and mp.param_dtype is not None:    # then the body's
             rules.cast(tracker, local, mp.param_dtype)
@@ -281,12 +280,11 @@ class _Body:
     def _check_outputs(self, out, top: bool):
         """The check mode at the exit: ranks agree on the output blocks, and the
         backward starts on every rank together."""
-        name = getattr(self.f, "__name__", "body")
         paths, leaves, treespec = optree.tree_flatten_with_path(out)
         paths = [keystr("output", p) for p in paths]
-        _crosscheck.boundary(self.mesh, name, "exit", paths, leaves)
+        _crosscheck.boundary(self.mesh, self.name, "exit", paths, leaves)
         if top:
-            leaves = _crosscheck.mark(self.mesh, name, "backward start", leaves)
+            leaves = _crosscheck.mark(self.mesh, self.name, "backward start", leaves)
         return optree.tree_unflatten(treespec, leaves)
 
     def _outputs(self, out, rules, tracker, nested: bool, compiling: bool):

@@ -245,10 +245,9 @@ def _broadcast_tree(tree, mesh: Mesh, src: int):
 
 
 def _broadcast_pickled(obj, src: int, device) -> Any:
-    """``obj`` from global rank ``src`` on every rank, pickled into a byte tensor.
-
-    Not ``dist.broadcast_object_list``: torch's object collectives call
-    ``Tensor.numpy()``, and torch's CPU wheel does not install numpy."""
+    """``obj`` from global rank ``src`` on every rank, pickled into a byte tensor (the
+    others' ``obj`` is ignored). Not ``dist.broadcast_object_list``: torch's object
+    collectives call ``Tensor.numpy()``, and torch's CPU wheel does not install numpy."""
     mine = dist.get_rank() == src
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
     n = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=device)

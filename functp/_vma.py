@@ -16,6 +16,7 @@ import torch
 
 from . import _ops
 from ._mesh import Mesh
+from ._precision import floating
 
 EMPTY: frozenset = frozenset()
 _TAG = "_functp_vma"
@@ -97,7 +98,7 @@ class Tracker:
         reduction it transposes to) stays in the entry dtype. Runs before the body,
         outside the tracking mode."""
         for i, x in enumerate(local):
-            if not (isinstance(x, torch.Tensor) and x.is_floating_point()) or x.dtype == dtype:
+            if not floating(x) or x.dtype == dtype:
                 continue
             y = x.to(dtype)
             if _TAG in x.__dict__:

@@ -251,6 +251,11 @@ class UnionRule(TorchFunctionMode):
             if isinstance(node, BackwardCFunction) and id(node) not in self._hooked:
                 self._hooked.add(id(node))
                 self._hook(node, t)
+        self.discard_nograd()
+
+    def discard_nograd(self) -> None:
+        """Forgets the mixed no-grad ops seen so far (hooked, or known not to be a
+        custom Function's forward: functp.checkpoint's first run)."""
         self._nograd_mixed = False
         self._nograd_inputs.clear()
 
