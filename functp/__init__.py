@@ -23,6 +23,9 @@ from ._precision import MixedPrecision
 from ._remat import checkpoint, checkpoint_name, remat, remat_policies
 from ._plans import Parallelized, match_plan, parallelize
 from ._shard_map import shard_map
+from ._show import print_ranks, visualize_sharding
+from ._simulate import simulate
+from ._world import process_count, process_index
 from ._reshard import global_shapes, reshard
 from ._sharding import pad_to_multiple, shard, unpad, unshard
 from ._spec import P
@@ -38,6 +41,7 @@ __all__ = [
     "psum", "pmean", "pmax", "pmin", "pvary", "pcast", "all_gather", "all_gather_invariant",
     "psum_scatter", "all_to_all", "ppermute", "axis_index", "axis_size",
     "comm_log", "CommEvent", "set_debug", "debug_enabled",
+    "simulate", "print_ranks", "visualize_sharding", "process_index", "process_count",
     "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",
     "save", "load", "full_state_dict",
     "global_norm", "clip_by_global_norm", "reduce_unreduced", "MixedPrecision",

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from . import _world
 from ._errors import CheckpointError, ShardingError
 from ._interop import _strides, mesh_order, spec_to_placements
 from ._mesh import Mesh
@@ -346,6 +347,7 @@ def save(path: str | os.PathLike, tree: Any, mesh: Mesh, specs: Any, *,
         functp.save("ckpt/step100", {"params": local, "opt": opt.state_dict()}, mesh,
                     {"params": specs, "opt": opt_specs})
     """
+    _world.require_torch_distributed("functp.save")
     what = "functp.save"
     _need_numpy(what)
     path = os.fspath(path)
@@ -402,6 +404,7 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None, specs: Any = None, *
         state = functp.load("ckpt/step100", mesh4, {"params": specs4, "opt": opt_specs4})
         opt.load_state_dict(state["opt"])
     """
+    _world.require_torch_distributed("functp.load")
     what = "functp.load"
     path = os.fspath(path)
     if mesh is not None:
@@ -516,6 +519,7 @@ def full_state_dict(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None,
         if sd is not None:
             torch.save(sd, "model.pt")
     """
+    _world.require_torch_distributed("functp.full_state_dict")
     if not 0 <= rank < dist.get_world_size():
         raise ShardingError(f"functp.full_state_dict: rank={rank} is not a rank of the "
                             f"world (size {dist.get_world_size()})")

@@ -1,12 +1,19 @@
 """``comm_log``: a record of every collective functp issues, forward and backward."""
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
 __all__ = ["comm_log", "CommEvent"]
 
-_ACTIVE: list["comm_log"] = []
+
+class _Local(threading.local):      # per thread: functp.simulate runs a rank per thread
+    def __init__(self) -> None:
+        self.active: list[comm_log] = []
+
+
+_local = _Local()
 
 
 @dataclass(frozen=True)
@@ -37,11 +44,11 @@ class comm_log:
         self.events: list[CommEvent] = []
 
     def __enter__(self) -> "comm_log":
-        _ACTIVE.append(self)
+        _local.active.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _ACTIVE.remove(self)
+        _local.active.remove(self)
 
     def __len__(self) -> int:
         return len(self.events)
@@ -68,7 +75,7 @@ class comm_log:
 
 
 def record(op: str, axes: tuple[str, ...], nbytes: int) -> None:
-    if _ACTIVE:
+    if _local.active:
         ev = CommEvent(op, axes, nbytes)
-        for log in _ACTIVE:
+        for log in _local.active:
             log.events.append(ev)

@@ -7,6 +7,7 @@ after shard_map returned, or an outer transform) needs nothing from here.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,25 +34,30 @@ class Frame:
                 f"axis_names, or use a nested shard_map over {auto[0]!r}")
 
 
-_STACK: list[Frame] = []
+class _Local(threading.local):      # per thread: functp.simulate runs a rank per thread
+    def __init__(self) -> None:
+        self.stack: list[Frame] = []
+
+
+_local = _Local()
 
 
 def current(what: str) -> Frame:
-    if not _STACK:
+    if not _local.stack:
         raise ShardingError(
             f"functp.{what} was called outside a shard_map body. Collectives name mesh "
             f"axes, which are bound only while a function wrapped by "
             f"functp.shard_map(fn, mesh, in_specs, out_specs) runs; call it from inside "
             f"that function")
-    return _STACK[-1]
+    return _local.stack[-1]
 
 
 def active() -> bool:
-    return bool(_STACK)
+    return bool(_local.stack)
 
 
 def top() -> Frame | None:
-    return _STACK[-1] if _STACK else None
+    return _local.stack[-1] if _local.stack else None
 
 
 @contextlib.contextmanager
@@ -59,12 +65,12 @@ def frame(mesh: Mesh, check_vma: bool, tracker: Any = None, manual: tuple[str, .
           groups: dict | None = None):
     """Binds a body's mesh axes while it runs. ``groups``: a cache of resolved axis
     groups that the caller keeps across calls with the same mesh and manual axes."""
-    _STACK.append(Frame(mesh, check_vma, tracker, manual or mesh.axis_names,
+    _local.stack.append(Frame(mesh, check_vma, tracker, manual or mesh.axis_names,
                         {} if groups is None else groups))
     try:
-        yield _STACK[-1]
+        yield _local.stack[-1]
     finally:
-        _STACK.pop()
+        _local.stack.pop()
 
 
 @contextlib.contextmanager
@@ -74,8 +80,8 @@ def reentered(fr: Frame | None):
     if fr is None:
         yield None
         return
-    _STACK.append(fr)
+    _local.stack.append(fr)
     try:
         yield fr
     finally:
-        _STACK.pop()
+        _local.stack.pop()

@@ -28,6 +28,7 @@ import zlib
 
 import torch
 
+from . import _world
 from ._errors import ShardingError
 
 __all__ = ["set_debug", "debug_enabled"]
@@ -94,7 +95,7 @@ def _skip(x: torch.Tensor | None) -> bool:
 
 def _gather(t: torch.Tensor, check, what: str) -> torch.Tensor:
     try:
-        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(t, check.size, check.group_name))
+        return _world.wait(_c10d.all_gather_into_tensor(t, check.size, check.group_name))
     except RuntimeError as e:
         raise ShardingError(
             f"{what}: not every rank of the mesh reached it within the mesh's timeout "
@@ -237,3 +238,10 @@ def failed(op: str, g, e: BaseException) -> ShardingError:
         f"A rank did not join it within the mesh's timeout, or left. Run with "
         f"FUNCTP_DEBUG=1 to have ranks compare every collective first and name the one "
         f"that diverged; make_mesh(..., timeout=seconds) sets how long to wait")
+
+
+def forget(prefix: str) -> None:
+    """Drops the sequence numbers of check groups whose names start with ``prefix``
+    (those of a finished simulation)."""
+    for name in [n for n in _seq if n.startswith(prefix)]:
+        del _seq[name]

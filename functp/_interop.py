@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from . import _world
 from ._errors import ShardingError
 from ._mesh import Mesh
 from ._reshard import GLOBAL_SHAPE, is_even, layout, leaf_specs, move_block
@@ -64,6 +65,7 @@ def to_dtensor(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
         dt = functp.to_dtensor(local, mesh, P(("dp", "tp")))
         dt.placements        # (Shard(dim=0), Shard(dim=0));  dt.shape == (10, 4)
     """
+    _world.require_torch_distributed("functp.to_dtensor")
     items, treespec = leaf_specs(tree, mesh, specs, "tree")
     for path, x, s in items:      # before any communication: the same on every rank
         if s is not None:

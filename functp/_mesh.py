@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import _world
 from ._errors import ShardingError
 
 __all__ = ["Mesh", "make_mesh", "AxisGroup"]
@@ -70,7 +71,8 @@ def group_of(key: str) -> AxisGroup:
 
 
 class Mesh:
-    """An n-d grid of ranks with named axes, over a ``torch.distributed.DeviceMesh``.
+    """An n-d grid of ranks with named axes, over a ``torch.distributed.DeviceMesh``
+    (or, inside :func:`functp.simulate`, over groups functp makes itself).
 
     Build one with :func:`make_mesh` or :meth:`Mesh.from_device_mesh`. ``mesh.shape``
     maps axis names to sizes; ``mesh.coordinate`` is this rank's position.
@@ -82,27 +84,46 @@ class Mesh:
             raise ShardingError(
                 "functp needs a DeviceMesh with named dimensions: build it with "
                 "init_device_mesh(..., mesh_dim_names=(...)) or use functp.make_mesh")
-        self.device_mesh = device_mesh
-        self.axis_names: tuple[str, ...] = tuple(names)
-        self.axis_sizes: tuple[int, ...] = tuple(int(s) for s in device_mesh.mesh.shape)
-        self.shape: dict[str, int] = dict(zip(self.axis_names, self.axis_sizes))
-        self.device_type: str = device_mesh.device_type
         coord = device_mesh.get_coordinate()
         if coord is None:
             raise ShardingError(
                 f"this rank ({dist.get_rank()}) is not part of the mesh {device_mesh}; "
                 f"every process that calls shard_map must belong to its mesh")
+        # Every subset of axes gets its process group up front: creating a group is a
+        # collective over the whole world, so doing it lazily inside a step could make
+        # ranks disagree (and would break torch.compile tracing).
+        groups = {}
+        for k in range(1, len(names) + 1):
+            for sub in itertools.combinations(names, k):
+                pg = (device_mesh.get_group(sub[0]) if k == 1
+                      else device_mesh[sub]._flatten().get_group())
+                groups[frozenset(sub)] = (pg.group_name,
+                                          tuple(dist.get_process_group_ranks(pg)))
+        self._setup(tuple(names), device_mesh.mesh, tuple(coord), groups,
+                    device_mesh.device_type, device_mesh)
+
+    def _setup(self, names: tuple[str, ...], grid: torch.Tensor, coord: tuple[int, ...],
+               groups: dict, device_type: str, device_mesh: DeviceMesh | None) -> None:
+        """``grid``: the global rank at each mesh position; ``groups``: axis set ->
+        (c10d group name, member global ranks in group order)."""
+        self.device_mesh = device_mesh     # None inside functp.simulate
+        self.axis_names: tuple[str, ...] = names
+        self.axis_sizes: tuple[int, ...] = tuple(int(s) for s in grid.shape)
+        self.shape: dict[str, int] = dict(zip(self.axis_names, self.axis_sizes))
+        self.device_type: str = device_type
         self.coordinate: dict[str, int] = dict(zip(self.axis_names, coord))
-        self._groups = self._build_groups()
+        self._groups = groups
+        self._positions = {int(r): pos for pos, r in
+                           zip(itertools.product(*map(range, self.axis_sizes)),
+                               grid.flatten().tolist())}
         self.timeout: datetime.timedelta | None = None     # set by make_mesh / set_timeout
-        whole = self._groups[frozenset(self.axis_names)]
+        whole_name, whole_ranks = groups[frozenset(self.axis_names)]
         self.check = CheckGroup(
-            whole.group_name, math.prod(self.axis_sizes),
-            tuple(dist.get_process_group_ranks(whole)),
+            whole_name, math.prod(self.axis_sizes), whole_ranks,
             torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda"
             else torch.device(self.device_type), repr(self))
         # every ordered tuple of axes resolved now, so that a step (compiled or not)
-        # only looks groups up: resolving needs host-side tensor work and group queries
+        # only looks groups up: resolving needs host-side work and group queries
         self._axis_groups: dict[tuple[str, ...], AxisGroup] = {}
         for k in range(1, len(self.axis_names) + 1):
             for axes in itertools.permutations(self.axis_names, k):
@@ -123,17 +144,6 @@ class Mesh:
         axes = ", ".join(f"{n}={s}" for n, s in self.shape.items())
         return f"Mesh({axes}; {self.device_type})"
 
-    # Every subset of axes gets its process group up front: creating a group is a
-    # collective over the whole world, so doing it lazily inside a step could make
-    # ranks disagree (and would break torch.compile tracing).
-    def _build_groups(self) -> dict[frozenset, dist.ProcessGroup]:
-        dm = self.device_mesh
-        groups = {frozenset([n]): dm.get_group(n) for n in self.axis_names}
-        for k in range(2, len(self.axis_names) + 1):
-            for sub in itertools.combinations(self.axis_names, k):
-                groups[frozenset(sub)] = dm[sub]._flatten().get_group()
-        return groups
-
     def set_timeout(self, timeout: float | datetime.timedelta) -> None:
         """How long a collective on this mesh waits for the other ranks before it
         fails (``ShardingError`` naming the collective); every group of the mesh."""
@@ -141,8 +151,12 @@ class Mesh:
             datetime.timedelta(seconds=float(timeout))
         if td.total_seconds() <= 0:
             raise ShardingError(f"make_mesh: timeout must be positive, got {timeout!r}")
-        for pg in {id(g): g for g in self._groups.values()}.values():
-            dist.distributed_c10d._set_pg_timeout(td, pg)
+        for name in {name for name, _ in self._groups.values()}:
+            if self.device_mesh is None:
+                _world.set_timeout(name, td)
+            else:
+                dist.distributed_c10d._set_pg_timeout(
+                    td, dist.distributed_c10d._resolve_process_group(name))
         self.timeout = td
 
     def _check_axes(self, axis_name, what: str) -> tuple[str, ...]:
@@ -170,19 +184,14 @@ class Mesh:
         raise AssertionError(f"no group for {key}")   # _check_axes rejects every other key
 
     def _resolve(self, axes: tuple[str, ...]) -> AxisGroup:
-        pg = self._groups[frozenset(axes)]
-        members = dist.get_process_group_ranks(pg)
-        mesh = self.device_mesh.mesh
-        desired = []
-        for r in members:
-            pos = (mesh == r).nonzero()[0].tolist()
-            c = dict(zip(self.axis_names, pos))
-            desired.append(self._linear(axes, c))
+        name, members = self._groups[frozenset(axes)]
+        desired = [self._linear(axes, dict(zip(self.axis_names, self._positions[r])))
+                   for r in members]
         order = [0] * len(members)
         for g, d in enumerate(desired):
             order[d] = g
         return AxisGroup(axes, math.prod(self.shape[a] for a in axes),
-                         self._linear(axes, self.coordinate), pg.group_name,
+                         self._linear(axes, self.coordinate), name,
                          None if order == list(range(len(order))) else tuple(order),
                          self.check,
                          self._linear([a for a in self.axis_names if a not in axes],
@@ -274,13 +283,12 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str],
         raise ShardingError(f"make_mesh: axis names {names} must be distinct non-empty strings")
     if any(s < 1 for s in shape):
         raise ShardingError(f"make_mesh: every axis size must be >= 1, got {shape}")
+    if _world.current_run() is not None:
+        return _simulated_mesh(shape, names, device_type, timeout)
     device_type = device_type or _default_device_type()
     _ensure_process_group(device_type, math.prod(shape))
     world = dist.get_world_size()
-    if math.prod(shape) != world:
-        raise ShardingError(
-            f"make_mesh{shape, names}: the mesh has {math.prod(shape)} ranks but the world "
-            f"has {world} processes; choose a shape whose sizes multiply to {world}")
+    _check_world(shape, names, world)
     key = (shape, names, device_type, id(dist.group.WORLD))
     mesh = _MESHES.get(key)
     if mesh is None:
@@ -290,3 +298,46 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str],
     elif timeout is not None:
         mesh.set_timeout(timeout)
     return mesh
+
+
+def _check_world(shape: tuple[int, ...], names: tuple[str, ...], world: int) -> None:
+    if math.prod(shape) != world:
+        raise ShardingError(
+            f"make_mesh{shape, names}: the mesh has {math.prod(shape)} ranks but the world "
+            f"has {world} processes; choose a shape whose sizes multiply to {world}")
+
+
+def _simulated_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type: str | None,
+                    timeout) -> Mesh:
+    """make_mesh inside functp.simulate: gloo groups functp makes for this thread's rank
+    (ranks laid out row-major, as init_device_mesh does), cached per simulated rank."""
+    if device_type not in (None, "cpu"):
+        raise ShardingError(
+            f"make_mesh(device_type={device_type!r}) inside functp.simulate: simulated "
+            f"ranks share this process and run on the CPU (gloo); leave device_type out")
+    _check_world(shape, names, _world.size())
+    cache = _world.meshes()
+    mesh = cache.get((shape, names))
+    if mesh is None:
+        grid = torch.arange(_world.size()).reshape(shape)
+        coord = tuple(int(c[0]) for c in (grid == _world.rank()).nonzero(as_tuple=True))
+        groups = {}
+        for k in range(1, len(names) + 1):
+            for sub in itertools.combinations(names, k):
+                at = tuple(slice(None) if a in sub else c for a, c in zip(names, coord))
+                members = tuple(grid[at].flatten().tolist())
+                tag = "world" if k == len(names) else "mesh"   # the whole mesh: the world group
+                groups[frozenset(sub)] = (_world.new_group(members, tag), members)
+        mesh = cache[(shape, names)] = Mesh.__new__(Mesh)
+        mesh._setup(names, grid, coord, groups, "cpu", None)
+        mesh.timeout = _world.current_run().timeout
+    if timeout is not None:
+        mesh.set_timeout(timeout)
+    return mesh
+
+
+def forget_groups(prefix: str) -> None:
+    """Drops the registered axis groups whose c10d names start with ``prefix`` (those
+    of a finished simulation)."""
+    for key in [k for k, g in _GROUPS.items() if g.group_name.startswith(prefix)]:
+        del _GROUPS[key]

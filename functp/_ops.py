@@ -34,7 +34,8 @@ from typing import Any, Callable
 import torch
 from torch.autograd.function import _SingleLevelFunction
 
-from . import _primitives as prim
+from . import _primitives as prim, _world
+from ._errors import ShardingError
 from ._mesh import group_of
 
 __all__ = ["psum", "pextremum", "pvary", "all_gather", "psum_scatter", "all_to_all",
@@ -140,9 +141,19 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
                 _set_single_allowed(allowed)
         return list(out) if listy else out
 
+    def fake_kernel(*args):
+        if _world.current_run() is not None:
+            # a compiled graph waits on its collectives itself: no simulated rank
+            # could hand the turn to the next one, and all would wait forever
+            raise ShardingError(
+                "torch.compile inside functp.simulate is not supported: simulated ranks "
+                "take turns at each collective's wait, and a compiled graph waits "
+                "inside; run the compiled step under torchrun")
+        return fake(*args)
+
     _lib.impl(name, raw, "CompositeExplicitAutograd")   # (a Tensor[] op's raw returns a list)
     _lib.impl(name, autograd_kernel, "Autograd")
-    torch.library.register_fake(f"functp::{name}", fake, lib=_lib)
+    torch.library.register_fake(f"functp::{name}", fake_kernel, lib=_lib)
     torch.library.register_vmap(f"functp::{name}", vmap, lib=_lib)
     return op
 

@@ -18,10 +18,10 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from . import _world
 from ._collectives import axis_size
 from ._errors import ShardingError
 from ._mesh import Mesh
@@ -88,7 +88,7 @@ def _generic(name: str) -> str:
 
 def _warn_plan(module: nn.Module, unused: list[str], uncovered: list[str], axis: str,
                params: dict) -> None:
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if _world.rank() != 0:
         return
     kind = type(module).__name__
     if unused:

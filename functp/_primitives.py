@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _comm_log, _crosscheck
+from . import _comm_log, _crosscheck, _world
 from ._mesh import AxisGroup
 
 _ops = torch.ops._c10d_functional
@@ -18,15 +18,17 @@ _ops = torch.ops._c10d_functional
 
 def _record(op: str, g: AxisGroup, x: torch.Tensor, how: str = "") -> None:
     """Before every collective: the check mode's fingerprint exchange, and comm_log."""
+    if _world.SIMULATING:
+        _world.check_collective()
     if _crosscheck.ENABLED:
         _crosscheck.collective(op + how, g, x)
-    if _comm_log._ACTIVE and not torch.compiler.is_compiling():
+    if _comm_log._local.active and not torch.compiler.is_compiling():
         _comm_log.record(op, g.axes, x.numel() * x.element_size())
 
 
 def _wait(t: torch.Tensor, op: str, g: AxisGroup) -> torch.Tensor:
     try:
-        return _ops.wait_tensor(t)
+        return _world.wait(t) if _world.SIMULATING else _ops.wait_tensor(t)
     except RuntimeError as e:     # a timeout or a peer gone: say which collective
         raise _crosscheck.failed(op, g, e) from e
 

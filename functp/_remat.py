@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Callable
 
 import optree
@@ -29,8 +30,15 @@ __all__ = ["checkpoint", "remat", "checkpoint_name", "remat_policies"]
 
 _aten = torch.ops.aten
 _DOTS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
-_recording: list = []       # the _Record of the checkpointed call running forward, if any
-_recomputing = [0]          # recomputes running (a checkpoint inside one runs plainly)
+
+
+class _Local(threading.local):      # per thread: functp.simulate runs a rank per thread
+    def __init__(self) -> None:
+        self.recording: list = []   # the _Record of the checkpointed call running forward, if any
+        self.recomputing = 0        # recomputes running (a checkpoint inside one runs plainly)
+
+
+_local = _Local()
 
 
 class remat_policies:
@@ -62,8 +70,8 @@ def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
 
         h = functp.checkpoint_name(x @ w.T, "proj")
     """
-    if _recording and _recording[-1] is not None:
-        _recording[-1].names[id(_lowest(x))] = name
+    if _local.recording and _local.recording[-1] is not None:
+        _local.recording[-1].names[id(_lowest(x))] = name
     return x
 
 
@@ -173,7 +181,7 @@ class _Recompute(torch.autograd.Function):
             # nobody differentiates this backward: record nothing there.
             quiet = (torch.no_grad() if torch._C._functorch.get_dynamic_layer_stack_depth() == 1
                      else contextlib.nullcontext())
-            _recomputing[0] += 1
+            _local.recomputing += 1
             try:
                 with quiet, _tracking(tracker), (_Replay(st.kept) if st.kept
                                                  else contextlib.nullcontext()):
@@ -183,7 +191,7 @@ class _Recompute(torch.autograd.Function):
                 with quiet, _tracking(tracker):
                     got = pull(cts)
             finally:
-                _recomputing[0] -= 1
+                _local.recomputing -= 1
         grads: list = [None] * len(xs)
         for i, g in zip(want, got):
             grads[i] = g
@@ -250,7 +258,7 @@ def checkpoint(fn: Callable | None = None, *, policy: Callable | None = None) ->
             raise ShardingError(
                 f"functp.checkpoint({getattr(fn, '__name__', fn)}): arguments must be "
                 f"tensors (close over other values with functools.partial)")
-        if (_recording or _recomputing[0]
+        if (_local.recording or _local.recomputing
                 or not torch.is_grad_enabled() and not any(x.requires_grad for x in leaves)):
             # nothing to differentiate, or inside another checkpointed call, whose
             # recompute covers this one
@@ -260,12 +268,12 @@ def checkpoint(fn: Callable | None = None, *, policy: Callable | None = None) ->
         rng = _rng_state()
         # (keeping nothing needs no record of the ops: no dispatch mode, no overhead)
         rec = _Record() if keep is not remat_policies.nothing_saveable else None
-        _recording.append(rec)
+        _local.recording.append(rec)
         try:
             with torch.no_grad(), rec if rec is not None else contextlib.nullcontext():
                 out = fn(*args)
         finally:
-            _recording.pop()
+            _local.recording.pop()
         outs, otree = optree.tree_flatten(out)
         if tracker is not None and tracker.mode is not None:
             tracker.mode.discard_nograd()     # no custom Function ran: nothing to hook

@@ -13,9 +13,8 @@ from typing import Any
 
 import optree
 import torch
-import torch.distributed as dist
 
-from . import _context
+from . import _context, _world
 from ._errors import ShardingError
 from ._mesh import Mesh
 from ._reshard import (GLOBAL_SHAPE, _RawOps, block, check_block, exchange_shapes,
@@ -221,12 +220,12 @@ def _pad_dim(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
 
 def _broadcast_tree(tree, mesh: Mesh, src: int):
     """Broadcasts a pytree of tensors from global rank ``src`` to every rank."""
-    if not 0 <= src < dist.get_world_size():
+    if not 0 <= src < _world.size():
         raise ShardingError(f"shard: src_rank={src} is not a rank of the world "
-                            f"(size {dist.get_world_size()})")
+                            f"(size {_world.size()})")
     device = torch.device(mesh.device_type) if mesh.device_type != "cpu" else None
     meta = None
-    if dist.get_rank() == src:
+    if _world.rank() == src:
         leaves, treespec = optree.tree_flatten(tree)
         meta = (treespec, [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
                            else ("value", t) for t in leaves])
@@ -236,11 +235,10 @@ def _broadcast_tree(tree, mesh: Mesh, src: int):
         if item[0] == "value":
             out.append(item[1])
             continue
-        t = leaves[k].contiguous() if dist.get_rank() == src else torch.empty(item[0], dtype=item[1])
+        t = leaves[k].contiguous() if _world.rank() == src else torch.empty(item[0], dtype=item[1])
         if device is not None:
             t = t.to(device)
-        dist.broadcast(t, src=src)
-        out.append(t)
+        out.append(_world.broadcast(t, src))
     return optree.tree_unflatten(treespec, out)
 
 
@@ -248,10 +246,10 @@ def _broadcast_pickled(obj, src: int, device) -> Any:
     """``obj`` from global rank ``src`` on every rank, pickled into a byte tensor (the
     others' ``obj`` is ignored). Not ``dist.broadcast_object_list``: torch's object
     collectives call ``Tensor.numpy()``, and torch's CPU wheel does not install numpy."""
-    mine = dist.get_rank() == src
+    mine = _world.rank() == src
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
     n = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=device)
-    dist.broadcast(n, src=src)
+    n = _world.broadcast(n, src)
     buf = data.to(device) if mine else torch.empty(int(n), dtype=torch.uint8, device=device)
-    dist.broadcast(buf, src=src)
+    buf = _world.broadcast(buf, src)
     return obj if mine else pickle.loads(bytes(buf.cpu().tolist()))

@@ -1,14 +1,30 @@
 """Helpers that test bodies run on every rank: seeded data and the float64 oracle."""
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import optree
 import torch
-import torch.distributed as dist
 
 import functp
 from functp import P
 
 TOL = dict(rtol=1e-10, atol=1e-10)
+
+# check_program appends its raw results here while a body records them (one list per
+# thread: simulated ranks are threads), so that a test can compare two runs bit for bit
+_recorded = threading.local()
+
+
+@contextlib.contextmanager
+def recording():
+    """Collects ``[loss, grads, tape loss, tape grads]`` of every ``check_program``."""
+    _recorded.out = out = []
+    try:
+        yield out
+    finally:
+        _recorded.out = None
 
 
 def randn(*shape, seed: int = 0) -> torch.Tensor:
@@ -22,7 +38,7 @@ def assert_tree_close(actual, expected, what: str = "value") -> None:
     e_paths, e, _ = optree.tree_flatten_with_path(expected)
     assert a_paths == e_paths, f"{what}: structures differ: {a_paths} vs {e_paths}"
     for p, x, y in zip(a_paths, a, e):
-        torch.testing.assert_close(x, y, **TOL, msg=lambda m: f"rank {dist.get_rank()} {what}{list(p)}: {m}")
+        torch.testing.assert_close(x, y, **TOL, msg=lambda m: f"rank {functp.process_index()} {what}{list(p)}: {m}")
 
 
 def check_program(mesh, global_fn, local_fn, args, in_specs, *, check_vma=True, argnums=None):
@@ -50,6 +66,8 @@ def check_program(mesh, global_fn, local_fn, args, in_specs, *, check_vma=True, 
     loss2 = step(*local)
     leaves, spec = optree.tree_flatten(tuple(local[i] for i in argnums))
     tape = torch.autograd.grad(loss2, leaves)
+    if getattr(_recorded, "out", None) is not None:
+        _recorded.out.append([loss, grads, loss2.detach(), list(tape)])
     assert_tree_close(loss2.detach(), ref_loss, "loss (autograd)")
     assert_tree_close(functp.unshard(optree.tree_unflatten(spec, list(tape)), mesh, grad_specs),
                       ref_grads, "grad (autograd)")
