@@ -15,16 +15,39 @@ _POOLS: dict[int, Pool] = {}
 def _pools():
     yield _POOLS
     for p in _POOLS.values():
-        p.close()
+        p.close(force=True)      # the session is over: no need for gloo's slow goodbye
     _POOLS.clear()
 
 
+def pytest_collection_modifyitems(items):
+    # tests that discard a gloo pool (run(..., last=True)) go last, so that no test
+    # after them pays for starting a new one
+    late = [it for it in items if it.get_closest_marker("discards_pool")]
+    items[:] = [it for it in items if it not in late] + late
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "discards_pool: the test ends its gloo pool")
+
+
 @pytest.fixture
-def run(_pools):
-    """``run(world, body, *args)``: runs ``body(*args)`` on ``world`` gloo ranks and
-    returns the list of their return values; a rank's exception fails the test
-    with that rank's traceback. ``last=True`` discards the pool afterwards."""
-    def _run(world: int, body, *args, timeout: float = 300.0, last: bool = False):
+def run(_pools, request):
+    """``run(world, body, *args)``: runs ``body(*args)`` on ``world`` ranks and returns
+    the list of their return values; a rank's exception fails the test with that
+    rank's traceback.
+
+    The ranks are simulated in this process (``functp.simulate``, with the cross-rank
+    check mode on) unless ``gloo=True``: then they are processes of a gloo pool, for
+    what needs torch.distributed's default group (DTensor, checkpoints, the world
+    group's timeout) or real processes; a module that sets ``GLOO = True`` runs all
+    its bodies so. ``last=True`` (gloo) discards the pool afterwards."""
+    def _run(world: int, body, *args, timeout: float = 300.0, last: bool = False,
+             gloo: bool = False):
+        gloo = gloo or getattr(request.module, "GLOO", False)
+        if not (gloo or last or os.environ.get("FUNCTP_TEST_GLOO")):
+            import functp
+            return functp.simulate(body, world, *args, timeout=timeout,
+                                   check=os.environ.get("FUNCTP_DEBUG", "0") != "0")
         # last=True: the body leaves process groups out of step (a timed-out
         # collective, a changed world timeout), so its pool is not used again
         pool = _pools.get(world)

@@ -68,8 +68,7 @@ def _round_trip_body(shape, names):
     assert local["c"].shape == (2, 8 // n0, 4)
     assert_tree_close(functp.unshard(local, mesh, specs), tree, "unshard(shard(t))")
     # src_rank: only rank 0 holds the data
-    import torch.distributed as dist
-    src = functp.shard(tree if dist.get_rank() == 0 else None, mesh, specs, src_rank=0)
+    src = functp.shard(tree if functp.process_index() == 0 else None, mesh, specs, src_rank=0)
     assert_tree_close(src, local, "shard(src_rank=0)")
 
 
@@ -81,11 +80,10 @@ def test_shard_unshard_round_trip(run, shape, names):
 
 
 def _mesh_body():
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     mesh = functp.make_mesh((2, 2), ("dp", "tp"))
     assert functp.make_mesh((2, 2), ("dp", "tp")) is mesh, "meshes are cached"
-    r = dist.get_rank()
+    r = functp.process_index()
     assert mesh.shape == {"dp": 2, "tp": 2} and mesh.coordinate == {"dp": r // 2, "tp": r % 2}
     assert mesh.axis_index(("tp", "dp")) == (r % 2) * 2 + r // 2 and mesh.axis_size(("dp", "tp")) == 4
     wrapped = functp.Mesh.from_device_mesh(init_device_mesh("cpu", (4,), mesh_dim_names=("x",)))
@@ -95,7 +93,7 @@ def _mesh_body():
 
 
 def test_mesh_coordinates_and_from_device_mesh(run):
-    assert run(4, _mesh_body) == [4.0] * 4
+    assert run(4, _mesh_body, gloo=True) == [4.0] * 4     # DeviceMesh needs the default group
 
 
 def test_one_process_mesh_needs_no_launcher():

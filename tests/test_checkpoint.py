@@ -21,6 +21,8 @@ import functp
 from functp import P, ShardingError
 from _oracle import randn
 
+GLOO = True     # run bodies on gloo processes: DCP needs torch.distributed's default group
+
 
 def _full_tree():
     return {"params": {"emb": randn(10, 3, seed=1),      # uneven over 4 ranks

@@ -14,6 +14,8 @@ import torch.distributed as dist
 import functp
 from functp import P, ShardingError
 
+GLOO = True     # gloo processes: bodies switch the process-wide check mode, time out
+
 _LIMIT = 30.0      # seconds any case may take to fail (the timeouts below are 3 s)
 
 
@@ -194,6 +196,7 @@ def _skipped_without_check(names, debug):
         functp.set_debug(prev)
 
 
+@pytest.mark.discards_pool
 @pytest.mark.parametrize("debug", [False, True], ids=["plain", "checked"])
 def test_skipped_collective_times_out_with_a_name(run, debug):
     # (the mesh's whole group is the world's, whose timeout becomes 3 s)
@@ -220,5 +223,6 @@ def _timeouts():
     return got
 
 
+@pytest.mark.discards_pool
 def test_make_mesh_timeout_is_set(run):
     assert run(2, _timeouts, last=True) == [45.0, 45.0]

@@ -1,9 +1,19 @@
-"""Every ```python block in docs/ runs, page by page, on four gloo processes."""
+"""Every ```python block in docs/ runs, page by page, and prints what the page shows.
+
+A plain ```python block runs in this process (its programs use ``functp.simulate``);
+the lines after a ``# prints:`` comment in it are compared with what it printed. A
+```python torchrun block is per-rank code: the page's torchrun blocks run, in order,
+on four gloo processes.
+"""
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import os
 import re
+import sys
+import types
 
 import pytest
 
@@ -11,45 +21,83 @@ DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 PAGES = sorted(glob.glob(os.path.join(DOCS, "*.md")))
 
 
-def snippets(path: str) -> list[tuple[int, str]]:
-    """(line number, code) of each ```python block of a Markdown page."""
+def snippets(path: str, torchrun: bool | None = None) -> list[tuple[int, str]]:
+    """(line number, code) of the ```python blocks of a Markdown page: all of them, or
+    only the torchrun ones (``True``) or only the others (``False``)."""
     text = open(path).read()
-    return [(text[:m.start()].count("\n") + 2, m.group(1))
-            for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
+    return [(text[:m.start()].count("\n") + 2, m.group(2))
+            for m in re.finditer(r"^```python( torchrun)?\n(.*?)^```", text, re.S | re.M)
+            if torchrun is None or bool(m.group(1)) == torchrun]
 
 
-def _run_page(path: str) -> int:
-    import sys
-    import types
+def expected_output(code: str) -> str | None:
+    """The text after ``# prints:``, comment markers removed; None without one."""
+    lines = code.split("\n")
+    if "# prints:" not in lines:
+        return None
+    shown = lines[lines.index("# prints:") + 1:]
+    return "".join(ln[2:] + "\n" if ln.startswith("# ") else "\n"
+                   for ln in shown if ln.startswith("#"))
+
+
+def _page_module() -> dict:
     # a real module (torch.compile looks up the module its code's globals name)
     page = types.ModuleType("functp_doc_page")
     sys.modules[page.__name__] = page
-    env: dict = page.__dict__
+    return page.__dict__
+
+
+def _exec(path: str, line: int, code: str, env: dict) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            exec(compile(code, f"{os.path.basename(path)}:{line}", "exec"), env)
+        except Exception as e:
+            raise AssertionError(f"{os.path.basename(path)}, snippet at line {line} "
+                                 f"failed: {e!r}") from e
+    return out.getvalue()
+
+
+def _run_torchrun_blocks(path: str) -> int:
     import torch
+    env = _page_module()
     dtype = torch.get_default_dtype()       # a page may change it: not for the next page
     try:
-        _exec_snippets(path, env)
+        for line, code in snippets(path, torchrun=True):
+            _exec(path, line, code, env)
     finally:
         torch.set_default_dtype(dtype)
-    return len(snippets(path))
+    return len(snippets(path, torchrun=True))
 
 
-def _exec_snippets(path: str, env: dict) -> None:
-    import contextlib
-    import io
-    for line, code in snippets(path):
-        with contextlib.redirect_stdout(io.StringIO()):
-            try:
-                exec(compile(code, f"{os.path.basename(path)}:{line}", "exec"), env)
-            except Exception as e:
-                raise AssertionError(f"{os.path.basename(path)}, snippet at line {line} "
-                                     f"failed: {e!r}") from e
-
-
-@pytest.mark.parametrize("page", [p for p in PAGES if snippets(p)],
+@pytest.mark.parametrize("page", [p for p in PAGES if snippets(p, torchrun=False)],
                          ids=lambda p: os.path.basename(p))
-def test_doc_snippets_run(run, page):
-    assert run(4, _run_page, page) == [len(snippets(page))] * 4
+def test_doc_snippets_print_what_the_page_shows(page):
+    import torch
+    env = _page_module()
+    dtype = torch.get_default_dtype()
+    try:
+        for line, code in snippets(page, torchrun=False):
+            printed = _exec(page, line, code, env)
+            want = expected_output(code)
+            if want is not None:
+                assert printed == want, (
+                    f"{os.path.basename(page)}, snippet at line {line} printed:\n{printed}"
+                    f"but the page shows:\n{want}")
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if snippets(p, torchrun=True)],
+                         ids=lambda p: os.path.basename(p))
+def test_doc_torchrun_snippets_run(run, page):
+    n = len(snippets(page, torchrun=True))
+    assert run(4, _run_torchrun_blocks, page, gloo=True) == [n] * 4
+
+
+def test_a_prints_block_is_read_as_shown():
+    assert expected_output("x = 1\nprint(x)\n# prints:\n# 1\n#\n# [rank 0] a") == "1\n\n[rank 0] a\n"
+    assert expected_output("print(1)") is None
 
 
 def test_api_reference_is_current():

@@ -13,6 +13,8 @@ from functp import P, ShardingError
 from functp._interop import dtensor_to_local
 from _oracle import randn
 
+GLOO = True     # run bodies on gloo processes: DTensor needs torch.distributed's default group
+
 _CASES = [  # spec on mesh (dp, tp), its placements
     (P("dp", "tp"), [Shard(0), Shard(1)]),
     (P(("dp", "tp")), [Shard(0), Shard(0)]),

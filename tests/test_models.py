@@ -5,9 +5,6 @@ the local blocks track the unsharded loss curve; the example runs and matches.""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import warnings
 from types import SimpleNamespace
 
@@ -21,7 +18,6 @@ from functp.models import (GPT2, GPT2_SP_PLAN, GPT2_TP_PLAN, LLAMA_MOE_SP_PLAN, 
 from _oracle import assert_tree_close
 
 BATCH, SEQ = 4, 8
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = {    # name: (build, tp plan, sp plan)
     "gpt2": (lambda: GPT2(GPT2Config()), GPT2_TP_PLAN, GPT2_SP_PLAN),
@@ -167,14 +163,11 @@ def test_transformers_llama_for_causal_lm(run):
     run(2, _hf_llama, "tp2")
 
 
-def test_example_launches_itself_and_matches_unsharded():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_llama.py")],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "sharded training matches the unsharded model" in out.stdout
-    assert "MISMATCH" not in out.stdout
+def test_example_matches_unsharded():
+    # on 4 simulated ranks: test_examples launches train_2d as processes
+    from test_examples import _run_example
+    out = _run_example("tp_llama.py", nproc=4, simulate=True)
+    assert "sharded training matches the unsharded model" in out, out
 
 
 def _comm_counts(sp):

@@ -1,5 +1,7 @@
 import torch.distributed as dist
 
+GLOO = True     # run bodies on gloo processes: it tests the gloo process pool itself
+
 
 def _rank_and_world():
     return dist.get_rank(), dist.get_world_size()
