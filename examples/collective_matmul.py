@@ -4,6 +4,7 @@ each transfer can run while the previous block is being multiplied.
 
     torchrun --standalone --nproc-per-node 4 examples/collective_matmul.py
     python examples/collective_matmul.py  # launches the 4 local processes itself
+    python examples/collective_matmul.py --simulate# or as 4 simulated ranks in one process
 
 All-gather matmul: the rows of ``lhs`` (activations) and the contraction dim of
 ``rhs`` (a weight) are split over 'tp', as in FSDP (examples/fsdp.py).
@@ -33,7 +34,6 @@ compiler's async collectives), not a speed-up.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -101,9 +101,9 @@ OUT_SPEC = P("tp", None)                       # the product by rows
 def main() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
-    mesh = functp.make_mesh((int(os.environ["WORLD_SIZE"]),), ("tp",))
+    mesh = functp.make_mesh((functp.process_count(),), ("tp",))
     n = mesh.shape["tp"]
-    rank0 = torch.distributed.get_rank() == 0
+    rank0 = functp.process_index() == 0
 
     torch.manual_seed(0)                    # the same data on every rank
     lhs, rhs, ct = torch.randn(M, K), torch.randn(K, N), torch.randn(M, N)
@@ -146,7 +146,7 @@ def main() -> None:
             print(f"    collectives backward: ring {ring_bwd}   plain {plain_bwd}")
     if rank0:
         print("collective matmuls match all_gather/psum_scatter + matmul" if ok else "MISMATCH")
-    shutdown(ok)
+    return shutdown(ok)
 
 
 if __name__ == "__main__":

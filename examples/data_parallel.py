@@ -3,6 +3,7 @@ replicated, and no DDP wrapper.
 
     torchrun --standalone --nproc-per-node 2 examples/data_parallel.py
     python examples/data_parallel.py      # launches the 2 local processes itself
+    python examples/data_parallel.py --simulate# or as 2 simulated ranks in one process
 
 The loss is the single-device loss of each rank's slice of the batch, averaged over
 'dp' with pmean. Nothing else is written: the parameters are replicated (P()), and
@@ -16,7 +17,6 @@ step issued.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -48,8 +48,8 @@ BATCH_SPEC = P("dp")
 def main() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
-    mesh = functp.make_mesh((int(os.environ["WORLD_SIZE"]),), ("dp",))
-    rank0 = torch.distributed.get_rank() == 0
+    mesh = functp.make_mesh((functp.process_count(),), ("dp",))
+    rank0 = functp.process_index() == 0
 
     torch.manual_seed(0)                    # the same model and data on every rank
     apply, params = functp.functionalize(MLP())
@@ -94,7 +94,7 @@ def main() -> None:
     if rank0:
         print(f"max |param difference| after {STEPS} steps: {err:.2e}")
         print("data-parallel training matches the unsharded model" if ok else "MISMATCH")
-    shutdown(ok)
+    return shutdown(ok)
 
 
 if __name__ == "__main__":

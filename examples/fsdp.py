@@ -3,6 +3,7 @@ all split over 'dp'; each layer's weights gathered just before the layer runs.
 
     torchrun --standalone --nproc-per-node 2 examples/fsdp.py
     python examples/fsdp.py               # launches the 2 local processes itself
+    python examples/fsdp.py --simulate    # or as 2 simulated ranks in one process
 
 Every parameter is stored as its block along dim 0 (P('dp')), so each rank keeps
 1/dp of the model. Inside the shard_map body a layer's blocks are all_gather'ed
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 from torch.func import functional_call
@@ -75,8 +75,8 @@ def gathered_call(layer, blocks, x):
 def main() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
-    mesh = functp.make_mesh((int(os.environ["WORLD_SIZE"]),), ("dp",))
-    rank0 = torch.distributed.get_rank() == 0
+    mesh = functp.make_mesh((functp.process_count(),), ("dp",))
+    rank0 = functp.process_index() == 0
 
     torch.manual_seed(0)                    # the same model and data on every rank
     model = make_model()
@@ -146,7 +146,7 @@ def main() -> None:
             print(f"    torch.func.grad: {log_a.summary()}")
             print(f"    checkpointed:    {log_b.summary()}")
     final = functp.unshard(local, mesh, PARAM_SPECS)
-    finish(final, ref, ok, "FSDP training", STEPS)
+    return finish(final, ref, ok, "FSDP training", STEPS)
 
 
 if __name__ == "__main__":

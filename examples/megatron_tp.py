@@ -4,6 +4,7 @@ attention and one per MLP.
 
     torchrun --standalone --nproc-per-node 2 examples/megatron_tp.py
     python examples/megatron_tp.py        # launches the 2 local processes itself
+    python examples/megatron_tp.py --simulate# or as 2 simulated ranks in one process
 
 Megatron-LM (Shoeybi et al., 2019) splits q/k/v and fc1 by output features
 (column-parallel) and o and fc2 by input features (row-parallel), so each rank
@@ -21,7 +22,6 @@ step prints the loss beside the unsharded model's and the collectives it issued:
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -116,8 +116,8 @@ def local_loss(p, x, y):
 def main() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
-    mesh = functp.make_mesh((int(os.environ["WORLD_SIZE"]),), ("tp",))
-    rank0 = torch.distributed.get_rank() == 0
+    mesh = functp.make_mesh((functp.process_count(),), ("tp",))
+    rank0 = functp.process_index() == 0
 
     torch.manual_seed(0)                    # the same model and data on every rank
     model = Transformer()
@@ -150,7 +150,7 @@ def main() -> None:
             print(f"step {i}: sharded loss {loss.item():.12f}   unsharded {ref_loss.item():.12f}"
                   f"   {'match' if match else 'MISMATCH'}   collectives {comms}")
     final = functp.unshard(local, mesh, specs)
-    finish(final, ref, ok, "tensor-parallel training", STEPS)
+    return finish(final, ref, ok, "tensor-parallel training", STEPS)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ sent to the rank that holds their expert with all_to_all, and sent back.
 
     torchrun --standalone --nproc-per-node 2 examples/moe_expert_parallel.py
     python examples/moe_expert_parallel.py   # launches the 2 local processes itself
+    python examples/moe_expert_parallel.py --simulate# or as 2 simulated ranks in one process
 
 The MoE layer is written once, GShard-style, over a group of tokens: a router picks
 the top-k experts of each token, every expert gets a buffer of ``capacity`` slots,
@@ -22,7 +23,6 @@ prints the loss beside the unsharded layer's and the collectives it issued.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -119,8 +119,8 @@ def local_loss(p, x, y):
 def main() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
-    mesh = functp.make_mesh((int(os.environ["WORLD_SIZE"]),), ("ep",))
-    rank0 = torch.distributed.get_rank() == 0
+    mesh = functp.make_mesh((functp.process_count(),), ("ep",))
+    rank0 = functp.process_index() == 0
 
     torch.manual_seed(0)                    # the same model and data on every rank
     model = MoE()
@@ -157,7 +157,7 @@ def main() -> None:
             print(f"step {i}: sharded loss {loss.item():.12f}   unsharded {ref_loss.item():.12f}"
                   f"   {'match' if match else 'MISMATCH'}   collectives {comms}")
     final = functp.unshard(local, mesh, SPECS)
-    finish(final, ref, ok, "expert-parallel training", STEPS)
+    return finish(final, ref, ok, "expert-parallel training", STEPS)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ stage to stage with ppermute, the backward pipeline derived by torch.func.grad.
 
     torchrun --standalone --nproc-per-node 2 examples/pipeline.py
     python examples/pipeline.py           # launches the 2 local processes itself
+    python examples/pipeline.py --simulate# or as 2 simulated ranks in one process
 
 The model is a stack of identical residual layers whose weights are stacked along a
 leading layer dimension; P('pp') on that dimension gives each stage a contiguous
@@ -21,7 +22,6 @@ SGD step prints the loss beside the unsharded stack's and the collectives issued
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -102,9 +102,9 @@ def schedule(n, m):
 def main() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
-    mesh = functp.make_mesh((int(os.environ["WORLD_SIZE"]),), ("pp",))
+    mesh = functp.make_mesh((functp.process_count(),), ("pp",))
     n = mesh.shape["pp"]
-    rank0 = torch.distributed.get_rank() == 0
+    rank0 = functp.process_index() == 0
 
     torch.manual_seed(0)                    # the same model and data on every rank
     apply, params = functp.functionalize(Stack())
@@ -138,7 +138,7 @@ def main() -> None:
             print(f"step {i}: pipelined loss {loss.item():.12f}   unsharded {ref_loss.item():.12f}"
                   f"   {'match' if match else 'MISMATCH'}   collectives {comms}")
     final = functp.unshard(local, mesh, SPECS)
-    finish(final, ref, ok, "pipelined training", STEPS)
+    return finish(final, ref, ok, "pipelined training", STEPS)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ blocks passed around the ring with ppermute, softmax computed online.
 
     torchrun --standalone --nproc-per-node 4 examples/ring_attention.py
     python examples/ring_attention.py     # launches the 4 local processes itself
+    python examples/ring_attention.py --simulate# or as 4 simulated ranks in one process
 
 Each rank holds one contiguous block of the sequence (P(None, 'cp')) and computes
 its queries, keys and values. Attention needs every key for every query, so the
@@ -23,7 +24,6 @@ one process, and the collectives issued.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -120,9 +120,9 @@ def mse(out, y):
 def main() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
-    mesh = functp.make_mesh((int(os.environ["WORLD_SIZE"]),), ("cp",))
+    mesh = functp.make_mesh((functp.process_count(),), ("cp",))
     n = mesh.shape["cp"]
-    rank0 = torch.distributed.get_rank() == 0
+    rank0 = functp.process_index() == 0
 
     torch.manual_seed(0)                    # the same model and data on every rank
     apply, params = functp.functionalize(SelfAttention())
@@ -168,7 +168,7 @@ def main() -> None:
     if rank0:
         print(f"collectives {comms}")
         print("ring attention matches full attention" if ok else "MISMATCH")
-    shutdown(ok)
+    return shutdown(ok)
 
 
 if __name__ == "__main__":

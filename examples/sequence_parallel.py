@@ -4,6 +4,7 @@ tensor-parallel attention/MLP, psum_scatter out of it.
 
     torchrun --standalone --nproc-per-node 2 examples/sequence_parallel.py
     python examples/sequence_parallel.py  # launches the 2 local processes itself
+    python examples/sequence_parallel.py --simulate# or as 2 simulated ranks in one process
 
 In plain Megatron tensor parallelism (examples/megatron_tp.py) the activations
 between the parallel regions -- the residual stream, the layer norms -- are
@@ -24,7 +25,6 @@ model's and the collectives it issued.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -124,8 +124,8 @@ def local_loss(p, x, y):
 def main() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
-    mesh = functp.make_mesh((int(os.environ["WORLD_SIZE"]),), ("tp",))
-    rank0 = torch.distributed.get_rank() == 0
+    mesh = functp.make_mesh((functp.process_count(),), ("tp",))
+    rank0 = functp.process_index() == 0
 
     torch.manual_seed(0)                    # the same model and data on every rank
     apply, params = functp.functionalize(Transformer())
@@ -161,7 +161,7 @@ def main() -> None:
                   f"   {'match' if match else 'MISMATCH'}")
             print(f"    collectives {comms}")
     final = functp.unshard(local, mesh, specs)
-    finish(final, ref, ok, "sequence-parallel training", STEPS)
+    return finish(final, ref, ok, "sequence-parallel training", STEPS)
 
 
 if __name__ == "__main__":

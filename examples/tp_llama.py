@@ -3,6 +3,7 @@ tensor-parallel plan on a (dp=2, tp=2) mesh, and check it against one process.
 
     torchrun --standalone --nproc-per-node 4 examples/tp_llama.py
     python examples/tp_llama.py          # launches the 4 local processes itself
+    python examples/tp_llama.py --simulate# or as 4 simulated ranks in one process
 
 The model (functp/models/llama.py) is ordinary single-device torch.nn code. Its
 layout is a plain dict of wildcard rules, like transformers' tp_plan:
@@ -34,7 +35,7 @@ def main() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
     mesh = functp.make_mesh((2, 2), ("dp", "tp"))
-    rank0 = torch.distributed.get_rank() == 0
+    rank0 = functp.process_index() == 0
 
     torch.manual_seed(0)                          # the same model and data on every rank
     cfg = LlamaConfig(moe_layers=(1,))
@@ -75,7 +76,7 @@ def main() -> None:
             print(f"step {i}: sharded loss {loss.item():.12f}   unsharded {ref_loss.item():.12f}"
                   f"   {'match' if match else 'MISMATCH'}")
     final = apply.unshard({k: v.detach() for k, v in local.items()})
-    finish(final, ref, ok, "sharded training", STEPS, how='AdamW ')
+    return finish(final, ref, ok, "sharded training", STEPS, how='AdamW ')
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 examples/train_2d.py
     python examples/train_2d.py          # launches the 4 local processes itself
+    python examples/train_2d.py --simulate# or as 4 simulated ranks in one process
 
 The model is ordinary single-device torch.nn code. The layout is declared beside it:
 attention heads and the MLP's hidden units are split over 'tp' (Megatron: q/k/v and
@@ -81,7 +82,7 @@ def main() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
     mesh = functp.make_mesh((2, 2), ("dp", "tp"))
-    rank0 = torch.distributed.get_rank() == 0
+    rank0 = functp.process_index() == 0
 
     torch.manual_seed(0)                       # the same model and data on every rank
     model = Block()
@@ -109,7 +110,7 @@ def main() -> None:
             print(f"step {i}: sharded loss {loss.item():.12f}   unsharded {ref_loss.item():.12f}"
                   f"   {'match' if match else 'MISMATCH'}")
     final = functp.unshard(local, mesh, SPECS)
-    finish(final, ref, ok, "sharded training", STEPS)
+    return finish(final, ref, ok, "sharded training", STEPS)
 
 
 if __name__ == "__main__":
