@@ -9,6 +9,7 @@ the GIL, so this is for debugging, tests and docs, not for speed.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import random
 import threading
@@ -133,8 +134,19 @@ def _discard(run: _world.Run) -> None:
     """Closes every group of ``run`` and forgets what was registered for them."""
     for r in range(run.size):
         run.close(r)
+    run.meshes = [{} for _ in range(run.size)]
+    run.device = None
     _mesh.forget_groups(f"functp_sim{run.id}_")
     _crosscheck.forget(f"functp_sim{run.id}_")
+
+
+@atexit.register
+def _discard_idle() -> None:
+    # gloo's threads must be joined while the interpreter is alive: left to the
+    # exit's static destructors they abort the process ("terminate called without
+    # an active exception")
+    for run in _world.take_all_idle():
+        _discard(run)
 
 
 def _unblock_orphans(run: _world.Run, finished: list[bool], orphaned: list[int]) -> None:

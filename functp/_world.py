@@ -68,14 +68,14 @@ class Run:
         """Readies the run for a program: every rank starts with the caller's random
         state and default dtype, and groups made earlier wait ``timeout``."""
         self.state = [_process_state()] * self.size
-        if timeout != self.timeout:
-            self.timeout = timeout
-            for rank_names in self.names:
-                for name in rank_names:
-                    set_timeout(name, timeout)
-            for rank_meshes in self.meshes:
-                for mesh in rank_meshes.values():
-                    mesh.timeout = timeout
+        # every time: a program may have changed some with make_mesh(timeout=)
+        self.timeout = timeout
+        for rank_names in self.names:
+            for name in rank_names:
+                set_timeout(name, timeout)
+        for rank_meshes in self.meshes:
+            for mesh in rank_meshes.values():
+                mesh.timeout = timeout
 
     def hold(self, rank: int) -> None:
         """Rank ``rank`` runs: takes the baton and its process-like state."""
@@ -127,6 +127,14 @@ def take_run(size: int, timeout: datetime.timedelta) -> Run:
             run = Run(next(_ids), size, timeout)
     run.start(timeout)
     return run
+
+
+def take_all_idle() -> list[Run]:
+    """Every idle run, no longer kept."""
+    with _idle_lock:
+        runs = list(_idle.values())
+        _idle.clear()
+    return runs
 
 
 def keep_run(run: Run) -> Run | None:

@@ -265,3 +265,13 @@ def _jvp_of_a_collective():
 def test_forward_mode_ad_is_refused_with_a_reason():
     with pytest.raises(ShardingError, match="forward-mode AD .* cannot run inside functp.simulate"):
         functp.simulate(_jvp_of_a_collective, 2)
+
+
+def _timeout_of_mesh(seconds):
+    mesh = functp.make_mesh((2,), ("x",), timeout=seconds)
+    return mesh.timeout.total_seconds()
+
+
+def test_a_timeout_set_by_a_program_ends_with_it():
+    assert functp.simulate(_timeout_of_mesh, 2, 5) == [5.0, 5.0]
+    assert functp.simulate(_timeout_of_mesh, 2, None, timeout=30) == [30.0, 30.0]
