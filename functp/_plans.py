@@ -13,6 +13,7 @@ Values are registered style names (``functp._styles``) or ``functp.Style`` objec
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import re
 import warnings
 from typing import Any
@@ -312,7 +313,58 @@ def _tied_styles(module: nn.Module, matched: dict, specs: dict, canon: dict, mes
     return out
 
 
-def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any], *,
+# transformers' style names (integrations/tensor_parallel.py) -> functp's; None: no
+# functp style yet. Its 'replicated_with_grad_allreduce' needs nothing more than
+# replication: vma all-reduces the gradient of a replicated weight that meets
+# varying values.
+_HF_STYLES = {
+    "colwise": "colwise", "rowwise": "rowwise", "rowwise_rep": "rowwise",
+    "colwise_gather_output": "colwise_gather_output", "colwise_rep": "colwise_gather_output",
+    "rowwise_split_input": "rowwise_split_input", "embedding_rowwise": "embedding_rowwise",
+    "embedding_colwise": "embedding_colwise", "packed_colwise": "packed_colwise",
+    "packed_rowwise": "packed_rowwise", "sequence_parallel": "sequence_parallel",
+    "replicated_with_grad_allreduce": "replicated", "replicate": "replicated",
+    "moe_tp_experts": None, "grouped_gemm": None, "ep_dispatch_experts": None,
+    "moe_identity_expert": None, "mla_kv_a_proj": None, "local_params": None,
+    "all_reduce": None,
+}
+
+
+def _auto_plan(module: nn.Module) -> dict[str, str]:
+    """transformers' own tensor-parallel plan of ``module`` in functp's style names."""
+    kind = type(module).__name__
+    plan = getattr(module, "_tp_plan", None)
+    if plan is None:
+        if importlib.util.find_spec("transformers") is None:
+            why = "transformers is not installed, and 'auto' reads its models' plans"
+        else:
+            why = (f"{kind} carries no transformers tensor-parallel plan (the "
+                   f"'_tp_plan' a transformers PreTrainedModel has)")
+        raise ShardingError(f"parallelize(..., 'auto'): {why}; pass a plan dict "
+                            f"{{module-name pattern: style}} instead")
+    if not plan:
+        raise ShardingError(
+            f"parallelize(..., 'auto'): transformers gives {kind} no tensor-parallel plan "
+            f"(its config's base_model_tp_plan is empty), and functp ships none for it; "
+            f"pass a plan dict {{module-name pattern: style}}")
+    modules = dict(module.named_modules())
+    out, missing = {}, []
+    for pattern, style in plan.items():
+        name = _HF_STYLES.get(style, style)
+        if name is None or not any(_matches(pattern, m) for m in modules):
+            missing.append(f"{pattern!r}: {style!r}")
+            continue
+        out[pattern] = name
+    if missing:
+        raise ShardingError(
+            f"parallelize(..., 'auto'): {kind}'s transformers plan has rules functp cannot "
+            f"apply yet (styles without a functp equivalent, or rules that name a "
+            f"parameter rather than a module): {', '.join(missing)}; pass a plan dict "
+            f"that covers these modules with functp styles (see functp.parallelize)")
+    return out
+
+
+def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
                 axis: str = "tp") -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
     """Applies a tensor-parallel ``plan`` to ``module`` over mesh axis ``axis``.
 
@@ -321,7 +373,10 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any], *,
     ``plan`` – ``{module-name pattern: style}``, styles by registered name
     (``"colwise"``, ``"rowwise"``, ``"packed_colwise"``, ``"embedding_rowwise"``,
     ``"sequence_parallel"``, ``"replicated"``, ``"ep_router"``, ...) or as
-    ``functp.Style`` objects; ``axis`` – the mesh axis the plan splits over. Other
+    ``functp.Style`` objects; or ``"auto"``: a transformers model's own plan
+    (``model._tp_plan``, its style names translated; parameters it does not name
+    are replicated, as transformers does); ``axis`` – the mesh axis the plan splits
+    over. Other
     mesh axes (``dp``) are left to you: parameters are replicated over them.
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
@@ -355,6 +410,11 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any], *,
         raise ShardingError(
             f"parallelize: axis {axis!r} is not an axis of {mesh}; pass axis= one of "
             f"{mesh.axis_names}")
+    auto = isinstance(plan, str) and plan == "auto"
+    if isinstance(plan, str) and not auto:
+        raise ShardingError(f"parallelize: plan must be a dict of rules or 'auto', got {plan!r}")
+    if auto:
+        plan = _auto_plan(module)
     matched, unused = match_plan(module, plan)
     full = dict(module.named_parameters())                 # tied parameters once
     canon = {id(p): n for n, p in full.items()}
@@ -396,7 +456,8 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any], *,
         desc, style = owners.get(n, ("(none)", _REPLICATED))
         _check_divisible(n, p, specs[n], mesh, desc, style.blocks)
         _check_heads(module, n, p, specs[n], mesh, desc)
-    _warn_plan(module, unused, uncovered, axis, full)
+    if not auto:            # transformers replicates what its plan leaves out
+        _warn_plan(module, unused, uncovered, axis, full)
     apply = Parallelized(module, mesh, axis, specs, owners, hooked, withheld)
     local = apply.shard({n: p.detach() for n, p in full.items()})
     return apply, local, dict(specs)

@@ -127,40 +127,82 @@ def test_adamw_on_local_blocks_tracks_the_unsharded_loss_curve(run, name, sp):
         assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), (i, a, b)
 
 
-def _hf_llama(mesh_name):
+# transformers' dense causal LMs, tiny: 4 heads and 4 key-value heads (tp=4 splits
+# whole heads), head_dim 8
+_HF = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+       "mistral": ("MistralConfig", "MistralForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+       "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
+
+def _hf_model(name):
     import transformers
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=16)
+    cfg, cls = (getattr(transformers, c) for c in _HF[name])
+    config = cfg(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                 max_position_embeddings=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).double().eval()
-    # the config's own tp plan (transformers' style names; older releases called the
-    # gathered column-parallel style 'colwise_rep'), prefixed with the base model's name
-    legacy = {"colwise_rep": "colwise_gather_output"}
-    plan = {f"model.{k}": legacy.get(v, v) for k, v in (cfg.base_model_tp_plan or {}).items()}
-    plan.update({"lm_head": "colwise_gather_output",
-                 "model.layers.*.input_layernorm": "replicated",
-                 "model.layers.*.post_attention_layernorm": "replicated",
-                 "model.norm": "replicated"})
+    return cls(config).double().eval()
+
+
+def _hf_auto(name, mesh_name):
+    model = _hf_model(name)
     mesh = functp.make_mesh(*MESHES[mesh_name])
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        apply, params, specs = functp.parallelize(model, mesh, plan)
+        warnings.simplefilter("error")          # 'auto' covers the model: nothing to warn
+        apply, params, specs = functp.parallelize(model, mesh, "auto")
+    dp = "dp" if "dp" in mesh.axis_names else None
     forward = lambda run_model, p, ids: run_model(p, ids, use_cache=False).logits
     ref_apply, full = functp.functionalize(model)
     ids, tgt = _data(32)
     ref_grads, ref = torch.func.grad_and_value(
         lambda p: _lm_loss(forward(ref_apply, p, ids), tgt))(full)
-    step = functp.shard_map(lambda p, i, t: _lm_loss(forward(apply, p, i), t), mesh,
-                            in_specs=(specs, P(), P()), out_specs=P())
-    grads, loss = torch.func.grad_and_value(step)(params, ids, tgt)
+
+    def local_loss(p, i, t):
+        loss = _lm_loss(forward(apply, p, i), t)
+        return functp.pmean(loss, dp) if dp else loss
+    step = functp.shard_map(local_loss, mesh, in_specs=(specs, P(dp), P(dp)), out_specs=P())
+    grads, loss = torch.func.grad_and_value(step)(params, *functp.shard((ids, tgt), mesh, P(dp)))
     assert_tree_close(loss, ref, "loss")
     assert_tree_close(apply.unshard(grads), ref_grads, "grad")
+    return sorted(k for k, s in specs.items() if s != P())     # what the plan split
 
 
-def test_transformers_llama_for_causal_lm(run):
+@pytest.mark.parametrize("mesh_name", ["tp4", "dp2_tp2"])
+@pytest.mark.parametrize("name", list(_HF))
+def test_transformers_auto_plan_matches_the_unsharded_model(run, name, mesh_name):
     pytest.importorskip("transformers")
-    run(2, _hf_llama, "tp2")
+    split = run(4, _hf_auto, name, mesh_name)[0]
+    assert "model.embed_tokens.weight" in split
+    assert "lm_head.weight" in split or name == "gemma"   # gemma's is tied to the embedding
+    assert "model.layers.1.mlp.down_proj.weight" in split
+
+
+def _auto_errors():
+    import transformers
+    out = []
+    for cfg, cls, kw in [
+            ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+            ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=16, n_layer=1, n_head=4))]:
+        config = getattr(transformers, cfg)(vocab_size=32, **(kw if "GPT2" in cfg else dict(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4, **kw)))
+        model = getattr(transformers, cls)(config)
+        mesh = functp.make_mesh((2,), ("tp",))
+        with pytest.raises(functp.ShardingError) as e:
+            functp.parallelize(model, mesh, "auto")
+        out.append(str(e.value))
+    with pytest.raises(functp.ShardingError) as e:
+        functp.parallelize(torch.nn.Linear(4, 4), functp.make_mesh((2,), ("tp",)), "auto")
+    out.append(str(e.value))
+    return out
+
+
+def test_auto_plan_says_what_it_cannot_do(run):
+    pytest.importorskip("transformers")
+    moe, gpt2, plain = run(2, _auto_errors)[0]
+    assert "'model.layers.*.mlp.experts': 'moe_tp_experts'" in moe and "pass a plan dict" in moe
+    assert "GPT2LMHeadModel no tensor-parallel plan" in gpt2
+    assert "Linear carries no transformers tensor-parallel plan" in plain
 
 
 def test_example_matches_unsharded():
