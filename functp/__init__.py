@@ -31,6 +31,7 @@ from ._sharding import pad_to_multiple, shard, unpad, unshard
 from ._spec import P
 from ._styles import (Colwise, ExpertDispatch, ExpertParallel, ExpertRouter, PrepareInput,
                       PrepareOutput, Replicated, Rowwise, SequenceParallel, Style,
+                      TensorParallelExperts,
                       VocabParallelEmbedding, register_style)
 
 __version__ = "0.1.0"
@@ -49,5 +50,5 @@ __all__ = [
     "set_grads",
     "parallelize", "Parallelized", "match_plan", "register_style", "Style", "Replicated",
     "Colwise", "Rowwise", "VocabParallelEmbedding", "SequenceParallel", "PrepareInput",
-    "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch",
+    "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch", "TensorParallelExperts",
 ]

@@ -324,7 +324,7 @@ _HF_STYLES = {
     "embedding_colwise": "embedding_colwise", "packed_colwise": "packed_colwise",
     "packed_rowwise": "packed_rowwise", "sequence_parallel": "sequence_parallel",
     "replicated_with_grad_allreduce": "replicated", "replicate": "replicated",
-    "moe_tp_experts": None, "grouped_gemm": None, "ep_dispatch_experts": None,
+    "moe_tp_experts": "moe_tp_experts", "grouped_gemm": None, "ep_dispatch_experts": None,
     "moe_identity_expert": None, "mla_kv_a_proj": None, "local_params": None,
     "all_reduce": None,
 }
@@ -348,13 +348,18 @@ def _auto_plan(module: nn.Module) -> dict[str, str]:
             f"(its config's base_model_tp_plan is empty), and functp ships none for it; "
             f"pass a plan dict {{module-name pattern: style}}")
     modules = dict(module.named_modules())
+    params = dict(module.named_parameters())
     out, missing = {}, []
     for pattern, style in plan.items():
         name = _HF_STYLES.get(style, style)
-        if name is None or not any(_matches(pattern, m) for m in modules):
+        parent = pattern.rpartition(".")[0]
+        if plan.get(parent) == "moe_tp_experts" and style in ("packed_colwise", "rowwise"):
+            continue        # the experts' own parameters: their module's style lays them out
+        on_module = any(_matches(pattern, m) for m in modules)
+        if name is None or (not on_module and any(_matches(pattern, n) for n in params)):
             missing.append(f"{pattern!r}: {style!r}")
-            continue
-        out[pattern] = name
+        elif on_module:     # (a rule for layers this configuration lacks is ignored)
+            out[pattern] = name
     if missing:
         raise ShardingError(
             f"parallelize(..., 'auto'): {kind}'s transformers plan has rules functp cannot "

@@ -556,6 +556,45 @@ class ExpertDispatch(Style):
         return (pairs * w).sum(1).reshape(st["shape"])
 
 
+class TensorParallelExperts(Style):
+    """transformers' experts module (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj``
+    ``[E, H, I]``, as in Mixtral and Qwen3-MoE) with every expert's intermediate
+    dimension split over the axis: ``gate_up_proj`` packed column-parallel (each rank
+    gets its slice of gate and of up), ``down_proj`` row-parallel, the output summed
+    over the axis (transformers' ``moe_tp_experts``). Every rank runs every expert on
+    the tokens routed to it, as on one device; no tokens move.
+    """
+
+    def param_specs(self, module, axis):
+        own = dict(module.named_parameters(recurse=False))
+        if (set(own) != {"gate_up_proj", "down_proj"} or own["gate_up_proj"].ndim != 3
+                or own["down_proj"].ndim != 3):
+            shapes = {n: tuple(p.shape) for n, p in own.items()}
+            raise ShardingError(
+                f"style 'moe_tp_experts' on {type(module).__name__} (parameters {shapes}): "
+                f"it needs exactly 3-d 'gate_up_proj' [experts, 2 x intermediate, hidden] "
+                f"and 'down_proj' [experts, hidden, intermediate] (transformers' experts "
+                f"modules); write a functp.Style for this module")
+        return {"gate_up_proj": P(None, axis, None), "down_proj": P(None, None, axis)}
+
+    def shard_param(self, name, full, spec, mesh, axis):
+        if not name.endswith("gate_up_proj"):
+            return local_block(full, spec, mesh, name)
+        n = mesh.axis_size(axis)
+        if full.shape[1] % (2 * n):
+            raise ShardingError(
+                f"{name} (shape {tuple(full.shape)}) under 'moe_tp_experts': its gate and up "
+                f"halves ({full.shape[1] // 2} rows each) must split evenly over the "
+                f"{n} ranks of {axis!r}; choose an intermediate size divisible by {n}")
+        return _packed_split(full, 1, 2, n, mesh.axis_index(axis))
+
+    def unshard_param(self, name, gathered, spec, size):
+        return _packed_merge(gathered, 1, 2, size) if name.endswith("gate_up_proj") else gathered
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        return psum(output, call.axis)      # each rank holds a part of every expert's sum
+
+
 # ---------------------------------------------------------------------------------
 # the registry
 
@@ -605,5 +644,6 @@ for _name, _style in {
     "ep_experts": ExpertParallel(),
     "ep_experts_sp": ExpertParallel(output_layout=_SEQ),
     "ep_experts_all_to_all": ExpertDispatch(),
+    "moe_tp_experts": TensorParallelExperts(),
 }.items():
     register_style(_name, _style)

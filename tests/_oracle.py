@@ -33,12 +33,12 @@ def randn(*shape, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=g, dtype=torch.float64)
 
 
-def assert_tree_close(actual, expected, what: str = "value") -> None:
+def assert_tree_close(actual, expected, what: str = "value", tol: dict = TOL) -> None:
     a_paths, a, _ = optree.tree_flatten_with_path(actual)
     e_paths, e, _ = optree.tree_flatten_with_path(expected)
     assert a_paths == e_paths, f"{what}: structures differ: {a_paths} vs {e_paths}"
     for p, x, y in zip(a_paths, a, e):
-        torch.testing.assert_close(x, y, **TOL, msg=lambda m: f"rank {functp.process_index()} {what}{list(p)}: {m}")
+        torch.testing.assert_close(x, y, **tol, msg=lambda m: f"rank {functp.process_index()} {what}{list(p)}: {m}")
 
 
 def check_program(mesh, global_fn, local_fn, args, in_specs, *, check_vma=True, argnums=None):
