@@ -31,7 +31,7 @@ from ._sharding import pad_to_multiple, shard, unpad, unshard
 from ._spec import P
 from ._styles import (Colwise, ExpertDispatch, ExpertParallel, ExpertRouter, PrepareInput,
                       PrepareOutput, Replicated, Rowwise, SequenceParallel, Style,
-                      TensorParallelExperts,
+                      TensorParallelExperts, LocalSizes,
                       VocabParallelEmbedding, register_style)
 
 __version__ = "0.1.0"
@@ -51,4 +51,5 @@ __all__ = [
     "parallelize", "Parallelized", "match_plan", "register_style", "Style", "Replicated",
     "Colwise", "Rowwise", "VocabParallelEmbedding", "SequenceParallel", "PrepareInput",
     "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch", "TensorParallelExperts",
+    "LocalSizes",
 ]

@@ -148,8 +148,8 @@ class Parallelized:
                 f"'{self.axis}' of size {self.mesh.shape[self.axis]} but runs in a "
                 f"shard_map where it has size {n}; parallelize with the shard_map's mesh")
         call_params = dict(params)
-        for name in self._withheld:
-            call_params[name] = None
+        for name, zero in self._withheld:      # (a module that cannot take None: zeros)
+            call_params[name] = torch.zeros_like(params[name]) if zero else None
         state = self._call
         if state.params is not None:
             raise ShardingError(
@@ -330,6 +330,16 @@ _HF_STYLES = {
 }
 
 
+# Plans functp ships for transformers classes that come without one (GPT-2's Conv1D
+# layers store their weights [in, out]: colwise/rowwise split them accordingly).
+_GPT2_BLOCKS = {"h.*.attn": "gpt2_attention", "h.*.attn.c_attn": "packed_colwise_qkv",
+                "h.*.attn.c_proj": "rowwise", "h.*.mlp.c_fc": "colwise",
+                "h.*.mlp.c_proj": "rowwise", "wte": "embedding_rowwise"}
+_SHIPPED = {"GPT2Model": _GPT2_BLOCKS,
+            "GPT2LMHeadModel": {**{f"transformer.{k}": v for k, v in _GPT2_BLOCKS.items()},
+                                "lm_head": "colwise_gather_output"}}
+
+
 def _auto_plan(module: nn.Module) -> dict[str, str]:
     """transformers' own tensor-parallel plan of ``module`` in functp's style names."""
     kind = type(module).__name__
@@ -342,6 +352,8 @@ def _auto_plan(module: nn.Module) -> dict[str, str]:
                    f"'_tp_plan' a transformers PreTrainedModel has)")
         raise ShardingError(f"parallelize(..., 'auto'): {why}; pass a plan dict "
                             f"{{module-name pattern: style}} instead")
+    if not plan and kind in _SHIPPED:
+        return dict(_SHIPPED[kind])
     if not plan:
         raise ShardingError(
             f"parallelize(..., 'auto'): transformers gives {kind} no tensor-parallel plan "
@@ -380,8 +392,8 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
     ``"sequence_parallel"``, ``"replicated"``, ``"ep_router"``, ...) or as
     ``functp.Style`` objects; or ``"auto"``: a transformers model's own plan
     (``model._tp_plan``, its style names translated; parameters it does not name
-    are replicated, as transformers does); ``axis`` – the mesh axis the plan splits
-    over. Other
+    are replicated, as transformers does), or for GPT-2, which has none, a plan
+    functp ships; ``axis`` – the mesh axis the plan splits over. Other
     mesh axes (``dp``) are left to you: parameters are replicated over them.
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
@@ -446,7 +458,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
                     f"modules styles that split the shared weight the same way")
             specs[c] = spec
             owners.setdefault(c, (f"{rule!r} -> {label}", style))
-        withheld.extend(prefix + s for s in style.withheld(mod))
+        withheld.extend((prefix + s, not isinstance(mod, nn.Linear)) for s in style.withheld(mod))
         if style.has_hooks():
             hooked.append((mname, mod, style, {s: canon[id(p)] for s, p in own.items()}))
 

@@ -191,6 +191,29 @@ def _weight_of(module: nn.Module, style: str) -> torch.Tensor:
     return w
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): an affine map whose weight is stored
+    ``[in, out]``, the transpose of ``nn.Linear``'s, with ``nf`` output features."""
+    w = getattr(module, "weight", None)      # (during apply: this rank's block)
+    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+            and isinstance(w, torch.Tensor) and w.dim() == 2)
+
+
+def _local_attributes(module: nn.Module, names: tuple[str, ...], call: "Call",
+                      where: str) -> None:
+    """Divides the integer attributes ``names`` of ``module`` by the axis size until
+    the call ends: the module reads its local sizes from them (``Conv1D.nf``)."""
+    n = axis_size(call.axis)
+    for a in names:
+        full = getattr(module, a)
+        if full % n:
+            raise ShardingError(
+                f"{where}: {type(module).__name__}.{a} = {full} does not split over the "
+                f"{n} ranks of {call.axis!r}; choose sizes divisible by {n}")
+        setattr(module, a, full // n)
+        call.on_exit(lambda a=a, full=full: setattr(module, a, full))
+
+
 def _packed_split(full: torch.Tensor, dim: int, blocks: int, n: int, i: int) -> torch.Tensor:
     """Rank ``i``'s slice of each of ``blocks`` equal blocks along ``dim``, concatenated."""
     parts = full.chunk(blocks, dim)
@@ -252,7 +275,7 @@ class Colwise(_Linearish):
 
     def param_specs(self, module, axis):
         _weight_of(module, "colwise")
-        emb = isinstance(module, nn.Embedding)
+        emb = isinstance(module, nn.Embedding) or _is_conv1d(module)   # [*, out] weights
         specs = {n: P() for n, _ in module.named_parameters(recurse=False)}
         specs["weight"] = P(None, axis) if emb else P(axis, None)
         if "bias" in specs and getattr(module, "bias", None) is not None:
@@ -260,6 +283,8 @@ class Colwise(_Linearish):
         return specs
 
     def prepare_input(self, module, args, kwargs, call):
+        if _is_conv1d(module):
+            _local_attributes(module, ("nf",), call, f"colwise on {call.name!r}")
         src = _layout(self.input_layout, call.axis, "Colwise input_layout")
         if not args or isinstance(src, Replicate):
             return args, kwargs
@@ -298,7 +323,7 @@ class Rowwise(_Linearish):
                 "(vocab-parallel, functp.VocabParallelEmbedding) to split its rows")
         _weight_of(module, "rowwise")
         specs = {n: P() for n, _ in module.named_parameters(recurse=False)}
-        specs["weight"] = P(None, axis)
+        specs["weight"] = P(axis, None) if _is_conv1d(module) else P(None, axis)
         return specs
 
     def withheld(self, module):
@@ -556,6 +581,23 @@ class ExpertDispatch(Style):
         return (pairs * w).sum(1).reshape(st["shape"])
 
 
+class LocalSizes(Style):
+    """Leaves a module's parameters to the rules of its submodules and, during its
+    call, divides the integer attributes ``names`` by the axis size: for a module
+    that reads sizes of split tensors from attributes instead of the tensors (GPT-2's
+    attention splits its fused qkv output with ``split_size``)."""
+
+    def __init__(self, *names: str):
+        self.names = names
+
+    def param_specs(self, module, axis):
+        return {}
+
+    def prepare_input(self, module, args, kwargs, call):
+        _local_attributes(module, self.names, call, f"LocalSizes on {call.name!r}")
+        return args, kwargs
+
+
 class TensorParallelExperts(Style):
     """transformers' experts module (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj``
     ``[E, H, I]``, as in Mixtral and Qwen3-MoE) with every expert's intermediate
@@ -645,5 +687,6 @@ for _name, _style in {
     "ep_experts_sp": ExpertParallel(output_layout=_SEQ),
     "ep_experts_all_to_all": ExpertDispatch(),
     "moe_tp_experts": TensorParallelExperts(),
+    "gpt2_attention": LocalSizes("split_size"),
 }.items():
     register_style(_name, _style)

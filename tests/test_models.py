@@ -136,6 +136,8 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "mistral": ("MistralConfig", "MistralForCausalLM", {}),
        "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+       "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+       "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),          # functp's shipped plan
        "mixtral": ("MixtralConfig", "MixtralForCausalLM", _MOE),
        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _MOE)}
 
@@ -183,8 +185,11 @@ def _hf_auto(name, mesh_name):
 def test_transformers_auto_plan_matches_the_unsharded_model(run, name, mesh_name):
     pytest.importorskip("transformers")
     split = run(4, _hf_auto, name, mesh_name)[0]
-    assert "model.embed_tokens.weight" in split
-    assert "lm_head.weight" in split or name == "gemma"   # gemma's is tied to the embedding
+    assert "model.embed_tokens.weight" in split or name == "gpt2"
+    assert "lm_head.weight" in split or name in ("gemma", "gpt2")   # tied to the embedding
+    if name == "gpt2":
+        assert {"transformer.wte.weight", "transformer.h.1.mlp.c_proj.weight"} <= set(split)
+        return
     assert ("model.layers.1.mlp.experts.down_proj" if "_moe" in name or name == "mixtral"
             else "model.layers.1.mlp.down_proj.weight") in split
 
@@ -194,8 +199,8 @@ def _auto_errors():
     mesh = functp.make_mesh((2,), ("tp",))
     grouped = _hf_model("mixtral")
     grouped._tp_plan = {"model.layers.*.mlp.experts": "grouped_gemm"}     # no functp style
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_embd=16,
-                                                                n_layer=1, n_head=4))
+    gpt2 = transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
+        vocab_size=32, n_embd=16, n_layer=1, n_head=4, pad_token_id=0))    # no plan shipped
     out = []
     for model in (grouped, gpt2, torch.nn.Linear(4, 4)):
         with pytest.raises(functp.ShardingError) as e:
@@ -208,7 +213,7 @@ def test_auto_plan_says_what_it_cannot_do(run):
     pytest.importorskip("transformers")
     moe, gpt2, plain = run(2, _auto_errors)[0]
     assert "'model.layers.*.mlp.experts': 'grouped_gemm'" in moe and "pass a plan dict" in moe
-    assert "GPT2LMHeadModel no tensor-parallel plan" in gpt2
+    assert "GPT2ForSequenceClassification no tensor-parallel plan" in gpt2
     assert "Linear carries no transformers tensor-parallel plan" in plain
 
 
