@@ -4,7 +4,7 @@ each transfer can run while the previous block is being multiplied.
 
     torchrun --standalone --nproc-per-node 4 examples/collective_matmul.py
     python examples/collective_matmul.py  # launches the 4 local processes itself
-    python examples/collective_matmul.py --simulate# or as 4 simulated ranks in one process
+    python examples/collective_matmul.py --simulate  # or as 4 simulated ranks in one process
 
 All-gather matmul: the rows of ``lhs`` (activations) and the contraction dim of
 ``rhs`` (a weight) are split over 'tp', as in FSDP (examples/fsdp.py).

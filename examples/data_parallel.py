@@ -3,7 +3,7 @@ replicated, and no DDP wrapper.
 
     torchrun --standalone --nproc-per-node 2 examples/data_parallel.py
     python examples/data_parallel.py      # launches the 2 local processes itself
-    python examples/data_parallel.py --simulate# or as 2 simulated ranks in one process
+    python examples/data_parallel.py --simulate  # or as 2 simulated ranks in one process
 
 The loss is the single-device loss of each rank's slice of the batch, averaged over
 'dp' with pmean. Nothing else is written: the parameters are replicated (P()), and

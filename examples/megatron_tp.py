@@ -4,7 +4,7 @@ attention and one per MLP.
 
     torchrun --standalone --nproc-per-node 2 examples/megatron_tp.py
     python examples/megatron_tp.py        # launches the 2 local processes itself
-    python examples/megatron_tp.py --simulate# or as 2 simulated ranks in one process
+    python examples/megatron_tp.py --simulate  # or as 2 simulated ranks in one process
 
 Megatron-LM (Shoeybi et al., 2019) splits q/k/v and fc1 by output features
 (column-parallel) and o and fc2 by input features (row-parallel), so each rank

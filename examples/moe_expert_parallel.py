@@ -3,7 +3,7 @@ sent to the rank that holds their expert with all_to_all, and sent back.
 
     torchrun --standalone --nproc-per-node 2 examples/moe_expert_parallel.py
     python examples/moe_expert_parallel.py   # launches the 2 local processes itself
-    python examples/moe_expert_parallel.py --simulate# or as 2 simulated ranks in one process
+    python examples/moe_expert_parallel.py --simulate  # or as 2 simulated ranks in one process
 
 The MoE layer is written once, GShard-style, over a group of tokens: a router picks
 the top-k experts of each token, every expert gets a buffer of ``capacity`` slots,

@@ -3,7 +3,7 @@ stage to stage with ppermute, the backward pipeline derived by torch.func.grad.
 
     torchrun --standalone --nproc-per-node 2 examples/pipeline.py
     python examples/pipeline.py           # launches the 2 local processes itself
-    python examples/pipeline.py --simulate# or as 2 simulated ranks in one process
+    python examples/pipeline.py --simulate  # or as 2 simulated ranks in one process
 
 The model is a stack of identical residual layers whose weights are stacked along a
 leading layer dimension; P('pp') on that dimension gives each stage a contiguous

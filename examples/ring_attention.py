@@ -3,7 +3,7 @@ blocks passed around the ring with ppermute, softmax computed online.
 
     torchrun --standalone --nproc-per-node 4 examples/ring_attention.py
     python examples/ring_attention.py     # launches the 4 local processes itself
-    python examples/ring_attention.py --simulate# or as 4 simulated ranks in one process
+    python examples/ring_attention.py --simulate  # or as 4 simulated ranks in one process
 
 Each rank holds one contiguous block of the sequence (P(None, 'cp')) and computes
 its queries, keys and values. Attention needs every key for every query, so the

@@ -4,7 +4,7 @@ tensor-parallel attention/MLP, psum_scatter out of it.
 
     torchrun --standalone --nproc-per-node 2 examples/sequence_parallel.py
     python examples/sequence_parallel.py  # launches the 2 local processes itself
-    python examples/sequence_parallel.py --simulate# or as 2 simulated ranks in one process
+    python examples/sequence_parallel.py --simulate  # or as 2 simulated ranks in one process
 
 In plain Megatron tensor parallelism (examples/megatron_tp.py) the activations
 between the parallel regions -- the residual stream, the layer norms -- are

@@ -3,7 +3,7 @@ tensor-parallel plan on a (dp=2, tp=2) mesh, and check it against one process.
 
     torchrun --standalone --nproc-per-node 4 examples/tp_llama.py
     python examples/tp_llama.py          # launches the 4 local processes itself
-    python examples/tp_llama.py --simulate# or as 4 simulated ranks in one process
+    python examples/tp_llama.py --simulate  # or as 4 simulated ranks in one process
 
 The model (functp/models/llama.py) is ordinary single-device torch.nn code. Its
 layout is a plain dict of wildcard rules, like transformers' tp_plan:

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 examples/train_2d.py
     python examples/train_2d.py          # launches the 4 local processes itself
-    python examples/train_2d.py --simulate# or as 4 simulated ranks in one process
+    python examples/train_2d.py --simulate  # or as 4 simulated ranks in one process
 
 The model is ordinary single-device torch.nn code. The layout is declared beside it:
 attention heads and the MLP's hidden units are split over 'tp' (Megatron: q/k/v and

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import functp
@@ -127,3 +128,11 @@ def test_train_llama_full_matches_unsharded_in_float64_and_bf16():
     assert "resumed on (dp=1, tp=4)" in out, out
     out = _run_with_args("train_llama_full.py", "--bf16")
     assert "bf16 training matches the unsharded model" in out, out
+
+
+def test_transformers_llama_with_its_own_plan_matches_unsharded():
+    pytest.importorskip("transformers")
+    out = _run_example("hf_llama.py", nproc=4, simulate=True)
+    assert "transformers Llama training matches the unsharded model" in out, out
+    assert out.count("   match   collectives {('all_reduce', ('tp',)): 10, "
+                     "('all_gather', ('tp',)): 1, ('all_reduce', ('dp',)): 2}") == 6, out
