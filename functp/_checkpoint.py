@@ -35,7 +35,8 @@ from . import _world
 from ._errors import CheckpointError, ShardingError
 from ._interop import _strides, mesh_order, spec_to_placements
 from ._mesh import Mesh
-from ._reshard import _RawOps, layout, leaf_specs, local_shape, mark_uneven, plan, run_plan
+from ._reshard import (_RawOps, full_of, layout, leaf_specs, local_of, local_shape, mark_uneven,
+                       plan, run_plan)
 from ._sharding import _broadcast_pickled, _shapes_for
 from ._spec import P
 from ._tree import keystr
@@ -367,6 +368,10 @@ def save(path: str | os.PathLike, tree: Any, mesh: Mesh, specs: Any, *,
     state: dict[str, Any] = {}
     with torch.no_grad():
         for (p, x, s), n, key in zip(items, n_list, keys):
+            if s is not None and s.packed:
+                # stored whole, in its canonical order: a packed block is not one
+                # contiguous piece of the tensor, and so loads on any mesh
+                x, s = full_of(x, n, s, mesh, ops), P()
             if s is not None and any(layout(s, x.ndim, mesh)):
                 ordered = mesh_order(s, x.ndim, mesh)
                 src, dst = layout(s, x.ndim, mesh), layout(ordered, x.ndim, mesh)
@@ -470,6 +475,8 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None, specs: Any = None, *
                 out.append(state[k])
                 continue
             x = blocks[k]
+            if s.packed:
+                x = local_of(x, s, mesh, p).contiguous()
             if k in fix:
                 src, dst = fix[k]
                 x = run_plan(x, h.shape, src, plan(src, dst), mesh, ops).contiguous()
@@ -493,7 +500,7 @@ def _targets(keys, items, mesh: Mesh | None, device) -> tuple[dict, dict, dict]:
             continue
         ordered = mesh_order(s, h.ndim, mesh)
         lay = layout(ordered, h.ndim, mesh)
-        if not any(lay):
+        if not any(lay) or s.packed:     # (a packed block is sliced from the whole)
             state[k] = blocks[k] = torch.empty(h.shape, dtype=h.dtype, device=device)
             continue
         # DCP writes into this block (through the DTensor's view of it)
@@ -531,8 +538,7 @@ def full_state_dict(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None,
     with torch.no_grad():
         for (p, x, s), n in zip(items, n_list):
             if s is not None and any(layout(s, x.ndim, mesh)):
-                src = layout(s, x.ndim, mesh)
-                x = run_plan(x, n, src, plan(src, ((),) * x.ndim), mesh, ops)
-                x = x.contiguous() if mine else None
+                x = full_of(x, n, s, mesh, ops)      # every rank takes part in the gather
+                x = x if mine else None
             out.append(x)
     return optree.tree_unflatten(treespec, out) if mine else None

@@ -68,6 +68,11 @@ def to_dtensor(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
     _world.require_torch_distributed("functp.to_dtensor")
     items, treespec = leaf_specs(tree, mesh, specs, "tree")
     for path, x, s in items:      # before any communication: the same on every rank
+        if s is not None and s.packed:
+            raise ShardingError(
+                f"functp.to_dtensor: {path} is laid out by {s!r}, whose packed blocks "
+                f"have no public DTensor placement; unshard it (functp.unshard) and "
+                f"distribute the full tensor, or leave it out of the tree")
         if s is not None:
             spec_to_placements(s, mesh, x.ndim, f"functp.to_dtensor: {path}")
     n_list = _shapes_for(tree, items, treespec, mesh, shapes, "functp.to_dtensor")

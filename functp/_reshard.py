@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _collectives as coll
-from . import _context
+from . import _context, _packed
 from . import _primitives as prim
 from ._errors import ShardingError
 from ._mesh import Mesh
@@ -61,6 +61,32 @@ def block(n: int, axes: Sequence[str], shape: dict[str, int], coord: dict[str, i
     return off, n
 
 
+def local_of(x: torch.Tensor, spec: P, mesh: Mesh, path: str = "value") -> torch.Tensor:
+    """This rank's block (a view) of the full tensor ``x`` under ``spec``; a packed
+    dimension gives this rank's slice of each of its blocks."""
+    if _packed.packing(spec):
+        _packed.check(path, x.shape, spec, mesh.shape)
+        return _packed.unview(local_of(_packed.view(x, spec), _packed.view_spec(spec), mesh,
+                                       path), spec)
+    for d, axes in enumerate(layout(spec, x.ndim)):
+        if axes:
+            off, size = block(x.shape[d], axes, mesh.shape, mesh.coordinate)
+            x = x.narrow(d, off, size)
+    return x
+
+
+def full_of(x: torch.Tensor, n: Sequence[int], spec: P, mesh: Mesh, ops) -> torch.Tensor:
+    """The full tensor (global shape ``n``) from every rank's block ``x`` under ``spec``:
+    one all-gather per split dimension (none if nothing is split)."""
+    if _packed.packing(spec):
+        xv, nv = _packed.view(x, spec), _packed.view_shape(n, spec)
+        return _packed.unview(full_of(xv, nv, _packed.view_spec(spec), mesh, ops), spec)
+    src = layout(spec, x.ndim, mesh)
+    if not any(src):
+        return x
+    return run_plan(x, n, src, plan(src, ((),) * x.ndim), mesh, ops).contiguous()
+
+
 def piece_sizes(n: int, axes: Sequence[str], shape: dict[str, int]) -> list[int]:
     """Block sizes of every member of ``axes`` (flattened index, major first)."""
     ranges = [range(shape[a]) for a in axes]
@@ -88,6 +114,8 @@ def is_even(shape: Sequence[int], lay: Layout, mesh: Mesh) -> bool:
 # attribute, so that shard_map can refuse them with a clear message on every rank
 # (each rank's block of the layout is marked, whatever its own size).
 GLOBAL_SHAPE = "_functp_global_shape"
+
+_PACKED = ("packed",)        # a reshard job that goes through the full tensor
 
 
 def mark_uneven(t: torch.Tensor, n: Sequence[int] | None, lay: Layout, mesh: Mesh
@@ -455,6 +483,14 @@ def reshard(tree: Any, mesh: Mesh, src_specs: Any, dst_specs: Any, *,
             continue
         d = normalize_spec(d, mesh.axis_names, f"dst_specs for {path}", x.shape)
         src, dst = layout(s, x.ndim, mesh), layout(d, x.ndim, mesh)
+        if _packed.packing(s) or _packed.packing(d):
+            if inside:
+                raise ShardingError(
+                    f"{what} inside shard_map: {path} moves from {s!r} to {d!r}, and "
+                    f"packed layouts are resharded outside shard_map only")
+            if _packed.packing(s) != _packed.packing(d) or src != dst:
+                jobs.append((s, d, src, dst, _PACKED))   # through the full tensor
+                continue
         jobs.append((s, d, src, dst, plan(src, dst)))
 
     if shapes is not None:
@@ -466,7 +502,7 @@ def reshard(tree: Any, mesh: Mesh, src_specs: Any, dst_specs: Any, *,
         n_list = [None if j is None else
                   tuple(b * mesh.axis_size(a) if a else b for b, a in zip(x.shape, j[2]))
                   for (_, x, _), j in zip(items, jobs)]
-    elif any(j is not None and communicates(j[4]) for j in jobs):
+    elif any(j is not None and (j[4] is _PACKED or communicates(j[4])) for j in jobs):
         n_list = exchange_shapes(items, mesh, what)
     else:
         n_list = [None] * len(items)      # slices only: block sizes suffice
@@ -491,7 +527,12 @@ def reshard(tree: Any, mesh: Mesh, src_specs: Any, dst_specs: Any, *,
             if j is None or not j[4]:
                 out.append(x)
                 continue
-            _, d, src, dst, steps = j
+            s, d, src, dst, steps = j
+            if steps is _PACKED:            # a packed layout on either side
+                full = full_of(x, n, s, mesh, ops)
+                out.append(mark_uneven(local_of(full, d, mesh, path).clone(
+                    memory_format=torch.contiguous_format), n, dst, mesh))
+                continue
             if n is not None and 0 in n:    # nothing to move; every rank knows it
                 y = x.new_zeros(local_shape(n, dst, mesh))
             else:

@@ -17,8 +17,8 @@ import torch
 from . import _context, _world
 from ._errors import ShardingError
 from ._mesh import Mesh
-from ._reshard import (GLOBAL_SHAPE, _RawOps, block, check_block, exchange_shapes,
-                       given_shapes, layout, leaf_specs, mark_uneven, plan, run_plan)
+from ._reshard import (GLOBAL_SHAPE, _RawOps, block, check_block, exchange_shapes, full_of,
+                       given_shapes, layout, leaf_specs, local_of, mark_uneven, run_plan)
 from ._spec import P
 
 __all__ = ["shard", "unshard", "pad_to_multiple", "unpad", "check_even_block"]
@@ -45,11 +45,7 @@ def check_even_block(x: torch.Tensor, spec: P, mesh: Mesh, path: str) -> None:
 def local_block(x: torch.Tensor, spec: P, mesh: Mesh, path: str = "value") -> torch.Tensor:
     """This rank's block of the full tensor ``x`` under ``spec`` (a copy); sizes that
     do not divide follow torch.chunk."""
-    for d, axes in enumerate(layout(spec, x.ndim)):
-        if axes:
-            off, size = block(x.shape[d], axes, mesh.shape, mesh.coordinate)
-            x = x.narrow(d, off, size)
-    return x.clone(memory_format=torch.contiguous_format)
+    return local_of(x, spec, mesh, path).clone(memory_format=torch.contiguous_format)
 
 
 def shard(tree: Any, mesh: Mesh, specs: Any, *, src_rank: int | None = None) -> Any:
@@ -102,9 +98,8 @@ def unshard(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
     ops = _RawOps(mesh)
     out = []
     for (path, x, spec), n in zip(items, n_list):
-        if isinstance(x, torch.Tensor) and any(layout(spec, x.ndim, mesh)):
-            src = layout(spec, x.ndim, mesh)
-            x = run_plan(x, n, src, plan(src, ((),) * x.ndim), mesh, ops).contiguous()
+        if isinstance(x, torch.Tensor):
+            x = full_of(x, n, spec, mesh, ops)
         out.append(x)
     return optree.tree_unflatten(treespec, out)
 

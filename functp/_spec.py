@@ -16,6 +16,12 @@ class P(tuple):
     minor). Missing trailing entries mean ``None``. Mesh axes that the spec does not
     mention hold the same block on every rank (the value is replicated over them).
 
+    ``packed={dim: k}`` says that dimension holds ``k`` equal blocks laid end to end
+    (a fused gate/up or q/k/v weight), each split over the dimension's axes on its
+    own: a rank holds its slice of every block (DTensor's ``_StridedShard``). Seen
+    through ``x.unflatten(dim, (k, -1))`` it is an ordinary split of the new second
+    dimension. Packing does not change block shapes, and ``==`` ignores it.
+
     Example::
 
         >>> from functp import P
@@ -23,9 +29,14 @@ class P(tuple):
         P('dp', None)
         >>> P(("dp", "tp"))[0]
         ('dp', 'tp')
+        >>> P("tp", None, packed={0: 2})          # [gate; up] rows, each split over tp
+        P('tp', None, packed={0: 2})
     """
 
-    def __new__(cls, *entries: str | tuple[str, ...] | None) -> "P":
+    packed: tuple[tuple[int, int], ...] = ()      # (dimension, blocks), by dimension
+
+    def __new__(cls, *entries: str | tuple[str, ...] | None,
+                packed: dict[int, int] | None = None) -> "P":
         for e in entries:
             ok = e is None or isinstance(e, str) or (
                 isinstance(e, tuple) and all(isinstance(a, str) for a in e))
@@ -33,12 +44,24 @@ class P(tuple):
                 raise ShardingError(
                     f"P{entries!r}: every entry must be None, a mesh axis name or a tuple "
                     f"of axis names, got {e!r} ({type(e).__name__})")
-        return super().__new__(cls, entries)
+        self = super().__new__(cls, entries)
+        if packed:
+            for d, k in packed.items():
+                if not (isinstance(d, int) and 0 <= d < len(entries) and entries[d] is not None
+                        and isinstance(k, int) and k >= 2):
+                    raise ShardingError(
+                        f"P{entries!r}, packed={packed!r}: packing names a split dimension "
+                        f"of the spec and a block count >= 2, as {{0: 2}} for [gate; up]")
+            self.packed = tuple(sorted(packed.items()))
+        return self
 
     def __repr__(self) -> str:
-        return "P(" + ", ".join(repr(e) for e in self) + ")"
+        pk = f", packed={dict(self.packed)}" if self.packed else ""
+        return "P(" + ", ".join(repr(e) for e in self) + pk + ")"
 
     def __reduce__(self):
+        if self.packed:
+            return (_packed_p, (tuple(self), dict(self.packed)))
         return (P, tuple(self))
 
     def dim_axes(self, dim: int) -> tuple[str, ...]:
@@ -52,6 +75,10 @@ class P(tuple):
     def axes(self) -> tuple[str, ...]:
         """Every mesh axis the spec mentions, in order of appearance."""
         return tuple(a for d in range(len(self)) for a in self.dim_axes(d))
+
+
+def _packed_p(entries: tuple, packed: dict) -> P:
+    return P(*entries, packed=packed)
 
 
 def _is_placement(x: Any) -> bool:

@@ -236,21 +236,10 @@ class _Linearish(Style):
             raise ShardingError(f"{type(self).__name__}: packed must be >= 1, got {blocks}")
         self.blocks = blocks
 
-    def _split_dim(self, name: str, spec: P) -> int | None:
-        dims = [d for d in range(len(spec)) if spec.dim_axes(d)]
-        return dims[0] if dims else None
-
-    def shard_param(self, name, full, spec, mesh, axis):
-        d = self._split_dim(name, spec)
-        if self.blocks == 1 or d is None:
-            return local_block(full, spec, mesh, name)
-        return _packed_split(full, d, self.blocks, mesh.axis_size(axis), mesh.axis_index(axis))
-
-    def unshard_param(self, name, gathered, spec, size):
-        d = self._split_dim(name, spec)
-        if self.blocks == 1 or d is None:
-            return gathered
-        return _packed_merge(gathered, d, self.blocks, size)
+    def _spec(self, *entries) -> P:
+        """``P(*entries)``, its split dimension packed when the weight is fused."""
+        d = next(i for i, e in enumerate(entries) if e is not None)
+        return P(*entries, packed={d: self.blocks} if self.blocks > 1 else None)
 
 
 class Colwise(_Linearish):
@@ -277,9 +266,9 @@ class Colwise(_Linearish):
         _weight_of(module, "colwise")
         emb = isinstance(module, nn.Embedding) or _is_conv1d(module)   # [*, out] weights
         specs = {n: P() for n, _ in module.named_parameters(recurse=False)}
-        specs["weight"] = P(None, axis) if emb else P(axis, None)
+        specs["weight"] = self._spec(None, axis) if emb else self._spec(axis, None)
         if "bias" in specs and getattr(module, "bias", None) is not None:
-            specs["bias"] = P(axis)
+            specs["bias"] = self._spec(axis)
         return specs
 
     def prepare_input(self, module, args, kwargs, call):
@@ -323,7 +312,7 @@ class Rowwise(_Linearish):
                 "(vocab-parallel, functp.VocabParallelEmbedding) to split its rows")
         _weight_of(module, "rowwise")
         specs = {n: P() for n, _ in module.named_parameters(recurse=False)}
-        specs["weight"] = P(axis, None) if _is_conv1d(module) else P(None, axis)
+        specs["weight"] = self._spec(axis, None) if _is_conv1d(module) else self._spec(None, axis)
         return specs
 
     def withheld(self, module):
@@ -617,21 +606,8 @@ class TensorParallelExperts(Style):
                 f"it needs exactly 3-d 'gate_up_proj' [experts, 2 x intermediate, hidden] "
                 f"and 'down_proj' [experts, hidden, intermediate] (transformers' experts "
                 f"modules); write a functp.Style for this module")
-        return {"gate_up_proj": P(None, axis, None), "down_proj": P(None, None, axis)}
-
-    def shard_param(self, name, full, spec, mesh, axis):
-        if not name.endswith("gate_up_proj"):
-            return local_block(full, spec, mesh, name)
-        n = mesh.axis_size(axis)
-        if full.shape[1] % (2 * n):
-            raise ShardingError(
-                f"{name} (shape {tuple(full.shape)}) under 'moe_tp_experts': its gate and up "
-                f"halves ({full.shape[1] // 2} rows each) must split evenly over the "
-                f"{n} ranks of {axis!r}; choose an intermediate size divisible by {n}")
-        return _packed_split(full, 1, 2, n, mesh.axis_index(axis))
-
-    def unshard_param(self, name, gathered, spec, size):
-        return _packed_merge(gathered, 1, 2, size) if name.endswith("gate_up_proj") else gathered
+        return {"gate_up_proj": P(None, axis, None, packed={1: 2}),   # [gate; up] rows
+                "down_proj": P(None, None, axis)}
 
     def prepare_output(self, module, args, kwargs, output, call):
         return psum(output, call.axis)      # each rank holds a part of every expert's sum

@@ -458,3 +458,104 @@ def _set_grads_errors():
 
 def test_set_grads(run):
     assert run(1, _set_grads_errors) == [True]
+
+
+# -- packed weights: a checkpoint of a fused gate_up loads on any mesh ----------------------
+
+_STEPS, _SAVE_AT = 20, 10
+
+
+def _llama(mesh):
+    from functp.models import LLAMA_MOE_SP_PLAN, Llama, LlamaConfig
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(moe_layers=(1,)))       # a fused gate_up and experts
+    if mesh is None:
+        return model, None, None, None
+    apply, params, specs = functp.parallelize(model, mesh, LLAMA_MOE_SP_PLAN, axis="tp")
+    return model, apply, {k: v.clone() for k, v in params.items()}, specs
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    b = torch.randint(32, (8, 9), generator=g)
+    return b[:, :-1], b[:, 1:]
+
+
+def _lm(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _steps(mesh, apply, specs, params, opt, steps):
+    if mesh is None:            # one process: the plain model
+        step = torch.func.grad_and_value(lambda p, i, t: _lm(apply(p, i), t))
+    else:
+        step = torch.func.grad_and_value(functp.shard_map(
+            lambda p, i, t: functp.pmean(_lm(apply(p, i), t), "dp"), mesh,
+            in_specs=(specs, P("dp"), P("dp")), out_specs=P()))
+    losses = []
+    for i in steps:
+        ids, tgt = _batch(i)
+        batch = (ids, tgt) if mesh is None else functp.shard((ids, tgt), mesh, P("dp"))
+        grads, loss = step(params, *batch)
+        functp.set_grads(params, grads)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _adam(params):
+    return torch.optim.AdamW(list(params.values()), lr=1e-2)
+
+
+def _opt_specs_of(params, specs):    # AdamW's state, before it exists (for load)
+    return {"state": {i: {"step": P(), "exp_avg": specs[k], "exp_avg_sq": specs[k]}
+                      for i, k in enumerate(params)}, "param_groups": P()}
+
+
+def _packed_resume_body(path):
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, _, _, _ = _llama(None)
+        ref_apply, full = functp.functionalize(model)
+        full = {k: v.clone() for k, v in full.items()}
+        reference = _steps(None, ref_apply, None, full, _adam(full), range(_STEPS))
+
+        mesh = functp.make_mesh((2, 2), ("dp", "tp"))
+        _, apply, local, specs = _llama(mesh)
+        packed = sorted(k for k, s in specs.items() if s.packed)
+        opt = _adam(local)
+        first = _steps(mesh, apply, specs, local, opt, range(_SAVE_AT))
+        functp.save(path, {"params": local, "opt": opt.state_dict()}, mesh,
+                    {"params": specs, "opt": functp.optimizer_specs(opt, local, specs)})
+        resumed = {}
+        for shape in [(2, 2), (1, 4), (4, 1)]:          # the same mesh, tp=4, dp=4
+            m = functp.make_mesh(shape, ("dp", "tp"))
+            _, apply_m, fresh, specs_m = _llama(m)
+            state = functp.load(path, m, {"params": specs_m,
+                                          "opt": _opt_specs_of(fresh, specs_m)})
+            opt_m = _adam(state["params"])
+            opt_m.load_state_dict(state["opt"])
+            resumed[shape] = _steps(m, apply_m, specs_m, state["params"], opt_m,
+                                    range(_SAVE_AT, _STEPS))
+        # and on one process, no mesh: the plain model from the canonical tensors
+        whole = functp.load(path) if functp.process_index() == 0 else None
+        one = None
+        if whole is not None:
+            opt_1 = _adam(whole["params"])
+            opt_1.load_state_dict(whole["opt"])
+            one = _steps(None, ref_apply, None, whole["params"], opt_1, range(_SAVE_AT, _STEPS))
+        return packed, reference, first, resumed, one
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def test_packed_weights_and_their_adam_moments_resume_on_any_mesh(run, tmp_path):
+    packed, reference, first, resumed, one = run(4, _packed_resume_body,
+                                                 str(tmp_path / "packed"))[0]
+    assert "layers.0.mlp.gate_up_proj.weight" in packed, packed
+    torch.testing.assert_close(first, reference[:_SAVE_AT], rtol=1e-9, atol=0)
+    for shape, losses in list(resumed.items()) + [("one process", one)]:
+        torch.testing.assert_close(losses, reference[_SAVE_AT:], rtol=1e-8, atol=0,
+                                   msg=lambda m: f"resumed on {shape}: {m}")
+    assert reference[-1] < reference[0]

@@ -166,10 +166,19 @@ def _packed_colwise():
     w = full["gate_up.weight"]
     torch.testing.assert_close(local["gate_up.weight"],
                                torch.cat([w[i * f:(i + 1) * f], w[F + i * f:F + (i + 1) * f]]))
-    # apply.unshard gives back the canonical [gate; up]; a plain unshard interleaves
+    # the spec says so (packed={0: 2}), so functp.unshard, like apply.unshard, gives
+    # back the canonical [gate; up], and shard gives this rank's two slices
+    assert specs["gate_up.weight"].packed == ((0, 2),)
     assert_tree_close(apply.unshard(local), {k: v.detach() for k, v in full.items()}, "unshard")
     plain = functp.unshard(local["gate_up.weight"], mesh, specs["gate_up.weight"])
-    assert not torch.equal(plain, w.detach())
+    assert torch.equal(plain, w.detach())
+    assert torch.equal(functp.shard(w.detach(), mesh, specs["gate_up.weight"]),
+                       local["gate_up.weight"])
+    # resharding to replicated and back goes through the canonical tensor
+    whole = functp.reshard(local["gate_up.weight"], mesh, specs["gate_up.weight"], P())
+    assert torch.equal(whole, w.detach())
+    back = functp.reshard(whole, mesh, P(), specs["gate_up.weight"])
+    assert torch.equal(back, local["gate_up.weight"])
 
 
 def test_packed_colwise_gives_matching_gate_and_up_slices(run):
