@@ -134,3 +134,9 @@ def test_make_mesh_without_launcher_explains_torchrun():
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
     _raises(lambda: functp.make_mesh((4,), ("x",)), "torchrun", "--nproc-per-node 4")
+
+
+def test_packed_spec_names_a_split_dimension_and_blocks():
+    assert repr(P("tp", None, packed={0: 2})) == "P('tp', None, packed={0: 2})"
+    for bad in ({1: 2}, {0: 1}, {3: 2}):
+        _raises(lambda: P("tp", None, packed=bad), "packing names a split dimension")

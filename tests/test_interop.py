@@ -139,3 +139,20 @@ def _dtensor_arg_body():
 def test_shard_map_takes_dtensor_arguments(run):
     if run(4, _dtensor_arg_body)[0] == "unsupported":
         pytest.skip("shard_map does not call functp._interop.dtensor_to_local yet")
+
+
+def _packed_refused():
+    mesh = functp.make_mesh((2,), ("tp",))
+    spec = P("tp", None, packed={0: 2})
+    block = functp.shard(torch.arange(8.).reshape(4, 2), mesh, spec)
+    with pytest.raises(ShardingError, match="packed blocks have no public DTensor placement"):
+        functp.to_dtensor({"w": block}, mesh, {"w": spec})
+    inside = functp.shard_map(lambda b: functp.reshard(b, mesh, spec, P()), mesh,
+                              in_specs=spec, out_specs=P(), check_vma=False)
+    with pytest.raises(ShardingError, match="packed layouts are resharded outside shard_map"):
+        inside(block)
+    return True
+
+
+def test_packed_specs_are_refused_where_they_cannot_be_honoured(run):
+    assert run(2, _packed_refused) == [True, True]
