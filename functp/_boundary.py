@@ -28,13 +28,9 @@ import torch
 from . import _ops
 from ._errors import ShardingError
 from ._mesh import Mesh
-from ._precision import floating
+from ._precision import floating, inexact
 from ._spec import P
 from ._vma import EMPTY, Tracker
-
-
-def _floating(x: torch.Tensor) -> bool:
-    return x.is_floating_point() or x.is_complex()
 
 
 class VmaRules:
@@ -123,7 +119,7 @@ class SumRules:
         # Each rank's copy of a replicated output counts once in the global value, so
         # its cotangent (arriving on every rank) is split between the copies.
         n = math.prod([self.mesh.shape[a] for a in self.axes if a not in spec.axes])
-        if n > 1 and _floating(y):
+        if n > 1 and inexact(y):
             y = _ops.scale_grad(y, 1.0 / n)
         return y
 

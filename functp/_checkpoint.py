@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from . import _world
-from ._errors import CheckpointError, ShardingError
+from ._errors import CheckpointError, ShardingError, first_line
 from ._interop import _strides, mesh_order, spec_to_placements
 from ._mesh import Mesh
 from ._reshard import (_RawOps, full_of, layout, leaf_specs, local_of, local_shape, mark_uneven,
@@ -77,9 +77,10 @@ def _need_numpy(what: str) -> None:
                               f"pip install numpy")
 
 
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+def _cause(e: BaseException) -> str:
+    """``Type: first line`` of an error this one reports."""
+    line = first_line(e)
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 def _dcp(what: str, path: str, fn: Callable[[], Any], ranks: bool = True) -> Any:
@@ -108,7 +109,7 @@ def _dcp(what: str, path: str, fn: Callable[[], Any], ranks: bool = True) -> Any
             if ranks and len(failures) > 1:
                 more = (f"\nranks {sorted(failures)} failed; every rank's traceback is in "
                         f"the chained CheckpointException")
-        raise CheckpointError(f"{what}: {_first_line(cause)}{where} ({path}){more}") from e
+        raise CheckpointError(f"{what}: {_cause(cause)}{where} ({path}){more}") from e
 
 
 def _all_ok(what: str, path: str, device: torch.device | None, fn: Callable[[], Any]) -> Any:
@@ -127,7 +128,7 @@ def _all_ok(what: str, path: str, device: torch.device | None, fn: Callable[[], 
     except ShardingError as e:
         err = e
     except Exception as e:     # noqa: BLE001 - an OSError, say: a CheckpointError here
-        err = CheckpointError(f"{what}: {_first_line(e)} ({path})")
+        err = CheckpointError(f"{what}: {_cause(e)} ({path})")
         err.__cause__ = e
     if device is None:
         if err is not None:
@@ -241,7 +242,7 @@ def _open(what: str, path: str):
     except FileNotFoundError:
         meta_crc = sums = None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{what}: {_SUMS} is unreadable ({_first_line(e)}) ({path})"
+        raise CheckpointError(f"{what}: {_SUMS} is unreadable ({_cause(e)}) ({path})"
                               ) from e
     try:
         with open(os.path.join(path, _METADATA), "rb") as f:
@@ -257,7 +258,7 @@ def _open(what: str, path: str):
         if not isinstance(meta, Metadata):
             raise TypeError(f"it holds a {type(meta).__name__}, not DCP's Metadata")
     except Exception as e:     # noqa: BLE001 - any unpickling failure means garbled
-        raise CheckpointError(f"{what}: {_METADATA} is unreadable ({_first_line(e)}) "
+        raise CheckpointError(f"{what}: {_METADATA} is unreadable ({_cause(e)}) "
                               f"({path})") from e
     if _CHECKED_KEY in meta.state_dict_metadata and sums is None:
         raise CheckpointError(
@@ -537,8 +538,8 @@ def full_state_dict(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None,
     out = []
     with torch.no_grad():
         for (p, x, s), n in zip(items, n_list):
-            if s is not None and any(layout(s, x.ndim, mesh)):
-                x = full_of(x, n, s, mesh, ops)      # every rank takes part in the gather
+            if s is not None:       # every rank takes part in the gathers; one keeps them
+                x = full_of(x, n, s, mesh, ops)
                 x = x if mine else None
             out.append(x)
     return optree.tree_unflatten(treespec, out) if mine else None

@@ -29,7 +29,7 @@ import zlib
 import torch
 
 from . import _world
-from ._errors import ShardingError
+from ._errors import ShardingError, first_line
 
 __all__ = ["set_debug", "debug_enabled"]
 
@@ -105,8 +105,8 @@ def _gather(t: torch.Tensor, check, what: str) -> torch.Tensor:
 
 def _reason(e: BaseException) -> str:
     """The first line of a backend's error, without its C++ source location."""
-    lines = str(e).strip().splitlines()
-    return re.sub(r"^\[[^\]]*\]\s*", "", lines[0])[:200] if lines else type(e).__name__
+    line = first_line(e)
+    return re.sub(r"^\[[^\]]*\]\s*", "", line)[:200] if line else type(e).__name__
 
 
 def check(check, head: str, details: tuple[str, ...] = (), block: str = "",

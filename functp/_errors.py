@@ -21,3 +21,10 @@ class CheckpointError(ShardingError):
     path; DCP's own report (every failed rank's traceback), when there is one, is
     chained as ``__cause__``.
     """
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (``""`` for an empty one): what an error
+    that reports another one quotes of it."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else ""

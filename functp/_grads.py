@@ -21,6 +21,7 @@ from . import _collectives, _context
 from . import _primitives as prim
 from ._errors import ShardingError
 from ._mesh import Mesh
+from ._precision import inexact
 from ._reshard import leaf_specs
 
 __all__ = ["global_norm", "clip_by_global_norm", "reduce_unreduced"]
@@ -150,7 +151,7 @@ def reduce_unreduced(tree: Any, mesh: Mesh, specs: Any, axes: Any) -> Any:
     out = [x for _, x, _ in items]
     buckets: dict[tuple, list[int]] = {}
     for i, (_, x, s) in enumerate(items):
-        if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+        if isinstance(x, torch.Tensor) and inexact(x):
             red = tuple(a for a in m.axis_names if a in names and a not in s.axes)
             if red:
                 buckets.setdefault((red, x.dtype), []).append(i)

@@ -70,6 +70,12 @@ def group_of(key: str) -> AxisGroup:
     return _GROUPS[key]
 
 
+def _subsets(names: tuple[str, ...]):
+    """Every non-empty subset of the mesh axes ``names``, in mesh order: each gets its
+    process group when the mesh is made."""
+    return (sub for k in range(1, len(names) + 1) for sub in itertools.combinations(names, k))
+
+
 class Mesh:
     """An n-d grid of ranks with named axes, over a ``torch.distributed.DeviceMesh``
     (or, inside :func:`functp.simulate`, over groups functp makes itself).
@@ -93,12 +99,10 @@ class Mesh:
         # collective over the whole world, so doing it lazily inside a step could make
         # ranks disagree (and would break torch.compile tracing).
         groups = {}
-        for k in range(1, len(names) + 1):
-            for sub in itertools.combinations(names, k):
-                pg = (device_mesh.get_group(sub[0]) if k == 1
-                      else device_mesh[sub]._flatten().get_group())
-                groups[frozenset(sub)] = (pg.group_name,
-                                          tuple(dist.get_process_group_ranks(pg)))
+        for sub in _subsets(names):
+            pg = (device_mesh.get_group(sub[0]) if len(sub) == 1
+                  else device_mesh[sub]._flatten().get_group())
+            groups[frozenset(sub)] = (pg.group_name, tuple(dist.get_process_group_ranks(pg)))
         self._setup(tuple(names), device_mesh.mesh, tuple(coord), groups,
                     device_mesh.device_type, device_mesh)
 
@@ -152,11 +156,7 @@ class Mesh:
         if td.total_seconds() <= 0:
             raise ShardingError(f"make_mesh: timeout must be positive, got {timeout!r}")
         for name in {name for name, _ in self._groups.values()}:
-            if self.device_mesh is None:
-                _world.set_timeout(name, td)
-            else:
-                dist.distributed_c10d._set_pg_timeout(
-                    td, dist.distributed_c10d._resolve_process_group(name))
+            _world.set_timeout(name, td)
         self.timeout = td
 
     def _check_axes(self, axis_name, what: str) -> tuple[str, ...]:
@@ -315,19 +315,19 @@ def _simulated_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type:
         raise ShardingError(
             f"make_mesh(device_type={device_type!r}) inside functp.simulate: simulated "
             f"ranks share this process and run on the CPU (gloo); leave device_type out")
-    _check_world(shape, names, _world.size())
+    _check_world(shape, names, _world.process_count())
     cache = _world.meshes()
     mesh = cache.get((shape, names))
     if mesh is None:
-        grid = torch.arange(_world.size()).reshape(shape)
-        coord = tuple(int(c[0]) for c in (grid == _world.rank()).nonzero(as_tuple=True))
+        grid = torch.arange(_world.process_count()).reshape(shape)
+        coord = tuple(int(c[0]) for c in (grid == _world.process_index()).nonzero(as_tuple=True))
         groups = {}
-        for k in range(1, len(names) + 1):
-            for sub in itertools.combinations(names, k):
-                at = tuple(slice(None) if a in sub else c for a, c in zip(names, coord))
-                members = tuple(grid[at].flatten().tolist())
-                tag = "world" if k == len(names) else "mesh"   # the whole mesh: the world group
-                groups[frozenset(sub)] = (_world.new_group(members, tag), members)
+        for sub in _subsets(names):
+            at = tuple(slice(None) if a in sub else c for a, c in zip(names, coord))
+            members = tuple(grid[at].flatten().tolist())
+            # the whole mesh is the world group
+            tag = "world" if len(sub) == len(names) else "mesh"
+            groups[frozenset(sub)] = (_world.new_group(members, tag), members)
         mesh = cache[(shape, names)] = Mesh.__new__(Mesh)
         mesh._setup(names, grid, coord, groups, "cpu", None)
         mesh.timeout = _world.current_run().timeout

@@ -89,7 +89,7 @@ def _generic(name: str) -> str:
 
 def _warn_plan(module: nn.Module, unused: list[str], uncovered: list[str], axis: str,
                params: dict) -> None:
-    if _world.rank() != 0:
+    if _world.process_index() != 0:
         return
     kind = type(module).__name__
     if unused:

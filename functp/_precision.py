@@ -49,3 +49,9 @@ class MixedPrecision:
 def floating(x) -> bool:
     """A tensor of a floating dtype: what a precision policy casts."""
     return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def inexact(x: torch.Tensor) -> bool:
+    """A floating or complex dtype (JAX's ``inexact``): a tensor that has gradients
+    to reduce. (No isinstance here: a boundary calls it per output on tensors.)"""
+    return x.is_floating_point() or x.is_complex()

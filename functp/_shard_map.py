@@ -10,7 +10,8 @@ import torch
 from . import _context, _crosscheck
 from . import _ops
 from ._errors import ShardingError
-from ._boundary import SumRules, VmaRules, _floating
+from ._boundary import SumRules, VmaRules
+from ._precision import inexact
 from ._interop import dtensor_to_local
 from ._mesh import Mesh
 from ._precision import MixedPrecision, floating
@@ -221,7 +222,7 @@ class _Body:
             hit = plan.boundary.get(key)
             if hit is not None:
                 return hit
-        hit = rules.plan(specs, [isinstance(x, torch.Tensor) and _floating(x) for x in local], base)
+        hit = rules.plan(specs, [isinstance(x, torch.Tensor) and inexact(x) for x in local], base)
         if key is not None:
             plan.boundary[key] = hit
         return hit

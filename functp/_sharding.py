@@ -215,12 +215,13 @@ def _pad_dim(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
 
 def _broadcast_tree(tree, mesh: Mesh, src: int):
     """Broadcasts a pytree of tensors from global rank ``src`` to every rank."""
-    if not 0 <= src < _world.size():
+    if not 0 <= src < _world.process_count():
         raise ShardingError(f"shard: src_rank={src} is not a rank of the world "
-                            f"(size {_world.size()})")
+                            f"(size {_world.process_count()})")
     device = torch.device(mesh.device_type) if mesh.device_type != "cpu" else None
     meta = None
-    if _world.rank() == src:
+    mine = _world.process_index() == src
+    if mine:
         leaves, treespec = optree.tree_flatten(tree)
         meta = (treespec, [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
                            else ("value", t) for t in leaves])
@@ -230,7 +231,7 @@ def _broadcast_tree(tree, mesh: Mesh, src: int):
         if item[0] == "value":
             out.append(item[1])
             continue
-        t = leaves[k].contiguous() if _world.rank() == src else torch.empty(item[0], dtype=item[1])
+        t = leaves[k].contiguous() if mine else torch.empty(item[0], dtype=item[1])
         if device is not None:
             t = t.to(device)
         out.append(_world.broadcast(t, src))
@@ -241,7 +242,7 @@ def _broadcast_pickled(obj, src: int, device) -> Any:
     """``obj`` from global rank ``src`` on every rank, pickled into a byte tensor (the
     others' ``obj`` is ignored). Not ``dist.broadcast_object_list``: torch's object
     collectives call ``Tensor.numpy()``, and torch's CPU wheel does not install numpy."""
-    mine = _world.rank() == src
+    mine = _world.process_index() == src
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
     n = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=device)
     n = _world.broadcast(n, src)

@@ -73,7 +73,7 @@ def print_ranks(*values: Any, sep: str = " ") -> None:
         indent = "\n" + " " * len(text.rsplit("\n", 1)[-1])
         text += _format(v).replace("\n", indent)
     texts = [b.decode() for b in _world.all_gather_bytes(text.encode())]
-    if _world.rank() != 0:
+    if _world.process_index() != 0:
         return
     groups: dict[str, list[int]] = {}
     for r, t in enumerate(texts):

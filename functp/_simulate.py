@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import random
 import threading
 import time
 from typing import Any, Callable
 
-import torch
 
 from . import _crosscheck, _mesh, _world
-from ._errors import ShardingError
+from ._errors import ShardingError, first_line
 
 __all__ = ["simulate"]
 
@@ -101,7 +99,7 @@ def simulate(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 6
         _running[0] += 1
         _world.SIMULATING = True
         previous = _crosscheck.set_debug(check) if check is not None else None
-    caller = _world._process_state()
+    caller = _world.process_state()
     threads = [threading.Thread(target=rank_main, args=(r,), daemon=True,
                                 name=f"functp-rank-{r}") for r in range(nprocs)]
     try:
@@ -122,9 +120,7 @@ def simulate(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 6
             old = _world.keep_run(run)
             if old is not None:
                 _discard(old)
-        torch.set_rng_state(caller[0])          # the ranks' draws are theirs, not the caller's
-        random.setstate(caller[1])
-        torch.set_default_dtype(caller[2])
+        _world.restore_state(caller)     # the ranks' draws are theirs, not the caller's
     if errors:
         _raise_first(errors, orphaned, nprocs)
     return results
@@ -172,7 +168,7 @@ def _raise_first(errors: dict, orphaned: list[int], nprocs: int) -> None:
     note = [f"raised on rank {order[0]} of functp.simulate(..., {nprocs})"]
     for r in order[1:]:
         e = errors[r][1]
-        note.append(f"rank {r} also raised {type(e).__name__}: {_first_line(e)}")
+        note.append(f"rank {r} also raised {type(e).__name__}: {first_line(e)[:200]}")
     if orphaned:
         note.append(f"ranks {sorted(orphaned)} had returned while the others waited in a "
                     f"collective: the ranks did not issue the same collectives")
@@ -180,8 +176,3 @@ def _raise_first(errors: dict, orphaned: list[int], nprocs: int) -> None:
         for line in note:
             first.add_note(line)
     raise first
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else ""

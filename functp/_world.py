@@ -67,7 +67,7 @@ class Run:
     def start(self, timeout: datetime.timedelta) -> None:
         """Readies the run for a program: every rank starts with the caller's random
         state and default dtype, and groups made earlier wait ``timeout``."""
-        self.state = [_process_state()] * self.size
+        self.state = [process_state()] * self.size
         # every time: a program may have changed some with make_mesh(timeout=)
         self.timeout = timeout
         for rank_names in self.names:
@@ -80,13 +80,11 @@ class Run:
     def hold(self, rank: int) -> None:
         """Rank ``rank`` runs: takes the baton and its process-like state."""
         self.baton.acquire()
-        torch.set_rng_state(self.state[rank][0])
-        random.setstate(self.state[rank][1])
-        torch.set_default_dtype(self.state[rank][2])
+        restore_state(self.state[rank])
 
     def release(self, rank: int) -> None:
         """Rank ``rank`` blocks or ends: keeps its state and hands the baton on."""
-        self.state[rank] = _process_state()
+        self.state[rank] = process_state()
         self.baton.release()
 
     def close(self, rank: int) -> None:
@@ -99,8 +97,17 @@ class Run:
             self.groups[rank] = []
 
 
-def _process_state() -> tuple:
+def process_state() -> tuple:
+    """What a process owns alone but threads share: the random generators' states
+    and the default dtype."""
     return torch.get_rng_state(), random.getstate(), torch.get_default_dtype()
+
+
+def restore_state(state: tuple) -> None:
+    """Makes ``state`` (from :func:`process_state`) current."""
+    torch.set_rng_state(state[0])
+    random.setstate(state[1])
+    torch.set_default_dtype(state[2])
 
 
 class _Local(threading.local):
@@ -158,23 +165,6 @@ def leave() -> None:
     _local.run, _local.rank = None, 0
 
 
-def rank() -> int:
-    """This rank in the world: torchrun's ``RANK`` before the process group exists,
-    0 with neither."""
-    if _local.run is not None:
-        return _local.rank
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-
-
-def size() -> int:
-    """The number of ranks in the world: torchrun's ``WORLD_SIZE`` before the
-    process group exists, 1 with neither."""
-    if _local.run is not None:
-        return _local.run.size
-    return (dist.get_world_size() if dist.is_initialized()
-            else int(os.environ.get("WORLD_SIZE", 1)))
-
-
 def meshes() -> dict | None:
     """make_mesh's cache for this simulated rank; None outside a simulation."""
     return _local.run.meshes[_local.rank] if _local.run is not None else None
@@ -219,9 +209,9 @@ def new_group(members: tuple[int, ...], tag: str) -> str:
 
 
 def set_timeout(name: str, timeout: datetime.timedelta) -> None:
-    """Sets how long collectives of the simulated group ``name`` wait."""
-    pg = dist.distributed_c10d._resolve_process_group(name)
-    pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+    """Sets how long collectives of the c10d group ``name`` (simulated or not) wait."""
+    dist.distributed_c10d._set_pg_timeout(
+        timeout, dist.distributed_c10d._resolve_process_group(name))
 
 
 def check_collective() -> None:
@@ -253,7 +243,7 @@ def wait(t: torch.Tensor) -> torch.Tensor:
 
 def broadcast(t: torch.Tensor, src: int) -> torch.Tensor:
     """``t`` of global rank ``src`` on every rank (same shape and dtype on all)."""
-    if size() == 1:
+    if process_count() == 1:
         return t
     return wait(_c10d.broadcast(t.contiguous(), src, world_group()))
 
@@ -267,7 +257,7 @@ def device() -> torch.device:
 
 def all_gather_bytes(data: bytes) -> list[bytes]:
     """Every rank's ``data``, in rank order (lengths may differ)."""
-    n = size()
+    n = process_count()
     if n == 1:
         return [data]
     g, dev = world_group(), device()
@@ -292,17 +282,24 @@ def require_torch_distributed(what: str) -> None:
 
 def process_index() -> int:
     """This process's rank in the world: ``torch.distributed.get_rank()``, or the
-    simulated rank inside :func:`functp.simulate` (where torch's own
-    ``get_rank`` has no default group to ask). 0 with no process group.
+    simulated rank inside :func:`functp.simulate` (where torch's own ``get_rank`` has
+    no default group to ask); torchrun's ``RANK`` before the process group exists,
+    0 with neither.
 
     Example::
 
         functp.simulate(lambda: functp.process_index(), 3)     # [0, 1, 2]
     """
-    return rank()
+    if _local.run is not None:
+        return _local.rank
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def process_count() -> int:
     """The number of ranks in the world (``torch.distributed.get_world_size()``, or
-    ``nprocs`` inside :func:`functp.simulate`); 1 with no process group."""
-    return size()
+    ``nprocs`` inside :func:`functp.simulate`); torchrun's ``WORLD_SIZE`` before the
+    process group exists, 1 with neither."""
+    if _local.run is not None:
+        return _local.run.size
+    return (dist.get_world_size() if dist.is_initialized()
+            else int(os.environ.get("WORLD_SIZE", 1)))
