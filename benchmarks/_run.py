@@ -11,9 +11,12 @@ import torch.distributed as dist
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def launch(nproc: int, script: str, *args: str) -> None:
-    """Runs ``script`` under torchrun on ``nproc`` local processes (its ``main`` runs
-    when RANK is set)."""
+def main_or_launch(main, nproc: int, script: str, *args: str) -> None:
+    """Under torchrun (RANK set): ``main()``. Run directly: ``script`` again, under
+    torchrun on ``nproc`` local processes, with the arguments ``args``."""
+    if "RANK" in os.environ:
+        main()
+        return
     from torch.distributed.run import main as torchrun
     torchrun(["--standalone", "--nproc-per-node", str(nproc), os.path.abspath(script), *args])
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import functp  # noqa: E402
 from functp import P  # noqa: E402
 import _models as M  # noqa: E402
-from _run import launch, save_and_leave  # noqa: E402
+from _run import main_or_launch, save_and_leave  # noqa: E402
 
 REPS = 20
 
@@ -167,7 +167,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:
-        main()
-    else:
-        launch(2, __file__)
+    main_or_launch(main, 2, __file__)

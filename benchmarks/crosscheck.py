@@ -25,7 +25,7 @@ import functp  # noqa: E402
 from functp import P  # noqa: E402
 import _models as M  # noqa: E402
 from calls import count  # noqa: E402
-from _run import launch, save_and_leave  # noqa: E402
+from _run import main_or_launch, save_and_leave  # noqa: E402
 
 
 def seconds(fn, device: str, reps: int = 20, rounds: int = 7) -> float:
@@ -101,7 +101,4 @@ if __name__ == "__main__":
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = ap.parse_args()
-    if "RANK" in os.environ:
-        main(a.device)
-    else:
-        launch(a.nproc, __file__, "--device", a.device)
+    main_or_launch(lambda: main(a.device), a.nproc, __file__, "--device", a.device)

@@ -25,7 +25,7 @@ import functp  # noqa: E402
 from functp import P  # noqa: E402
 import _models as M  # noqa: E402
 import compare  # noqa: E402
-from _run import launch, save_and_leave  # noqa: E402
+from _run import main_or_launch, save_and_leave  # noqa: E402
 
 LAYERS, BATCH, SEQ = 4, 16, 128
 
@@ -104,11 +104,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = ap.parse_args()
-    if "RANK" in os.environ:
-        main(a.device)
-    else:
-        # big blocks straight from mmap and back on free: peak RSS then follows the
-        # live tensors (glibc would otherwise keep freed blocks of a recompute in its
-        # heap, and the high-water mark would not show what remat saves)
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-        launch(2, __file__, "--device", a.device)
+    # big blocks straight from mmap and back on free: peak RSS then follows the live
+    # tensors (glibc would otherwise keep freed blocks of a recompute in its heap, and
+    # the high-water mark would not show what remat saves); read at the processes' start
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    main_or_launch(lambda: main(a.device), 2, __file__, "--device", a.device)

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import functp  # noqa: E402
 from functp import P  # noqa: E402
 from _block import init_params, local_loss, tp_specs  # noqa: E402
+from _run import main_or_launch  # noqa: E402
 
 SIZES = {"small": (64, 256), "medium": (256, 1024)}     # (hidden, ffn)
 HEADS, SEQ, BATCH = 8, 32, 8
@@ -112,8 +113,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:
-        from torch.distributed.run import main as torchrun
-        torchrun(["--standalone", "--nproc-per-node", "4", __file__])
-    else:
-        main()
+    main_or_launch(main, 4, __file__)
