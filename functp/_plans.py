@@ -240,12 +240,13 @@ def _check_heads(root: nn.Module, name: str, x: torch.Tensor, spec: P, mesh: Mes
                 f"need it)")
 
 
-def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str,
-                     blocks: int) -> None:
+def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str) -> None:
+    packed = dict(spec.packed)
     for d in range(len(spec)):
         axes = spec.dim_axes(d)
         if not axes:
             continue
+        blocks = packed.get(d, 1)
         n = mesh.axis_size(axes) * blocks
         if x.shape[d] % n:
             packed = f" x {blocks} packed blocks" if blocks > 1 else ""
@@ -470,8 +471,8 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
     uncovered = [n for n in full if n not in specs]
     specs = {n: specs.get(n, P()) for n in full}
     for n, p in full.items():
-        desc, style = owners.get(n, ("(none)", _REPLICATED))
-        _check_divisible(n, p, specs[n], mesh, desc, style.blocks)
+        desc = owners[n][0] if n in owners else "(none)"
+        _check_divisible(n, p, specs[n], mesh, desc)
         _check_heads(module, n, p, specs[n], mesh, desc)
     if not auto:            # transformers replicates what its plan leaves out
         _warn_plan(module, unused, uncovered, axis, full)

@@ -76,13 +76,10 @@ class Style:
         functp.register_style("gathered_colwise", GatheredColwise())
     """
 
-    #: how many equal blocks a sharded dimension packs (2 for a fused gate_up weight):
-    #: each rank gets its slice of every block, and sizes must divide by blocks * size
-    blocks: int = 1
-
     def param_specs(self, module: nn.Module, axis: str) -> dict[str, P]:
         """Specs (over ``axis``) of the module's own parameters, by short name. A
-        parameter left out is replicated and counts as not covered by the plan."""
+        parameter left out is replicated and counts as not covered by the plan; a
+        fused weight says so with ``P(..., packed={dim: blocks})``."""
         return {n: P() for n, _ in module.named_parameters(recurse=False)}
 
     def withheld(self, module: nn.Module) -> tuple[str, ...]:
