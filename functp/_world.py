@@ -208,10 +208,13 @@ def new_group(members: tuple[int, ...], tag: str) -> str:
     return name
 
 
+# torch 2.14 made it public (the private name warns there); 2.13 has only the private one
+_set_pg_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+
+
 def set_timeout(name: str, timeout: datetime.timedelta) -> None:
     """Sets how long collectives of the c10d group ``name`` (simulated or not) wait."""
-    dist.distributed_c10d._set_pg_timeout(
-        timeout, dist.distributed_c10d._resolve_process_group(name))
+    _set_pg_timeout(timeout, dist.distributed_c10d._resolve_process_group(name))
 
 
 def check_collective() -> None:
