@@ -449,7 +449,7 @@ def _build_variants(layout, size, n, dtype, compile_backend):
             out.append(Variant(name, "functp", step, functp_full(step, apply.unshard),
                                note="functp.parallelize (colwise/rowwise styles)"))
     for backend in [b for b in compile_backend.split(",") if b and b != "none"]:
-        sm = functp.shard_map(body, mesh, in_specs=in_specs, out_specs=functp.P(), check_vma=False)
+        sm = functp.shard_map(body, mesh, in_specs=in_specs, out_specs=functp.P())
         graphs = []           # (kind, collectives) of every graph compiled
         compiled = torch.compile(sm, fullgraph=True, backend=_counting_backend(backend, graphs))
         cparams = {k: v.clone().requires_grad_() for k, v in local.items()}
@@ -463,8 +463,7 @@ def _build_variants(layout, size, n, dtype, compile_backend):
                            note="forward torch.compile(fullgraph=True), backward torch.autograd.grad; "
                                 "collectives counted in the compiled graphs", may_fail=True))
         out[-1].graphs, out[-1].expected_graphs = graphs, 2
-        # the whole torch.func.grad step in one graph (the body uses check_vma=False
-        # rules while Dynamo traces; the gradients are the same)
+        # the whole torch.func.grad step in one graph
         ggraphs = []
         gsm = functp.shard_map(body, mesh, in_specs=in_specs, out_specs=functp.P())
         gcompiled = torch.compile(torch.func.grad_and_value(gsm), fullgraph=True,
@@ -1221,7 +1220,7 @@ def main(argv=None):
     for c in merged["compile"]:       # compiled / the same step eager: the ratio of their ratios to hand
         pair = {r["variant"]: r for r in merged["rows"]
                 if (r["nproc"], r["layout"], r["size"]) == (c["nproc"], c["layout"], c["size"])}
-        eager = "functp grad vma" if "compiled grad" in c["variant"] else "functp tape novma"
+        eager = "functp grad vma" if "compiled grad" in c["variant"] else "functp tape vma"
         if eager in pair and c["variant"] in pair:
             c["vs_eager"] = pair[c["variant"]]["ratio"] / pair[eager]["ratio"]
     import _models as M

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable
 
 import optree
@@ -38,8 +39,8 @@ def shard_map(f: Callable | None = None, mesh: Mesh | None = None, in_specs: Any
     ``check_vma`` – track which mesh axes every value varies over (JAX's vma): the
     fewest backward collectives, and an error when an output declared replicated is
     not. ``False`` skips tracking and uses sum-semantics boundary rules instead (same
-    gradients, some extra backward all-reduces). Under ``torch.compile`` the body
-    always runs with the ``False`` rules (Dynamo cannot trace the tracking mode).
+    gradients, some extra backward all-reduces). Under ``torch.compile`` a body keeps
+    its rules: the compiled graph issues the same collectives as the eager step.
     ``axis_names`` – the mesh axes the body is manual over (default: all). Specs and
     collectives may name only these; along the others values stay whole. A
     shard_map called inside another body must name axes the outer one does not:
@@ -119,6 +120,34 @@ def _manual_axes(mesh: Mesh, axis_names) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a in names)
 
 
+def _opaque(body: "_Body") -> Callable | None:
+    """The body as Dynamo sees a vma body: one opaque call (``nonstrict_trace``),
+    which AOTAutograd then traces by running the body as Python on fake tensors. The
+    tracking mode runs there as in eager mode, so the compiled graph has the vma
+    rules' collectives, no more, and vma errors are raised while compiling. (Dynamo
+    cannot trace the mode itself: the tags live in the tensors' ``__dict__``.)
+    Dynamo accepts only functions made outside the region it compiles: ``None``
+    for a body made while it traces."""
+    if torch.compiler.is_dynamo_compiling():
+        return None
+    from torch._dynamo import disable, nonstrict_trace   # (0.3 s, at the first shard_map)
+
+    # A closure (Dynamo drops a bound method's self). AOTAutograd runs it, not Dynamo;
+    # should Dynamo fall back to running it (a graph break), it must not trace it
+    # either, or it would meet this call again.
+    def run(*args):
+        try:
+            return body._run(args, None)
+        except ShardingError as e:
+            if torch.compiler.is_compiling():
+                # with fullgraph=True Dynamo reports only "Unsupported output type for
+                # nonstrict_trace-ed function", without this error's text
+                warnings.warn(f"torch.compile could not trace the shard_map body "
+                              f"{body.name!r}: {e}", stacklevel=2)
+            raise
+    return nonstrict_trace(disable(run))
+
+
 class _InPlan:
     """What shard_map knows of one input tree (its structure and leaf types) once
     it has checked it: printable paths, normalized specs (None for non-tensors),
@@ -145,6 +174,7 @@ class _Body:
         self._in_plans: dict = {}
         self._out_plans: dict = {}
         self._axis_groups: dict = {}     # manual axes -> {axis name: AxisGroup}, for frames
+        self._opaque = _opaque(self) if check_vma else None
 
     def __call__(self, *args, **kwargs):
         if kwargs:
@@ -228,7 +258,16 @@ class _Body:
         return hit
 
     def _run(self, args, outer: _context.Frame | None):
-        compiling = torch.compiler.is_compiling()
+        if outer is None and self.check_vma and torch.compiler.is_dynamo_compiling():
+            if self._opaque is None:
+                raise ShardingError(
+                    f"shard_map of {self.name!r} was made inside a torch.compile region "
+                    f"and called there; with check_vma=True make it outside, once "
+                    f"(functp.shard_map(...) before torch.compile), or pass check_vma=False")
+            return self._opaque(*args)
+        # Dynamo traces this call (a check_vma=False body): no tracking, no caches
+        compiling = torch.compiler.is_dynamo_compiling()
+        tracing = compiling or torch.compiler.is_compiling()   # or AOTAutograd does
         leaves, treespec = optree.tree_flatten(args)
         plan = self._in_plan(args, leaves, treespec, compiling)
         leaves, specs = self._local_inputs(plan, leaves, compiling)
@@ -236,7 +275,7 @@ class _Body:
         base = None
         if outer is None:
             manual = self.axes
-            tracker = Tracker(self.mesh) if self.check_vma and not compiling else None
+            tracker = Tracker(self.mesh, tracing) if self.check_vma and not compiling else None
         else:   # the inputs are whole along our axes: take this rank's blocks
             manual = tuple(a for a in self.mesh.axis_names if a in self.axes or a in outer.manual)
             tracker = outer.tracker
@@ -244,7 +283,7 @@ class _Body:
                 base = [tracker.get(x) if s is not None else None for x, s in zip(local, specs)]
             for i in plan.tensors:
                 local[i] = self._take_block(plan.paths[i], local[i], specs[i])
-        if _crosscheck.ENABLED and not compiling:    # ranks agree on the blocks
+        if _crosscheck.ENABLED and not tracing:    # ranks agree on the blocks
             _crosscheck.boundary(self.mesh, self.name, "entry", plan.paths, local)
             if outer is None:     # (a nested body's blocks carry the outer vma tags)
                 local = _crosscheck.mark(self.mesh, self.name, "backward done", local)
@@ -270,7 +309,7 @@ class _Body:
             tracker.mode.finish(out)   # a custom Function's output returned as it is
         try:
             out = self._outputs(out, rules, tracker, outer is not None, compiling)
-            if _crosscheck.ENABLED and not compiling:
+            if _crosscheck.ENABLED and not tracing:
                 out = self._check_outputs(out, outer is None)
             return out
         finally:

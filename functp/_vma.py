@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from . import _ops
+from ._errors import ShardingError
 from ._mesh import Mesh
 from ._precision import floating
 
@@ -38,13 +39,24 @@ def _under_vmap(t: torch.Tensor) -> bool:
         t = _unwrap(t)
 
 
+def _closed_over(t: torch.Tensor):
+    # every tensor the body gets or makes is tagged, so an untagged one was closed
+    # over; torch.compile's trace makes it a constant, and its gradient would be lost
+    raise ShardingError(
+        f"a shard_map body under torch.compile uses a tensor of shape {tuple(t.shape)} "
+        f"that requires grad but is not one of its arguments (it closes over it); "
+        f"compiled, it would be a constant and get no gradient. Pass it as an argument "
+        f"with an in_spec, or detach it if it needs no gradient")
+
+
 class Tracker:
     """The vma of every tensor made while one shard_map body runs."""
 
     _runs = 0
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, mesh: Mesh, compiled: bool = False):
         self.mesh = mesh
+        self.compiled = compiled  # traced for torch.compile: closed-over tensors are constants
         self.mode = None          # the UnionRule applying the rule with these tags
         self._groups: dict[frozenset, object] = {}
         # tags live on the tensors themselves (a dict keyed by tensor costs a weak
@@ -129,6 +141,8 @@ class Tracker:
             v = self.get(_unwrap(t))
         else:
             v = EMPTY
+            if self.compiled and t.requires_grad:
+                _closed_over(t)
         base = t._base
         if base is None:
             return v

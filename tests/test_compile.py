@@ -155,3 +155,133 @@ def _compiled_plan_body():
 
 def test_compiled_func_grad_of_a_plan_matches_unsharded(run):
     run(2, _compiled_plan_body, timeout=600)
+
+
+# ---------------------------------------------------------------------------------
+# A compiled vma body keeps the vma rules: the compiled graphs issue exactly the
+# collectives the eager step does (comm_log), and a vma error is raised while compiling.
+
+def _graph_collectives(gm) -> list[str]:
+    return [n.target._opname for n in gm.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+            and n.target.namespace == "_c10d_functional" and n.target._opname != "wait_tensor"]
+
+
+def _counting_aot_eager(found: list):
+    import functools
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    def compiler(gm, example_inputs):
+        found.extend(_graph_collectives(gm))
+        return boxed_nop(gm, example_inputs)
+    return functools.partial(aot_eager, fw_compiler=compiler, bw_compiler=compiler)
+
+
+def _compiled_collectives_body(layout):
+    shape, names, local_loss, in_specs = _LAYOUTS[layout]
+    mesh = functp.make_mesh(shape, names)
+    local = functp.shard((_params(), randn(8, 4, seed=5), randn(8, 4, seed=6)), mesh, in_specs)
+    step = torch.func.grad_and_value(
+        functp.shard_map(local_loss, mesh, in_specs=in_specs, out_specs=P()))
+    with functp.comm_log() as log:
+        eager = step(*local)
+    torch._dynamo.reset()
+    found: list = []
+    got = torch.compile(step, fullgraph=True, backend=_counting_aot_eager(found))(*local)
+    assert_tree_close(got, eager, f"{layout}: compiled against eager")
+    assert len(found) == len(log), (
+        f"{layout}: the compiled graphs issue {len(found)} collectives {sorted(found)}, "
+        f"eager vma {len(log)}: {log.summary()}")
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_compiled_vma_body_issues_the_eager_collectives(run, layout):
+    run(4, _compiled_collectives_body, layout, timeout=600)
+
+
+def _raised(info) -> list[str]:
+    """The chain of exceptions behind ``info`` (Dynamo wraps the body's error)."""
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    return chain
+
+
+def _compiled_vma_error_body():
+    mesh = functp.make_mesh((2,), ("tp",))
+    step = functp.shard_map(lambda w: w * 2, mesh, in_specs=P("tp"), out_specs=P())
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info, pytest.warns(UserWarning) as warned:
+            torch.compile(step, fullgraph=fullgraph, backend="aot_eager")(torch.ones(2))
+        error = "output varies over mesh axis 'tp' but out_specs P() says it is replicated"
+        # fullgraph=False: Dynamo falls back to eager, which raises the error itself
+        assert fullgraph or isinstance(info.value, functp.ShardingError), _raised(info)
+        assert any(error in c for c in _raised(info)), _raised(info)
+        # fullgraph=True shows only Dynamo's own message: the warning says why
+        assert any(error in str(w.message) for w in warned), [str(w.message) for w in warned]
+
+
+def test_compiled_vma_body_raises_the_vma_error(run):
+    run(2, _compiled_vma_error_body, timeout=600)
+
+
+def _compiled_closure_body():
+    mesh = functp.make_mesh((2,), ("tp",))
+    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    step = functp.shard_map(lambda w: functp.psum((w * scale).sum(), "tp"), mesh,
+                            in_specs=P("tp"), out_specs=P())
+    w = randn(2, seed=1).requires_grad_()
+    step(w).backward()           # eager: the closed-over tensor gets its gradient
+    assert scale.grad is not None
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info, pytest.warns(UserWarning):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(w)
+    assert any("requires grad but is not one of its arguments" in c
+               for c in _raised(info)), _raised(info)
+    # detached, it is a constant: compiled and eager agree
+    const = scale.detach()
+    step = functp.shard_map(lambda w: functp.psum((w * const).sum(), "tp"), mesh,
+                            in_specs=P("tp"), out_specs=P())
+    torch._dynamo.reset()
+    eager = torch.autograd.grad(step(w), w)
+    got = torch.autograd.grad(torch.compile(step, fullgraph=True, backend="aot_eager")(w), w)
+    assert_tree_close(got, eager, "a closed-over constant")
+
+
+def test_compiled_vma_body_refuses_a_closed_over_tensor_that_needs_a_gradient(run):
+    run(2, _compiled_closure_body, timeout=600)
+
+
+def _compiled_features_body():
+    """functp.checkpoint, unreduced and mixed precision inside a compiled vma body
+    (AOTAutograd runs their Python while it traces): the eager step's values and
+    collectives."""
+    shape, names, _, in_specs = _LAYOUTS["dp_tp"]
+    mesh = functp.make_mesh(shape, names)
+    local = functp.shard((_params(), randn(8, 4, seed=5), randn(8, 4, seed=6)), mesh, in_specs)
+
+    def loss(p, x, y):
+        return functp.pmean(functp.checkpoint(_tp_loss)(p, x, y), "dp")
+    steps = {
+        "checkpoint": functp.shard_map(loss, mesh, in_specs=in_specs, out_specs=P()),
+        "unreduced": functp.shard_map(loss, mesh, in_specs=in_specs, out_specs=P(),
+                                      unreduced="dp"),
+        "mixed precision": functp.shard_map(
+            _tp2d_loss, mesh, in_specs=in_specs, out_specs=P(),
+            mixed_precision=functp.MixedPrecision(param_dtype=torch.float32)),
+    }
+    for what, step in steps.items():
+        step = torch.func.grad_and_value(step)
+        with functp.comm_log() as log:
+            eager = step(*local)
+        torch._dynamo.reset()
+        found: list = []
+        got = torch.compile(step, fullgraph=True, backend=_counting_aot_eager(found))(*local)
+        assert_tree_close(got, eager, f"{what}: compiled against eager")
+        assert len(found) == len(log), (what, sorted(found), log.summary())
+
+
+def test_compiled_vma_body_with_remat_unreduced_and_mixed_precision(run):
+    run(4, _compiled_features_body, timeout=600)
