@@ -493,11 +493,23 @@ def _build_variants(layout, size, n, dtype, compile_backend):
         def ufull():
             loss, grads = ustep()
             return loss.detach(), dict(zip([k for k, _ in umod.named_parameters()], grads))
+        uloss = lambda p: M.mse(M.forward(p, x, L), y)
+        ugrad = torch.func.grad_and_value(uloss)
+
+        def gstep():
+            grads, loss = ugrad(full_p)
+            return loss, grads
+        gfull = lambda: (lambda g, l: (l.detach(), g))(*ugrad(full_p))
     else:
-        ustep = lambda: None
-        ufull = lambda: (None, None)
+        ustep = gstep = lambda: None
+        ufull = gfull = lambda: (None, None)
     out.append(Variant("unsharded (rank 0)", "unsharded", ustep, ufull, rank0_only=True,
                        note="the whole model on one process; the others wait"))
+    # what torch.func.grad itself costs over tape autograd, with no collective at all:
+    # it differentiates with create_graph=True, so the backward is recorded too and
+    # no saved activation is freed before the step ends
+    out.append(Variant("unsharded grad (rank 0)", "unsharded", gstep, gfull, rank0_only=True,
+                       note="torch.func.grad_and_value of the model function on one process"))
     return out
 
 
@@ -836,6 +848,65 @@ def _status_bytes(key):
         return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
+class _LiveBytes:
+    """The peak, during one step, of the bytes held by tensor storages the step
+    allocated (a ``TorchDispatchMode`` sees every op's outputs; a storage counts until
+    it is freed). Deterministic, unlike resident memory: what a caching GPU allocator's
+    ``max_memory_allocated`` would report, less the allocator's rounding. Tensors made
+    below the dispatcher (a C++ reducer's buffers) are not seen."""
+
+    def __init__(self):
+        import torch
+        import torch.utils._pytree as pytree
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import TorchDispatchMode
+        live = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                # a view's or an in-place op's output has its input's storage: one
+                # not seen yet was allocated before the step (a parameter)
+                given = {live.key(t) for t in pytree.tree_leaves((args, kwargs))
+                         if isinstance(t, torch.Tensor)}
+                for t in pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        live.add(t, StorageWeakRef, given)
+                return out
+        self.mode, self.refs, self.peak = Mode(), {}, 0
+
+    @staticmethod
+    def key(t):
+        try:
+            return t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):   # a subclass without a storage
+            return None
+
+    def add(self, t, weak_ref, given) -> None:
+        key = self.key(t)
+        if key and key not in given and (key not in self.refs or self.refs[key][0].expired()):
+            st = t.untyped_storage()
+            self.refs[key] = (weak_ref(st), st.nbytes())
+        total = 0
+        for k, (ref, nbytes) in list(self.refs.items()):
+            if ref.expired():
+                del self.refs[k]
+            else:
+                total += nbytes
+        self.peak = max(self.peak, total)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _fmt_mib(x) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
 def _peak_rss_rise(fn):
     """Peak resident memory during ``fn()`` above what was resident before it: freed
     heap memory is given back first (malloc_trim), then the kernel's peak-RSS mark is
@@ -928,11 +999,11 @@ def _bench_layout(layout, size, n, args, compile_info, drop=()):
         logs[v.name] = (len(log), sum(e.nbytes for e in log.events)) if v.kind == "functp" else None
     # per rank: the Python calls (functions and builtins) of one step, and how far
     # one step raises peak memory (the smaller of 2)
-    pycalls, mem = {}, {}
+    pycalls, mem, live = {}, {}, {}
     for v in variants:
         dist.barrier()
         if v.rank0_only and rank != 0:
-            pycalls[v.name] = mem[v.name] = 0
+            pycalls[v.name] = mem[v.name] = live[v.name] = 0
             continue
         prof = cProfile.Profile()
         prof.enable()
@@ -940,6 +1011,10 @@ def _bench_layout(layout, size, n, args, compile_info, drop=()):
         prof.disable()
         pycalls[v.name] = pstats.Stats(prof).total_calls
         mem[v.name] = min(_peak_rss_rise(v.step) for _ in range(2))
+        if getattr(v, "graphs", None) is None and _DEVICE == "cpu":
+            with _LiveBytes() as lb:     # (Dynamo refuses to run under a dispatch mode)
+                v.step()
+            live[v.name] = lb.peak
     dist.barrier()
     # timing: variants alternate, the order rotating every round
     times = {k: [] for k in names}
@@ -953,7 +1028,7 @@ def _bench_layout(layout, size, n, args, compile_info, drop=()):
                 _sync()
             times[v.name].append(time.perf_counter() - t0)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"times": times, "mem": mem})
+    dist.all_gather_object(everyone, {"times": times, "mem": mem, "live": live})
     rows = []
     if rank != 0:
         return rows
@@ -974,6 +1049,8 @@ def _bench_layout(layout, size, n, args, compile_info, drop=()):
                "bytes": sum(b for _, b in c.values()),
                "by_op": {op: list(cb) for op, cb in sorted(c.items())},
                "peak_mib": max(e["mem"][v.name] for e in everyone) / 2 ** 20,
+               "live_mib": (max(e["live"].get(v.name, 0) for e in everyone) / 2 ** 20
+                            if v.name in live else None),
                "py_calls": pycalls[v.name],        # rank 0's
                "first_step_s": warm.get(v.name)}
         if logs.get(v.name) is not None:
@@ -1085,7 +1162,7 @@ def _fmt_bytes(b):
 def _table(result) -> str:
     lines = []
     hdr = (f"{'n':>1} {'layout':6} {'size':6} {'variant':32} {'ms':>8} {'/hand':>6} {'p10-p90':>11} "
-           f"{'colls':>5} {'bytes':>8} {'peakMiB':>7} {'pycalls':>7}")
+           f"{'colls':>5} {'bytes':>8} {'peakMiB':>7} {'liveMiB':>7} {'pycalls':>7}")
     lines.append(hdr)
     lines.append("-" * len(hdr))
     prev = None
@@ -1097,7 +1174,7 @@ def _table(result) -> str:
         lines.append(f"{r['nproc']:>1} {r['layout']:6} {r['size']:6} {r['variant'][:32]:32} {r['ms']:8.2f} "
                      f"{r['ratio']:6.2f} {r['ratio_p10']:5.2f}-{r['ratio_p90']:<5.2f} "
                      f"{r['collectives']:5d} {_fmt_bytes(r['bytes']):>8} {r['peak_mib']:7.2f} "
-                     f"{r.get('py_calls', 0):7d}")
+                     f"{_fmt_mib(r.get('live_mib')):>7} {r.get('py_calls', 0):7d}")
     if result["skipped"]:
         lines.append("")
         for s in result["skipped"]:
@@ -1127,12 +1204,30 @@ def _table(result) -> str:
     return "\n".join(lines)
 
 
+def _memory_table(groups) -> str:
+    """Live tensor memory at the step's peak, as a ratio to the hand-written step's;
+    the last column is torch.func.grad's own cost (unsharded, no collectives)."""
+    cols = ["functp grad vma", "functp tape vma", "functp grad novma", "functp tape novma"]
+    lines = ["| n | layout | size | hand live MiB | " + " | ".join(c[len("functp "):] for c in cols)
+             + " | unsharded: grad / tape |", "|---" * (5 + len(cols)) + "|"]
+    for (n, layout, size), rs in groups.items():
+        by = {r["variant"]: r.get("live_mib") for r in rs}
+        hand = by.get("hand")
+        if not hand:
+            continue
+        cells = [f"{by[c] / hand:.2f}" if by.get(c) else "–" for c in cols]
+        ug, ut = by.get("unsharded grad (rank 0)"), by.get("unsharded (rank 0)")
+        cells.append(f"{ug / ut:.2f}" if ug and ut else "–")
+        lines.append(f"| {n} | {layout} | {size} | {hand:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _markdown(result) -> str:
     """The README's tables: ratios at a glance, then every row."""
     rows, out = result["rows"], []
     cols = ["functp grad vma", "functp grad novma", "functp tape vma", "functp tape novma",
             "functp plan grad vma", "functp compiled tape", "functp compiled grad", "spmd_types",
-            "torch", "unsharded (rank 0)"]
+            "torch", "unsharded (rank 0)", "unsharded grad (rank 0)"]
     out.append("| n | layout | size | hand ms | " + " | ".join(
         c.replace("functp ", "") if c != "torch" else "PyTorch" for c in cols) + " |")
     out.append("|---" * (4 + len(cols)) + "|")
@@ -1149,13 +1244,16 @@ def _markdown(result) -> str:
                          (f"{r['ratio']:.2f} ({r['variant']})" if c == "torch" else f"{r['ratio']:.2f}"))
         out.append(f"| {n} | {layout} | {size} | {by['hand']['ms']:.1f} | " + " | ".join(cells) + " |")
     out.append("")
-    out.append("| n | layout | size | variant | ms | / hand | p10–p90 | collectives | bytes | by op | peak MiB | Python calls |")
-    out.append("|---|---|---|---|---:|---:|---|---:|---:|---|---:|---:|")
+    out.append(_memory_table(groups))
+    out.append("")
+    out.append("| n | layout | size | variant | ms | / hand | p10–p90 | collectives | bytes | by op | peak MiB | live MiB | Python calls |")
+    out.append("|---|---|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|")
     for r in rows:
         ops = ", ".join(f"{op} {c}" for op, (c, _) in r["by_op"].items()) or "–"
         out.append(f"| {r['nproc']} | {r['layout']} | {r['size']} | {r['variant']} | {r['ms']:.1f} | "
                    f"{r['ratio']:.2f} | {r['ratio_p10']:.2f}–{r['ratio_p90']:.2f} | {r['collectives']} | "
-                   f"{_fmt_bytes(r['bytes'])} | {ops} | {r['peak_mib']:.2f} | {r.get('py_calls', '–')} |")
+                   f"{_fmt_bytes(r['bytes'])} | {ops} | {r['peak_mib']:.2f} | "
+                   f"{_fmt_mib(r.get('live_mib'))} | {r.get('py_calls', '–')} |")
     if result["compile"]:
         out.append("")
         out.append("| n | layout | size | compiled step | first call (compile) s | graph breaks | Dynamo graphs | compiled / eager |")

@@ -271,7 +271,10 @@ pvary = _define(
 
 
 def bucketed_psum(ts, group: str, sum_mode: bool) -> list[torch.Tensor]:
-    """``psum`` of each tensor, with one all-reduce per dtype."""
+    """``psum`` of each tensor, with one all-reduce per dtype. A bucket nobody will
+    differentiate (grad off: a first-order tape backward) is reduced in place, as
+    DDP does: an out-of-place all-reduce would hold a second bucket's worth of
+    memory at the backward's peak."""
     out: list[Any] = [None] * len(ts)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(ts):
@@ -280,7 +283,11 @@ def bucketed_psum(ts, group: str, sum_mode: bool) -> list[torch.Tensor]:
         if len(idx) == 1:
             out[idx[0]] = psum(ts[idx[0]], group, False, sum_mode)
             continue
-        flat = psum(torch.cat([ts[i].reshape(-1) for i in idx]), group, False, sum_mode)
+        flat = torch.cat([ts[i].reshape(-1) for i in idx])
+        if torch.is_grad_enabled() or _peek() is not None or torch.compiler.is_compiling():
+            flat = psum(flat, group, False, sum_mode)
+        else:
+            flat = prim.all_reduce_inplace(flat, group_of(group))
         for i, piece in zip(idx, flat.split([ts[i].numel() for i in idx])):
             out[i] = piece.view(ts[i].shape)
     return out

@@ -58,6 +58,16 @@ def all_reduce(x: torch.Tensor, g: AxisGroup, op: str = "sum") -> torch.Tensor:
     return _wait(_ops.all_reduce(x.contiguous(), op, g.group_name), f"all_reduce({op})", g)
 
 
+def all_reduce_inplace(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """The sum over the group, written into ``x`` (contiguous, and not needed
+    afterwards by anyone else: a gradient bucket) instead of a new buffer."""
+    if g.size == 1:
+        return x
+    _record("all_reduce", g, x, "(sum)")
+    _wait(_ops.all_reduce_(x, "sum", g.group_name), "all_reduce(sum)", g)
+    return x
+
+
 def all_gather(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
     """Concatenates every rank's ``x`` along ``dim`` (tiled all-gather)."""
     if g.size == 1:
