@@ -39,9 +39,19 @@ def _under_vmap(t: torch.Tensor) -> bool:
         t = _unwrap(t)
 
 
+def _real(t: torch.Tensor) -> bool:
+    """Does ``t`` hold data, while torch.compile traces a body on fake tensors? Then
+    the body did not make it or get it as an argument: it closes over it."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    while _is_wrapped(t):
+        t = _unwrap(t)
+    return not isinstance(t, (FakeTensor, FunctionalTensor)) and not torch._is_functional_tensor(t)
+
+
 def _closed_over(t: torch.Tensor):
-    # every tensor the body gets or makes is tagged, so an untagged one was closed
-    # over; torch.compile's trace makes it a constant, and its gradient would be lost
+    # torch.compile's trace makes a closed-over tensor a constant: its gradient
+    # would be lost
     raise ShardingError(
         f"a shard_map body under torch.compile uses a tensor of shape {tuple(t.shape)} "
         f"that requires grad but is not one of its arguments (it closes over it); "
@@ -141,7 +151,7 @@ class Tracker:
             v = self.get(_unwrap(t))
         else:
             v = EMPTY
-            if self.compiled and t.requires_grad:
+            if self.compiled and t.requires_grad and _real(t):
                 _closed_over(t)
         base = t._base
         if base is None:

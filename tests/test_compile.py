@@ -248,6 +248,17 @@ def _compiled_closure_body():
     eager = torch.autograd.grad(step(w), w)
     got = torch.autograd.grad(torch.compile(step, fullgraph=True, backend="aot_eager")(w), w)
     assert_tree_close(got, eager, "a closed-over constant")
+    # an invariant the body makes with a keyword op (left untagged by the tracking
+    # mode: untagged means invariant) is not taken for a closed-over tensor
+    x = randn(3, 4, seed=2).requires_grad_()
+    step = functp.shard_map(
+        lambda w, x: functp.psum((x / x.mean(-1, keepdim=True) * w.sum()).sum(), "tp"),
+        mesh, in_specs=(P("tp"), P()), out_specs=P())
+    torch._dynamo.reset()
+    eager = torch.autograd.grad(step(w, x), (w, x))
+    got = torch.autograd.grad(
+        torch.compile(step, fullgraph=True, backend="aot_eager")(w, x), (w, x))
+    assert_tree_close(got, eager, "an invariant made with a keyword op")
 
 
 def test_compiled_vma_body_refuses_a_closed_over_tensor_that_needs_a_gradient(run):
