@@ -1018,17 +1018,19 @@ def _bench_layout(layout, size, n, args, compile_info, drop=()):
     dist.barrier()
     # timing: variants alternate, the order rotating every round
     times = {k: [] for k in names}
+    cpu = {k: [] for k in names}       # this process's CPU time (all its threads)
     for i in range(args.steps):
         k = i % len(variants)
         for v in variants[k:] + variants[:k]:
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             if not (v.rank0_only and rank != 0):
                 v.step()
                 _sync()
             times[v.name].append(time.perf_counter() - t0)
+            cpu[v.name].append(time.process_time() - c0)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"times": times, "mem": mem, "live": live})
+    dist.all_gather_object(everyone, {"times": times, "cpu": cpu, "mem": mem, "live": live})
     rows = []
     if rank != 0:
         return rows
@@ -1038,13 +1040,20 @@ def _bench_layout(layout, size, n, args, compile_info, drop=()):
                   [max(e["times"][k][i] for e in everyone) for i in range(args.steps)])
               for k in names}
     hand = step_t["hand"]
+    # a step's CPU time: the sum over its ranks (the work done, whatever the wait)
+    step_cpu = {k: [sum(e["cpu"][k][i] for e in everyone) for i in range(args.steps)]
+                for k in names}
     for v in variants:
         ratios = [a / b for a, b in zip(step_t[v.name], hand)]
+        cratios = [a / b for a, b in zip(step_cpu[v.name], step_cpu["hand"])]
         c = counts[v.name]
         row = {"nproc": n, "layout": layout, "size": size, "variant": v.name, "kind": v.kind,
                "note": v.note, "ms": 1e3 * statistics.median(step_t[v.name]),
                "ratio": statistics.median(ratios), "ratio_p10": _quantile(ratios, 0.1),
                "ratio_p90": _quantile(ratios, 0.9),
+               "cpu_ms": 1e3 * statistics.median(step_cpu[v.name]),
+               "cpu_ratio": statistics.median(cratios),
+               "cpu_ratio_p10": _quantile(cratios, 0.1), "cpu_ratio_p90": _quantile(cratios, 0.9),
                "collectives": sum(cnt for cnt, _ in c.values()),
                "bytes": sum(b for _, b in c.values()),
                "by_op": {op: list(cb) for op, cb in sorted(c.items())},
@@ -1162,7 +1171,7 @@ def _fmt_bytes(b):
 def _table(result) -> str:
     lines = []
     hdr = (f"{'n':>1} {'layout':6} {'size':6} {'variant':32} {'ms':>8} {'/hand':>6} {'p10-p90':>11} "
-           f"{'colls':>5} {'bytes':>8} {'peakMiB':>7} {'liveMiB':>7} {'pycalls':>7}")
+           f"{'cpu/hand':>8} {'colls':>5} {'bytes':>8} {'peakMiB':>7} {'liveMiB':>7} {'pycalls':>7}")
     lines.append(hdr)
     lines.append("-" * len(hdr))
     prev = None
@@ -1173,7 +1182,7 @@ def _table(result) -> str:
         prev = key
         lines.append(f"{r['nproc']:>1} {r['layout']:6} {r['size']:6} {r['variant'][:32]:32} {r['ms']:8.2f} "
                      f"{r['ratio']:6.2f} {r['ratio_p10']:5.2f}-{r['ratio_p90']:<5.2f} "
-                     f"{r['collectives']:5d} {_fmt_bytes(r['bytes']):>8} {r['peak_mib']:7.2f} "
+                     f"{r.get('cpu_ratio', float('nan')):8.2f} {r['collectives']:5d} {_fmt_bytes(r['bytes']):>8} {r['peak_mib']:7.2f} "
                      f"{_fmt_mib(r.get('live_mib')):>7} {r.get('py_calls', 0):7d}")
     if result["skipped"]:
         lines.append("")
@@ -1201,6 +1210,23 @@ def _table(result) -> str:
             lines.append(f"  {o['nproc']:>1} {o['method']:44} {o['us_per_call']:8.0f} "
                          f"{o['us_per_call_p10']:5.0f}-{o['us_per_call_p90']:<6.0f} "
                          f"{o['collectives_per_call']:10.1f} {o['one_call_us']:9.0f}")
+    return "\n".join(lines)
+
+
+def _ratio_table(groups, cols, key, first, first_key) -> str:
+    """One cell per variant: its ``key`` ratio to the hand-written step."""
+    lines = [f"| n | layout | size | {first} | " + " | ".join(
+        c.replace("functp ", "") if c != "torch" else "PyTorch" for c in cols) + " |",
+        "|---" * (4 + len(cols)) + "|"]
+    for (n, layout, size), rs in groups.items():
+        by = {r["variant"]: r for r in rs}
+        cells = []
+        for c in cols:
+            r = (next((r for r in rs if r["kind"] == "torch"), None) if c == "torch" else
+                 next((r for r in rs if r["variant"].startswith(c)), None))
+            cells.append("–" if r is None or key not in r else f"{r[key]:.2f}")
+        lines.append(f"| {n} | {layout} | {size} | {by['hand'].get(first_key, float('nan')):.1f} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -1244,14 +1270,19 @@ def _markdown(result) -> str:
                          (f"{r['ratio']:.2f} ({r['variant']})" if c == "torch" else f"{r['ratio']:.2f}"))
         out.append(f"| {n} | {layout} | {size} | {by['hand']['ms']:.1f} | " + " | ".join(cells) + " |")
     out.append("")
+    out.append(_ratio_table(groups, cols, "cpu_ratio", "hand CPU ms", "cpu_ms"))
+    out.append("")
     out.append(_memory_table(groups))
     out.append("")
-    out.append("| n | layout | size | variant | ms | / hand | p10–p90 | collectives | bytes | by op | peak MiB | live MiB | Python calls |")
-    out.append("|---|---|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|")
+    out.append("| n | layout | size | variant | ms | / hand | p10–p90 | CPU / hand | p10–p90 | collectives | bytes | by op | peak MiB | live MiB | Python calls |")
+    out.append("|---|---|---|---|---:|---:|---|---:|---|---:|---:|---|---:|---:|---:|")
     for r in rows:
         ops = ", ".join(f"{op} {c}" for op, (c, _) in r["by_op"].items()) or "–"
         out.append(f"| {r['nproc']} | {r['layout']} | {r['size']} | {r['variant']} | {r['ms']:.1f} | "
-                   f"{r['ratio']:.2f} | {r['ratio_p10']:.2f}–{r['ratio_p90']:.2f} | {r['collectives']} | "
+                   f"{r['ratio']:.2f} | {r['ratio_p10']:.2f}–{r['ratio_p90']:.2f} | "
+                   f"{r.get('cpu_ratio', float('nan')):.2f} | "
+                   f"{r.get('cpu_ratio_p10', float('nan')):.2f}–{r.get('cpu_ratio_p90', float('nan')):.2f} | "
+                   f"{r['collectives']} | "
                    f"{_fmt_bytes(r['bytes'])} | {ops} | {r['peak_mib']:.2f} | "
                    f"{_fmt_mib(r.get('live_mib'))} | {r.get('py_calls', '–')} |")
     if result["compile"]:
