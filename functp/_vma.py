@@ -39,6 +39,20 @@ def _under_vmap(t: torch.Tensor) -> bool:
         t = _unwrap(t)
 
 
+def _view_like(alias: torch.Tensor, t: torch.Tensor, views) -> torch.Tensor:
+    """The view of ``alias`` that ``t`` is of its input: the same view ops again, so
+    that the backward is theirs (w.T's is a transpose; an ``as_strided``'s fills a
+    zero tensor the size of w, then copies into it), else an ``as_strided``."""
+    if views is not None:
+        out = alias
+        for func, args, kwargs in views:
+            out = func(out, *args[1:], **kwargs) if kwargs else func(out, *args[1:])
+        if (isinstance(out, torch.Tensor) and out.shape == t.shape
+                and out.stride() == t.stride() and out.storage_offset() == t.storage_offset()):
+            return out
+    return alias.as_strided(t.size(), t.stride(), t.storage_offset())
+
+
 def _real(t: torch.Tensor) -> bool:
     """Does ``t`` hold data, while torch.compile traces a body on fake tensors? Then
     the body did not make it or get it as an argument: it closes over it."""
@@ -80,7 +94,9 @@ class Tracker:
         self._paused = 0
         self._entry: list[torch.Tensor] = []    # the body's replicated inputs
         self._aliases: list[dict] = []          # per input: {axes: alias}
-        self._alias_of: dict[int, tuple] = {}   # id of an input or a view of it -> (it, index)
+        # id of an input or a view of it -> (it, index, the view ops that made it from
+        # the input: (func, args, kwargs) each, or None if they cannot be replayed)
+        self._alias_of: dict[int, tuple] = {}
         self.entry_views = False                # is some aliased input itself a view?
         interp = _peek()       # the torch.func level the body's own tensors live at
         self.level = interp.level() if interp is not None else -1
@@ -104,7 +120,7 @@ class Tracker:
         slot = {}
         for j, i in enumerate(aliased, start=first):
             slot[i] = j
-            self._alias_of[id(local[i])] = (local[i], j)
+            self._alias_of[id(local[i])] = (local[i], j, ())
         self._entry.extend([local[i] for i in aliased])
         self._aliases.extend([{} for _ in aliased])
         for key, axes, idx in groups:
@@ -128,7 +144,7 @@ class Tracker:
             hit = self._alias_of.pop(id(x), None)
             if hit is not None:
                 j = hit[1]
-                self._alias_of[id(y)] = (y, j)
+                self._alias_of[id(y)] = (y, j, ())
                 self._entry[j] = y
                 aliases = self._aliases[j]
                 for axes, a in list(aliases.items()):
@@ -223,10 +239,12 @@ class Tracker:
                     and not _under_vmap(t)):
                 # an input (or a view of it): use its alias for these axes, viewed the
                 # same way, so its gradient joins the input's bucketed all-reduce
-                j = alias[1]
-                b = self._aliases[j][missing]
-                out = b if t is self._entry[j] else b.as_strided(t.size(), t.stride(),
-                                                                  t.storage_offset())
+                _, j, views = alias
+                out = self._aliases[j][missing]
+                if t is self._entry[j]:
+                    pass
+                else:
+                    out = _view_like(out, t, views)
             elif t.is_floating_point() or t.is_complex():
                 out = _ops.pvary([t], self._group(missing).key, False)[0]
             else:   # no gradient to sum: a change of type only

@@ -171,7 +171,7 @@ class UnionRule(TorchFunctionMode):
             if union and _level_of(out) > tr.level:
                 tr.set(out, union)
             if out._base is not None and tr._alias_of:
-                self._follow_views(out, args)
+                self._follow_views(out, func, args)
         elif union:
             self._tag(out, union)        # a tuple of tensors, or a tensor class not seen yet
         return out
@@ -191,7 +191,7 @@ class UnionRule(TorchFunctionMode):
         out = func(*args)
         self._tag(out, union)
         if tr._alias_of and isinstance(out, torch.Tensor) and out._base is not None:
-            self._follow_views(out, args)
+            self._follow_views(out, func, args)
         return out
 
     def _general(self, func, args, kwargs):
@@ -205,7 +205,7 @@ class UnionRule(TorchFunctionMode):
         args, kwargs, union = self._unify(args, kwargs, inplace)
         out = func(*args, **kwargs)
         if tr._alias_of and isinstance(out, torch.Tensor) and out._base is not None:
-            self._follow_views(out, args)
+            self._follow_views(out, func, args, kwargs)
         if union or inplace:
             self._tag(out, union)
             if inplace and isinstance(args[0], torch.Tensor) and args[0]._base is not None:
@@ -214,9 +214,10 @@ class UnionRule(TorchFunctionMode):
             self._tag(kwargs["out"], union)
         return out
 
-    def _follow_views(self, out: torch.Tensor, args) -> None:
+    def _follow_views(self, out: torch.Tensor, func, args, kwargs=None) -> None:
         """A view of a replicated input (or of a view of one) still counts as that
-        input (see pvary); a view of one of its *aliases* does not, although the
+        input (see pvary), with the view ops that made it, to make the same view of
+        the input's alias; a view of one of its *aliases* does not, although the
         aliases are views of the input too. (Callers check that ``out`` is a view and
         that the body has aliased inputs.)"""
         alias_of = self.tr._alias_of
@@ -227,7 +228,12 @@ class UnionRule(TorchFunctionMode):
             if isinstance(a, torch.Tensor):
                 hit = alias_of.get(id(a))
                 if hit is not None and base is (a if a._base is None else a._base):
-                    alias_of[id(out)] = (out, hit[1])
+                    # replayable: a view op (not in place) taking the input first
+                    views = (hit[2] + ((func, args, kwargs),)
+                             if hit[2] is not None and a is args[0]
+                             and (func in _OUTOFPLACE_FUNCS or not _is_inplace(func))
+                             else None)
+                    alias_of[id(out)] = (out, hit[1], views)
                     return
 
     def _autograd_grad(self, func, args, kwargs):

@@ -350,3 +350,38 @@ def _identity_body():
 
 def test_an_input_returned_as_is_keeps_its_vma(run):
     run(2, _identity_body)
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _views_of_inputs_body():
+    mesh = functp.make_mesh((2,), ("dp",))
+    w = randn(4, 6, seed=1)
+    x = functp.shard(randn(8, 6, seed=2), mesh, P("dp"))
+
+    def loss(w, x):        # views of a replicated input meet dp-varying data
+        return functp.pmean((x @ w.T).sum() + (x[:, 1:] * w[0, 1:]).sum()
+                            + (x @ w.view(6, 4)).sum(), "dp")
+    step = functp.shard_map(loss, mesh, in_specs=(P(), P("dp")), out_specs=P())
+    ref = torch.func.grad(lambda w, x: (x @ w.T).sum() + (x[:, 1:] * w[0, 1:]).sum()
+                          + (x @ w.view(6, 4)).sum())(w, functp.unshard(x, mesh, P("dp")))
+    wt = w.clone().requires_grad_()
+    with _Ops() as ops:
+        g, = torch.autograd.grad(step(wt, x), [wt])
+    assert_tree_close(g, ref / 2, "views of an input")       # the gradient of the mean
+    assert_tree_close(torch.func.grad(step)(w, x), ref / 2, "views of an input, grad")
+    # the views are made again on the input's alias, so their backward is theirs:
+    # no as_strided (whose backward fills a zero tensor the size of w, then copies)
+    assert not [n for n in ops.names if "as_strided" in n], ops.names
+
+
+def test_views_of_an_input_use_its_alias_viewed_the_same_way(run):
+    run(2, _views_of_inputs_body)
