@@ -1214,7 +1214,8 @@ def _table(result) -> str:
 
 
 def _ratio_table(groups, cols, key, first, first_key) -> str:
-    """One cell per variant: its ``key`` ratio to the hand-written step."""
+    """One cell per variant: its ``key`` ratio to the hand-written step (the PyTorch
+    column names its variant in the time table)."""
     lines = [f"| n | layout | size | {first} | " + " | ".join(
         c.replace("functp ", "") if c != "torch" else "PyTorch" for c in cols) + " |",
         "|---" * (4 + len(cols)) + "|"]
@@ -1224,7 +1225,9 @@ def _ratio_table(groups, cols, key, first, first_key) -> str:
         for c in cols:
             r = (next((r for r in rs if r["kind"] == "torch"), None) if c == "torch" else
                  next((r for r in rs if r["variant"].startswith(c)), None))
-            cells.append("–" if r is None or key not in r else f"{r[key]:.2f}")
+            cells.append("–" if r is None or key not in r else
+                         f"{r[key]:.2f} ({r['variant']})" if c == "torch" and key == "ratio" else
+                         f"{r[key]:.2f}")
         lines.append(f"| {n} | {layout} | {size} | {by['hand'].get(first_key, float('nan')):.1f} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -1254,21 +1257,10 @@ def _markdown(result) -> str:
     cols = ["functp grad vma", "functp grad novma", "functp tape vma", "functp tape novma",
             "functp plan grad vma", "functp compiled tape", "functp compiled grad", "spmd_types",
             "torch", "unsharded (rank 0)", "unsharded grad (rank 0)"]
-    out.append("| n | layout | size | hand ms | " + " | ".join(
-        c.replace("functp ", "") if c != "torch" else "PyTorch" for c in cols) + " |")
-    out.append("|---" * (4 + len(cols)) + "|")
     groups = {}
     for r in rows:
         groups.setdefault((r["nproc"], r["layout"], r["size"]), []).append(r)
-    for (n, layout, size), rs in groups.items():
-        by = {r["variant"]: r for r in rs}
-        cells = []
-        for c in cols:
-            r = (next((r for r in rs if r["kind"] == "torch"), None) if c == "torch" else
-                 next((r for r in rs if r["variant"].startswith(c)), None))
-            cells.append("–" if r is None else
-                         (f"{r['ratio']:.2f} ({r['variant']})" if c == "torch" else f"{r['ratio']:.2f}"))
-        out.append(f"| {n} | {layout} | {size} | {by['hand']['ms']:.1f} | " + " | ".join(cells) + " |")
+    out.append(_ratio_table(groups, cols, "ratio", "hand ms", "ms"))
     out.append("")
     out.append(_ratio_table(groups, cols, "cpu_ratio", "hand CPU ms", "cpu_ms"))
     out.append("")

@@ -177,21 +177,27 @@ def _counting_aot_eager(found: list):
     return functools.partial(aot_eager, fw_compiler=compiler, bw_compiler=compiler)
 
 
+def _compiled_matches_eager(step, args, what: str) -> None:
+    """``torch.func.grad_and_value(step)`` compiled: the eager values, and the eager
+    step's collectives (comm_log) in its graphs."""
+    step = torch.func.grad_and_value(step)
+    with functp.comm_log() as log:
+        eager = step(*args)
+    torch._dynamo.reset()
+    found: list = []
+    got = torch.compile(step, fullgraph=True, backend=_counting_aot_eager(found))(*args)
+    assert_tree_close(got, eager, f"{what}: compiled against eager")
+    assert len(found) == len(log), (
+        f"{what}: the compiled graphs issue {len(found)} collectives {sorted(found)}, "
+        f"eager vma {len(log)}: {log.summary()}")
+
+
 def _compiled_collectives_body(layout):
     shape, names, local_loss, in_specs = _LAYOUTS[layout]
     mesh = functp.make_mesh(shape, names)
     local = functp.shard((_params(), randn(8, 4, seed=5), randn(8, 4, seed=6)), mesh, in_specs)
-    step = torch.func.grad_and_value(
-        functp.shard_map(local_loss, mesh, in_specs=in_specs, out_specs=P()))
-    with functp.comm_log() as log:
-        eager = step(*local)
-    torch._dynamo.reset()
-    found: list = []
-    got = torch.compile(step, fullgraph=True, backend=_counting_aot_eager(found))(*local)
-    assert_tree_close(got, eager, f"{layout}: compiled against eager")
-    assert len(found) == len(log), (
-        f"{layout}: the compiled graphs issue {len(found)} collectives {sorted(found)}, "
-        f"eager vma {len(log)}: {log.summary()}")
+    _compiled_matches_eager(functp.shard_map(local_loss, mesh, in_specs=in_specs, out_specs=P()),
+                            local, layout)
 
 
 @pytest.mark.parametrize("layout", sorted(_LAYOUTS))
@@ -284,14 +290,7 @@ def _compiled_features_body():
             mixed_precision=functp.MixedPrecision(param_dtype=torch.float32)),
     }
     for what, step in steps.items():
-        step = torch.func.grad_and_value(step)
-        with functp.comm_log() as log:
-            eager = step(*local)
-        torch._dynamo.reset()
-        found: list = []
-        got = torch.compile(step, fullgraph=True, backend=_counting_aot_eager(found))(*local)
-        assert_tree_close(got, eager, f"{what}: compiled against eager")
-        assert len(found) == len(log), (what, sorted(found), log.summary())
+        _compiled_matches_eager(step, local, what)
 
 
 def test_compiled_vma_body_with_remat_unreduced_and_mixed_precision(run):
