@@ -77,7 +77,8 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
     name = schema.split("(", 1)[0]
     _lib.define(schema)
     op = getattr(torch.ops.functp, name).default
-    listy = schema.rstrip().endswith("Tensor[]")
+    listy = schema.split("(", 1)[1].startswith("Tensor[] ")    # takes a list of tensors
+    returns_list = schema.rstrip().endswith("Tensor[]")
 
     # Function.apply sees only top-level tensors: a Tensor[] first argument travels
     # flattened after the other arguments, as (interp, others, *tensors)
@@ -89,7 +90,7 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
         if interp is None:                    # no torch.func level: compute it
             with _below_autograd():           # (funcol's own autograd is not wanted)
                 out = raw(*args)
-            return tuple(out) if listy else out
+            return tuple(out) if returns_list else out
         # one level of torch.func: re-dispatch below autograd on the wrapped inputs;
         # functorch unwraps them, lets the lower levels record their own graphs, and
         # wraps the result for this level (grad on: Function.apply turned it off, and
@@ -103,7 +104,7 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
         finally:
             torch._C._set_grad_enabled(prev)
             torch._C._set_fwd_grad_enabled(prev_fwd)
-        return tuple(out) if listy else out
+        return tuple(out) if returns_list else out
 
     def rule_setup_context(ctx, inputs, output):
         setup_context(ctx, unflat(inputs[1:]), output)
@@ -139,7 +140,7 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
                 out = rule.apply(*flat)
             finally:
                 _set_single_allowed(allowed)
-        return list(out) if listy else out
+        return list(out) if returns_list else out
 
     def fake_kernel(*args):
         if _world.current_run() is not None:
@@ -158,17 +159,21 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
     return op
 
 
+def _differentiated(ct: torch.Tensor) -> bool:
+    """Can something still differentiate the backward that computes with ``ct``?
+    Tape autograd with ``create_graph``, or a torch.func level above another (grad of
+    grad, jvp of grad) or above tensors that need gradients. A single
+    ``torch.func.grad`` or a plain ``backward()`` never looks at it."""
+    if not torch.is_grad_enabled() and _fwd_ad._current_level < 0:
+        return False
+    return not (_peek() is not None and _stack_depth() == 1
+                and not _unwrap_one(ct).requires_grad)
+
+
 def _vary(ct: torch.Tensor, group: str) -> torch.Tensor:
     """pvary of a cotangent inside a vma-mode backward (psumᵀ): the identity, whose
-    own transpose is a psum. Applied only where something can still differentiate
-    this backward: tape autograd with ``create_graph``, or a torch.func level above
-    another (grad of grad, jvp of grad) or above tensors that need gradients. A
-    single ``torch.func.grad`` or a plain ``backward()`` never looks at it."""
-    if not torch.is_grad_enabled() and _fwd_ad._current_level < 0:
-        return ct
-    if _peek() is not None and _stack_depth() == 1 and not _unwrap_one(ct).requires_grad:
-        return ct
-    return pvary([ct], group, False)[0]
+    own transpose is a psum; only where the backward may be differentiated."""
+    return pvary([ct], group, False)[0] if _differentiated(ct) else ct
 
 
 def _bdim0(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
@@ -253,7 +258,15 @@ def _pvary_bwd(ctx, *cts):
     needs = ctx.needs_input_grad[-len(cts):]
     want = [i for i, c in enumerate(cts) if c is not None and needs[i]]
     grads: list[Any] = [None] * len(cts)
-    for i, gi in zip(want, bucketed_psum([cts[i] for i in want], ctx.group, ctx.sum_mode)):
+    summed = bucketed_psum([cts[i] for i in want], ctx.group, ctx.sum_mode)
+    if ctx.sum_mode and want and _differentiated(cts[want[0]]):
+        # sum rules (the boundary's pvary, which only they make): the summed gradient
+        # of a replicated input is held by every rank but counts once, so the
+        # cotangent it gets when this backward is differentiated is divided among
+        # the copies, as an out_spec P() output's is (vma rules get this from psumᵀ)
+        n = group_of(ctx.group).size
+        summed = [scale_grad(g, 1.0 / n) for g in summed]
+    for i, gi in zip(want, summed):
         grads[i] = gi
     return grads, None, None
 
@@ -270,11 +283,52 @@ pvary = _define(
     jvp=lambda ctx, ts, *_: tuple(t.view_as(t) for t in ts), vmap=_pvary_vmap)
 
 
+# -- psum of a gradient bucket ----------------------------------------------------------
+# psum(cat(xs)) as one op: the kernel owns the concatenated buffer, so it reduces it
+# in place, as DDP does (an out-of-place all-reduce copies the bucket first, and
+# holds two of them at the backward's peak), whatever differentiates it.
+
+def _bucket_raw(xs, group, sum_mode):
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    if torch.compiler.is_compiling():   # (functionalization has no rule for all_reduce_;
+        return prim.all_reduce(flat, group_of(group), "sum")   # the compiler plans buffers)
+    return prim.all_reduce_inplace(flat, group_of(group))
+
+
+def _bucket_ctx(ctx, args, output):
+    xs, ctx.group, ctx.sum_mode = args
+    ctx.shapes = [x.shape for x in xs]
+    ctx.dtype, ctx.device = xs[0].dtype, xs[0].device
+
+
+def _bucket_bwd(ctx, ct):
+    ct = psum(ct, ctx.group, False, True) if ctx.sum_mode else _vary(ct, ctx.group)
+    return [p.view(s) for p, s in zip(ct.split([s.numel() for s in ctx.shapes]), ctx.shapes)], \
+        None, None
+
+
+def _bucket_jvp(ctx, ts):
+    ts = [t if t is not None else torch.zeros(s, dtype=ctx.dtype, device=ctx.device)
+          for t, s in zip(ts, ctx.shapes)]
+    return bucket_psum(ts, ctx.group, ctx.sum_mode)
+
+
+def _bucket_vmap(info, dims, xs, group, sum_mode):
+    # every block batched along dim 0, flattened per sample: one [B, n] all-reduce
+    n = info.batch_size
+    flat = [(_bdim0(x, d) if d is not None else x.expand(n, *x.shape)).reshape(n, -1)
+            for x, d in zip(xs, dims[0])]
+    return psum(torch.cat(flat, 1), group, False, sum_mode), 0
+
+
+bucket_psum = _define(
+    "bucket_psum(Tensor[] xs, str group, bool sum_mode) -> Tensor", _bucket_raw,
+    lambda xs, group, sum_mode: xs[0].new_empty(sum(x.numel() for x in xs)),
+    setup_context=_bucket_ctx, backward=_bucket_bwd, jvp=_bucket_jvp, vmap=_bucket_vmap)
+
+
 def bucketed_psum(ts, group: str, sum_mode: bool) -> list[torch.Tensor]:
-    """``psum`` of each tensor, with one all-reduce per dtype. A bucket nobody will
-    differentiate (grad off: a first-order tape backward) is reduced in place, as
-    DDP does: an out-of-place all-reduce would hold a second bucket's worth of
-    memory at the backward's peak."""
+    """``psum`` of each tensor, with one all-reduce per dtype (a gradient bucket)."""
     out: list[Any] = [None] * len(ts)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(ts):
@@ -283,11 +337,7 @@ def bucketed_psum(ts, group: str, sum_mode: bool) -> list[torch.Tensor]:
         if len(idx) == 1:
             out[idx[0]] = psum(ts[idx[0]], group, False, sum_mode)
             continue
-        flat = torch.cat([ts[i].reshape(-1) for i in idx])
-        if torch.is_grad_enabled() or _peek() is not None or torch.compiler.is_compiling():
-            flat = psum(flat, group, False, sum_mode)
-        else:
-            flat = prim.all_reduce_inplace(flat, group_of(group))
+        flat = bucket_psum([ts[i] for i in idx], group, sum_mode)
         for i, piece in zip(idx, flat.split([ts[i].numel() for i in idx])):
             out[i] = piece.view(ts[i].shape)
     return out

@@ -178,15 +178,66 @@ def _tape_double_backward_body():
     assert_tree_close(functp.unshard(got, mesh, P("x")), ref, "tape double backward")
 
 
+def _bucket_program():
+    """Two replicated weights meet split data: their gradients are summed over the
+    axis in one bucketed all-reduce (functp::bucket_psum), whose own derivatives the
+    second-order transforms take."""
+    mesh = _mesh()
+
+    def glob(x, w1, w2):
+        return ((torch.tanh(x @ w1) @ w2) ** 2).sum()
+
+    def local(x, w1, w2):
+        return functp.psum(((torch.tanh(x @ w1) @ w2) ** 2).sum(), "x")
+    step = _shard_map(local, mesh, (P("x"), P(), P()), P())
+    x, w1, w2 = randn(2 * N, 3, seed=1), randn(3, 4, seed=2), randn(4, 2, seed=3)
+    v1, v2 = randn(3, 4, seed=4), randn(4, 2, seed=5)
+    return mesh, glob, step, x, (w1, w2), (v1, v2)
+
+
+def _bucket_body():
+    mesh, glob, step, x, ws, vs = _bucket_program()
+    xl = functp.shard(x, mesh, P("x"))
+    g = torch.func.grad(glob, argnums=(1, 2))
+    gl = torch.func.grad(step, argnums=(1, 2))
+    assert_tree_close(gl(xl, *ws), g(x, *ws), "bucket: grad")
+
+    def hvp(grad, x):          # grad of (grad . v): the bucket's backward, differentiated
+        return torch.func.grad(lambda w1, w2: sum((a * v).sum() for a, v in
+                                                   zip(grad(x, w1, w2), vs)), argnums=(0, 1))
+    assert_tree_close(hvp(gl, xl)(*ws), hvp(g, x)(*ws), "bucket: grad of grad")
+    xs = randn(3, 2 * N, 3, seed=6)          # per-example gradients: vmap of the bucket
+    ref = torch.vmap(g, in_dims=(0, None, None))(xs, *ws)
+    got = torch.vmap(gl, in_dims=(0, None, None))(functp.shard(xs, mesh, P(None, "x")), *ws)
+    assert_tree_close(got, ref, "bucket: vmap(grad)")
+    wr = [w.clone().requires_grad_() for w in ws]      # tape, create_graph, backward again
+    gr = torch.autograd.grad(glob(x, *wr), wr, create_graph=True)
+    ref = torch.autograd.grad(sum((a * v).sum() for a, v in zip(gr, vs)), wr)
+    wl = [w.clone().requires_grad_() for w in ws]
+    gt = torch.autograd.grad(step(xl, *wl), wl, create_graph=True)
+    got = torch.autograd.grad(sum((a * v).sum() for a, v in zip(gt, vs)), wl)
+    assert_tree_close(got, ref, "bucket: tape double backward")
+
+
+def _bucket_jvp_body():
+    mesh, glob, step, x, ws, vs = _bucket_program()
+    ref = torch.func.jvp(lambda *w: torch.func.grad(glob, argnums=(1, 2))(x, *w), ws, vs)
+    xl = functp.shard(x, mesh, P("x"))
+    got = torch.func.jvp(lambda *w: torch.func.grad(step, argnums=(1, 2))(xl, *w), ws, vs)
+    assert_tree_close(got, ref, "bucket: jvp(grad)")
+
+
 @pytest.mark.parametrize("body", [_vmap_around_body, _vmap_inside_body, _jvp_body, _vjp_body,
                                   _jacrev_body,
                                   _vmap_grad_body, _grad_vmap_body, _hessian_vector_body,
-                                  _forward_over_reverse_body, _tape_double_backward_body],
+                                  _forward_over_reverse_body, _tape_double_backward_body,
+                                  _bucket_body, _bucket_jvp_body],
                          ids=lambda b: b.__name__.strip("_").replace("_body", ""))
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
 def test_transform(run, body, check_vma):
     # forward-mode AD cannot be simulated (one forward-AD level per process)
-    run(N, _in_mode, body, check_vma, gloo=body in (_jvp_body, _forward_over_reverse_body))
+    run(N, _in_mode, body, check_vma,
+        gloo=body in (_jvp_body, _forward_over_reverse_body, _bucket_jvp_body))
 
 
 def _in_mode(body, check_vma):
