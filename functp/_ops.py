@@ -172,8 +172,13 @@ def _differentiated(ct: torch.Tensor) -> bool:
 
 def _vary(ct: torch.Tensor, group: str) -> torch.Tensor:
     """pvary of a cotangent inside a vma-mode backward (psumᵀ): the identity, whose
-    own transpose is a psum; only where the backward may be differentiated."""
-    return pvary([ct], group, False)[0] if _differentiated(ct) else ct
+    own transpose is a psum; only where the backward may be differentiated. (Every
+    psum's backward runs it: ``_differentiated`` is written out, to save a call.)"""
+    if not torch.is_grad_enabled() and _fwd_ad._current_level < 0:
+        return ct
+    if _peek() is not None and _stack_depth() == 1 and not _unwrap_one(ct).requires_grad:
+        return ct
+    return pvary([ct], group, False)[0]
 
 
 def _bdim0(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
