@@ -120,6 +120,46 @@ def _manual_axes(mesh: Mesh, axis_names) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a in names)
 
 
+class _NoneArg:
+    """Stands for a ``None`` argument across ``nonstrict_trace``, which refuses
+    ``None`` leaves but takes a registered pytree constant made before Dynamo ran."""
+
+    def __eq__(self, other):
+        return isinstance(other, _NoneArg)
+
+    def __hash__(self):
+        return 0
+
+
+_NONE = _NoneArg()
+torch.utils._pytree.register_constant(_NoneArg)
+
+
+def _nones(x, old, new):
+    """``x`` with the leaves that are ``old`` replaced by ``new`` (in tuples, lists
+    and dicts: the containers shard_map's arguments come in)."""
+    if x is old:
+        return new
+    if isinstance(x, (tuple, list)):
+        return type(x)(_nones(y, old, new) for y in x)
+    if isinstance(x, dict):
+        return {k: _nones(v, old, new) for k, v in x.items()}
+    return x
+
+
+def _check_traceable(out, name: str) -> None:
+    """What a compiled vma body may return: tensors and numbers (``nonstrict_trace``
+    passes nothing else back to Dynamo, and says only "Unsupported output type")."""
+    paths, leaves, _ = optree.tree_flatten_with_path(out, none_is_leaf=True)
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, (torch.Tensor, int, float, bool)):
+            raise ShardingError(
+                f"{keystr('output', path)} of shard_map body {name!r} is "
+                f"{type(leaf).__name__}: under torch.compile a vma body returns only "
+                f"tensors and numbers; return the other values outside the shard_map'd "
+                f"function (or pass check_vma=False)")
+
+
 def _opaque(body: "_Body") -> Callable | None:
     """The body as Dynamo sees a vma body: one opaque call (``nonstrict_trace``),
     which AOTAutograd then traces by running the body as Python on fake tensors. The
@@ -137,7 +177,10 @@ def _opaque(body: "_Body") -> Callable | None:
     # either, or it would meet this call again.
     def run(*args):
         try:
-            return body._run(args, None)
+            out = body._run(_nones(args, _NONE, None), None)
+            if torch.compiler.is_compiling():
+                _check_traceable(out, body.name)
+            return out
         except ShardingError as e:
             if torch.compiler.is_compiling():
                 # with fullgraph=True Dynamo reports only "Unsupported output type for
@@ -264,7 +307,7 @@ class _Body:
                     f"shard_map of {self.name!r} was made inside a torch.compile region "
                     f"and called there; with check_vma=True make it outside, once "
                     f"(functp.shard_map(...) before torch.compile), or pass check_vma=False")
-            return self._opaque(*args)
+            return self._opaque(*_nones(args, None, _NONE))
         # Dynamo traces this call (a check_vma=False body): no tracking, no caches
         compiling = torch.compiler.is_dynamo_compiling()
         tracing = compiling or torch.compiler.is_compiling()   # or AOTAutograd does

@@ -295,3 +295,29 @@ def _compiled_features_body():
 
 def test_compiled_vma_body_with_remat_unreduced_and_mixed_precision(run):
     run(4, _compiled_features_body, timeout=600)
+
+
+def _compiled_non_tensor_body():
+    """None and numbers as arguments, numbers as results, pass through a compiled
+    vma body; a None result is refused with a reason (Dynamo takes none back)."""
+    mesh = functp.make_mesh((2,), ("tp",))
+
+    def loss(w, scale, opt):
+        return functp.psum((w * scale).sum(), "tp") * (2 if opt is None else 3), 7
+    step = functp.shard_map(loss, mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()))
+    w = randn(4, seed=1)
+    f = torch.func.grad(lambda w: step(w, 1.5, None)[0])
+    torch._dynamo.reset()
+    assert_tree_close(torch.compile(f, fullgraph=True, backend="aot_eager")(w), f(w),
+                      "None and a number as arguments")
+    torch._dynamo.reset()
+    assert torch.compile(step, fullgraph=True, backend="aot_eager")(w, 1.5, None)[1] == 7
+    bad = functp.shard_map(lambda w: (functp.psum(w.sum(), "tp"), None), mesh,
+                           in_specs=P("tp"), out_specs=(P(), P()))
+    torch._dynamo.reset()
+    with pytest.raises(Exception), pytest.warns(UserWarning, match=r"output\[1\].*NoneType"):
+        torch.compile(bad, fullgraph=True, backend="aot_eager")(w)
+
+
+def test_compiled_vma_body_with_non_tensor_arguments_and_results(run):
+    run(2, _compiled_non_tensor_body, timeout=600)
