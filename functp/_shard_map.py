@@ -140,10 +140,12 @@ def _nones(x, old, new):
     and dicts: the containers shard_map's arguments come in)."""
     if x is old:
         return new
+    if isinstance(x, tuple) and hasattr(x, "_fields"):        # a namedtuple
+        return type(x)(*[_nones(y, old, new) for y in x])
     if isinstance(x, (tuple, list)):
         return type(x)(_nones(y, old, new) for y in x)
     if isinstance(x, dict):
-        return {k: _nones(v, old, new) for k, v in x.items()}
+        return type(x)((k, _nones(v, old, new)) for k, v in x.items())
     return x
 
 
