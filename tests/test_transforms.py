@@ -219,6 +219,37 @@ def _bucket_body():
     assert_tree_close(got, ref, "bucket: tape double backward")
 
 
+def _bucket_2d_body():
+    """The same on a 2 x 2 mesh: Megatron weights split over tp, their gradients
+    summed over dp in one bucket; grad and grad of grad against the oracle."""
+    mesh = functp.make_mesh((2, 2), ("dp", "tp"))
+
+    def glob(x, w1, w2):
+        return ((torch.tanh(x @ w1) @ w2) ** 2).sum()
+
+    def local(x, w1, w2):
+        y = functp.psum(torch.tanh(x @ w1) @ w2, "tp")
+        return functp.psum((y ** 2).sum(), "dp")
+    specs = (P("dp"), P(None, "tp"), P("tp", None))
+    step = _shard_map(local, mesh, specs, P())
+    x, w1, w2 = randn(4, 3, seed=1), randn(3, 4, seed=2), randn(4, 2, seed=3)
+    v1, v2 = randn(3, 4, seed=4), randn(4, 2, seed=5)
+    xl, w1l, w2l, v1l, v2l = functp.shard((x, w1, w2, v1, v2), mesh, specs + specs[1:])
+
+    def hvp(grad, x, vs):
+        return torch.func.grad(lambda w1, w2: sum((a * v).sum() for a, v in
+                                                   zip(grad(x, w1, w2), vs)), argnums=(0, 1))
+    g = torch.func.grad(glob, argnums=(1, 2))
+    gl = torch.func.grad(step, argnums=(1, 2))
+    assert_tree_close(functp.unshard(gl(xl, w1l, w2l), mesh, specs[1:]), g(x, w1, w2),
+                      "2-d bucket: grad")
+    # the outer function sums each rank's local blocks: along dp they are copies, so
+    # its gradient is the global hvp, counted once
+    got = hvp(gl, xl, (v1l, v2l))(w1l, w2l)
+    assert_tree_close(functp.unshard(got, mesh, specs[1:]), hvp(g, x, (v1, v2))(w1, w2),
+                      "2-d bucket: grad of grad")
+
+
 def _bucket_jvp_body():
     mesh, glob, step, x, ws, vs = _bucket_program()
     ref = torch.func.jvp(lambda *w: torch.func.grad(glob, argnums=(1, 2))(x, *w), ws, vs)
@@ -231,7 +262,7 @@ def _bucket_jvp_body():
                                   _jacrev_body,
                                   _vmap_grad_body, _grad_vmap_body, _hessian_vector_body,
                                   _forward_over_reverse_body, _tape_double_backward_body,
-                                  _bucket_body, _bucket_jvp_body],
+                                  _bucket_body, _bucket_2d_body, _bucket_jvp_body],
                          ids=lambda b: b.__name__.strip("_").replace("_body", ""))
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
 def test_transform(run, body, check_vma):
