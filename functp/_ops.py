@@ -146,10 +146,7 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
         if _world.current_run() is not None:
             # a compiled graph waits on its collectives itself: no simulated rank
             # could hand the turn to the next one, and all would wait forever
-            raise ShardingError(
-                "torch.compile inside functp.simulate is not supported: simulated ranks "
-                "take turns at each collective's wait, and a compiled graph waits "
-                "inside; run the compiled step under torchrun")
+            raise ShardingError(_world.COMPILE_REFUSED)
         return fake(*args)
 
     _lib.impl(name, raw, "CompositeExplicitAutograd")   # (a Tensor[] op's raw returns a list)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import optree
 import torch
 
-from . import _context, _crosscheck
+from . import _context, _crosscheck, _world
 from . import _ops
 from ._errors import ShardingError
 from ._boundary import SumRules, VmaRules
@@ -304,6 +304,8 @@ class _Body:
 
     def _run(self, args, outer: _context.Frame | None):
         if outer is None and self.check_vma and torch.compiler.is_dynamo_compiling():
+            if _world.current_run() is not None:
+                raise ShardingError(_world.COMPILE_REFUSED)
             if self._opaque is None:
                 raise ShardingError(
                     f"shard_map of {self.name!r} was made inside a torch.compile region "

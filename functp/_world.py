@@ -217,8 +217,18 @@ def set_timeout(name: str, timeout: datetime.timedelta) -> None:
     _set_pg_timeout(timeout, dist.distributed_c10d._resolve_process_group(name))
 
 
+COMPILE_REFUSED = (
+    "torch.compile inside functp.simulate is not supported: simulated ranks take turns "
+    "at each collective's wait, and a compiled graph waits inside; run the compiled "
+    "step under torchrun")
+
+
 def check_collective() -> None:
     """Before a simulated rank issues a collective: what cannot be simulated."""
+    if _local.run is not None and torch.compiler.is_compiling():
+        # (a vma body is traced as Python, on fake tensors, by torch.compile: its
+        # collectives reach here rather than their fake kernels)
+        raise ShardingError(COMPILE_REFUSED)
     if _local.run is not None and torch.autograd.forward_ad._current_level >= 0:
         # torch keeps one forward-AD level per process: ranks taking turns inside
         # their jvps would enter and leave it out of order and corrupt each other's

@@ -267,6 +267,22 @@ def test_forward_mode_ad_is_refused_with_a_reason():
         functp.simulate(_jvp_of_a_collective, 2)
 
 
+def _compiled(check_vma):
+    mesh = functp.make_mesh((2,), ("x",))
+    f = functp.shard_map(lambda b: functp.psum(b.sum(), "x"), mesh, in_specs=P("x"),
+                         out_specs=P(), check_vma=check_vma)
+    torch._dynamo.reset()
+    return torch.compile(f, fullgraph=True, backend="aot_eager")(torch.ones(2))
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
+def test_torch_compile_is_refused_with_a_reason_not_a_hang(check_vma):
+    # (a vma body is traced as Python on fake tensors, where a simulated rank's
+    # collective would wait for its peers: it hung until the refusal came first)
+    with pytest.raises(Exception, match="torch.compile inside functp.simulate is not supported"):
+        functp.simulate(_compiled, 2, check_vma, timeout=60)
+
+
 def _timeout_of_mesh(seconds):
     mesh = functp.make_mesh((2,), ("x",), timeout=seconds)
     return mesh.timeout.total_seconds()
