@@ -303,7 +303,8 @@ class _Body:
         return hit
 
     def _run(self, args, outer: _context.Frame | None):
-        if outer is None and self.check_vma and torch.compiler.is_dynamo_compiling():
+        if outer is None and torch.compiler.is_dynamo_compiling() and (
+                self.check_vma or _world.current_run() is not None):
             if _world.current_run() is not None:
                 raise ShardingError(_world.COMPILE_REFUSED)
             if self._opaque is None:
