@@ -303,18 +303,19 @@ class _Body:
         return hit
 
     def _run(self, args, outer: _context.Frame | None):
-        if outer is None and torch.compiler.is_dynamo_compiling() and (
-                self.check_vma or _world.current_run() is not None):
+        compiling = torch.compiler.is_dynamo_compiling()
+        if compiling and outer is None:
             if _world.current_run() is not None:
                 raise ShardingError(_world.COMPILE_REFUSED)
-            if self._opaque is None:
-                raise ShardingError(
-                    f"shard_map of {self.name!r} was made inside a torch.compile region "
-                    f"and called there; with check_vma=True make it outside, once "
-                    f"(functp.shard_map(...) before torch.compile), or pass check_vma=False")
-            return self._opaque(*_nones(args, None, _NONE))
+            if self.check_vma:
+                if self._opaque is None:
+                    raise ShardingError(
+                        f"shard_map of {self.name!r} was made inside a torch.compile region "
+                        f"and called there; with check_vma=True make it outside, once "
+                        f"(functp.shard_map(...) before torch.compile), or pass "
+                        f"check_vma=False")
+                return self._opaque(*_nones(args, None, _NONE))
         # Dynamo traces this call (a check_vma=False body): no tracking, no caches
-        compiling = torch.compiler.is_dynamo_compiling()
         tracing = compiling or torch.compiler.is_compiling()   # or AOTAutograd does
         leaves, treespec = optree.tree_flatten(args)
         plan = self._in_plan(args, leaves, treespec, compiling)

@@ -225,11 +225,13 @@ COMPILE_REFUSED = (
 
 def check_collective() -> None:
     """Before a simulated rank issues a collective: what cannot be simulated."""
-    if _local.run is not None and torch.compiler.is_compiling():
+    if _local.run is None:
+        return
+    if torch.compiler.is_compiling():
         # (a vma body is traced as Python, on fake tensors, by torch.compile: its
         # collectives reach here rather than their fake kernels)
         raise ShardingError(COMPILE_REFUSED)
-    if _local.run is not None and torch.autograd.forward_ad._current_level >= 0:
+    if torch.autograd.forward_ad._current_level >= 0:
         # torch keeps one forward-AD level per process: ranks taking turns inside
         # their jvps would enter and leave it out of order and corrupt each other's
         raise ShardingError(
