@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import random
+import sys
 import threading
 from typing import Callable
 
@@ -109,6 +111,22 @@ class _Record(TorchDispatchMode):
         return out
 
 
+class _Generators(TorchDispatchMode):
+    """The first run: the state of each ``torch.Generator`` an op is given
+    (``generator=``, keyword-only in every aten schema), as it was before its first
+    use, so that the recompute draws the same numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.states: dict[int, tuple] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        g = kwargs.get("generator") if kwargs else None
+        if g is not None and id(g) not in self.states:
+            self.states[id(g)] = (g, g.get_state())
+        return func(*args, **(kwargs or {}))
+
+
 class _Replay(TorchDispatchMode):
     """The recompute: op ``i`` returns the kept output of op ``i`` of the first run
     when it is the same op (else everything is computed from there on)."""
@@ -198,22 +216,38 @@ class _Recompute(torch.autograd.Function):
         return (None, None, *grads, *[None] * ctx.n_out)
 
 
-def _rng_state() -> torch.Tensor:
-    with torch._C._DisableFuncTorch():      # a plain tensor, also under torch.func
-        return torch.get_rng_state()
+def _rng_state() -> list:
+    """Every random source a recompute can replay, as ``(get, set, state)``: torch's
+    CPU generator, the current CUDA device's (once CUDA is in use), Python's
+    ``random`` and numpy's global generator (once numpy is imported); the user's
+    ``torch.Generator`` objects are added by the first run (:class:`_Generators`).
+    Not replayed: numpy ``Generator`` and ``random.Random`` instances, the clock."""
+    with torch._C._DisableFuncTorch():      # plain tensors, also under torch.func
+        out = [(torch.get_rng_state, torch.set_rng_state, torch.get_rng_state()),
+               (random.getstate, random.setstate, random.getstate())]
+        if torch.cuda.is_initialized():
+            out.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state,
+                        torch.cuda.get_rng_state()))
+    np = sys.modules.get("numpy")
+    if np is not None:
+        out.append((np.random.get_state, np.random.set_state, np.random.get_state()))
+    return out
 
 
 @contextlib.contextmanager
-def _rng(state):
-    """The CPU generator as the first run found it (dropout masks repeat)."""
+def _rng(states: list):
+    """The random sources as the first run found them (dropout masks and the user's
+    draws repeat), and as they were again afterwards."""
     with torch._C._DisableFuncTorch():
-        now = torch.get_rng_state()
-        torch.set_rng_state(state)
+        now = [get() for get, _, _ in states]
+        for _, put, state in states:
+            put(state)
     try:
         yield
     finally:
         with torch._C._DisableFuncTorch():
-            torch.set_rng_state(now)
+            for (_, put, _), state in zip(states, now):
+                put(state)
 
 
 @contextlib.contextmanager
@@ -243,7 +277,11 @@ def checkpoint(fn: Callable | None = None, *, policy: Callable | None = None) ->
 
     **Returns:** a function with ``fn``'s signature. Under ``torch.func.grad``/``vjp``
     and tape autograd the gradients are those of ``fn``; the recompute issues
-    ``fn``'s forward collectives again. Example, one block per layer::
+    ``fn``'s forward collectives again and draws the same random numbers: torch's
+    CPU and CUDA generators, any ``torch.Generator`` passed to an op
+    (``generator=``), Python's ``random`` and numpy's global generator are replayed.
+    Other sources (``numpy.random.Generator`` or ``random.Random`` objects, the
+    clock) are not: a function drawing from them gets other draws in its recompute. Example, one block per layer::
 
         block = functp.checkpoint(block, policy=functp.remat_policies.dots_saveable)
     """
@@ -266,14 +304,16 @@ def checkpoint(fn: Callable | None = None, *, policy: Callable | None = None) ->
         fr = _context.top()
         tracker = fr.tracker if fr is not None else None
         rng = _rng_state()
-        # (keeping nothing needs no record of the ops: no dispatch mode, no overhead)
+        # (keeping nothing needs no record of the ops, only of the generators used)
         rec = _Record() if keep is not remat_policies.nothing_saveable else None
+        gens = _Generators()
         _local.recording.append(rec)
         try:
-            with torch.no_grad(), rec if rec is not None else contextlib.nullcontext():
+            with torch.no_grad(), gens, rec if rec is not None else contextlib.nullcontext():
                 out = fn(*args)
         finally:
             _local.recording.pop()
+        rng += [(g.get_state, g.set_state, st) for g, st in gens.states.values()]
         outs, otree = optree.tree_flatten(out)
         if tracker is not None and tracker.mode is not None:
             tracker.mode.discard_nograd()     # no custom Function ran: nothing to hook
