@@ -10,10 +10,16 @@ the GIL, so this is for debugging, tests and docs, not for speed.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
+import os
+import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable
+
+import torch
 
 
 from . import _crosscheck, _mesh, _world
@@ -82,15 +88,16 @@ def simulate(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 6
     orphaned: list[int] = []       # ranks closed because others waited on them
 
     def rank_main(r: int) -> None:
-        run.hold(r)
         try:
-            _world.enter(run, r)
-            results[r] = fn(*args, **kwargs)
+            run.hold(r)
+            try:
+                _world.enter(run, r)
+                results[r] = fn(*args, **kwargs)
+            finally:
+                _world.leave()
+                run.release(r)
         except BaseException as e:  # noqa: BLE001 - every rank's error goes to the caller
-            errors[r] = (time.monotonic(), e)
-        finally:
-            _world.leave()
-            run.release(r)
+            errors[r] = (time.monotonic(), _no_default_group(e) or e)
         if r in errors:
             run.close(r)            # peers blocked on this rank fail at once
         finished[r] = True
@@ -108,6 +115,8 @@ def simulate(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 6
         while any(t.is_alive() for t in threads):
             threads[[t.is_alive() for t in threads].index(True)].join(0.05)
             _unblock_orphans(run, finished, orphaned)
+            if _stop_stuck(run, finished, errors, float(timeout)):
+                break               # the stuck rank does not run Python: left behind
     finally:
         with _lock:
             _running[0] -= 1
@@ -121,6 +130,8 @@ def simulate(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 6
             if old is not None:
                 _discard(old)
         _world.restore_state(caller)     # the ranks' draws are theirs, not the caller's
+    if run.stuck is not None:
+        _raise_stuck(run, errors, nprocs, float(timeout))
     if errors:
         _raise_first(errors, orphaned, nprocs)
     return results
@@ -158,6 +169,111 @@ def _unblock_orphans(run: _world.Run, finished: list[bool], orphaned: list[int])
         for r in done:
             orphaned.append(r)
             run.close(r)
+
+
+# what a program calls in torch.distributed, and what it calls instead to run both
+# under torchrun and in functp.simulate (whose ranks have no default group)
+_EQUIVALENTS = {
+    "get_rank": "functp.process_index()", "get_world_size": "functp.process_count()",
+    "all_reduce": "functp.psum / pmean / pmax inside a shard_map body",
+    "all_gather": "functp.all_gather inside a shard_map body",
+    "all_gather_into_tensor": "functp.all_gather inside a shard_map body",
+    "reduce_scatter": "functp.psum_scatter inside a shard_map body",
+    "reduce_scatter_tensor": "functp.psum_scatter inside a shard_map body",
+    "all_to_all": "functp.all_to_all inside a shard_map body",
+    "all_to_all_single": "functp.all_to_all inside a shard_map body",
+    "broadcast": "functp.shard(tree, mesh, specs, src_rank=...) (or a psum of "
+                 "a value that is zero on the other ranks)",
+    "barrier": "a functp collective (every collective waits for all ranks)",
+    "send": "functp.ppermute inside a shard_map body",
+    "recv": "functp.ppermute inside a shard_map body",
+    "init_process_group": "functp.make_mesh (it starts the process group under torchrun)",
+}
+
+
+def _no_default_group(e: BaseException) -> ShardingError | None:
+    """A ``torch.distributed`` call that needs the default process group, which
+    simulated ranks do not have: a ``ShardingError`` naming the call and functp's
+    equivalent (``e`` chained), or None for any other error."""
+    if "Default process group has not been initialized" not in str(e):
+        return None
+    call, where, tb = None, "", e.__traceback__
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename.startswith(torch_dir):
+            if call is None and code.co_name in _EQUIVALENTS:
+                call = code.co_name
+        elif not code.co_filename.startswith(os.path.dirname(os.path.abspath(__file__))):
+            where = f" at {os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name}"
+        tb = tb.tb_next
+    name = f"torch.distributed.{call}" if call else "a torch.distributed call"
+    instead = _EQUIVALENTS.get(call, "functp's own API (process_index, process_count, "
+                                     "make_mesh, and its collectives inside shard_map)")
+    err = ShardingError(
+        f"{name}{where} needs torch.distributed's default process group, which ranks "
+        f"inside functp.simulate do not have (each owns its own gloo groups); use "
+        f"{instead}, which works both here and under torchrun")
+    err.__cause__ = e
+    return err
+
+
+class _Stuck(ShardingError):
+    """Raised inside a rank found stuck outside any collective (see _stop_stuck)."""
+
+
+# how long a stuck rank, once told, has to stop before simulate() leaves it behind
+_STUCK_GRACE = 2.0
+# where a rank that holds the turn is working (functp's code, torch's, an import), not
+# waiting for another rank: never reported as stuck
+_BUSY = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)),
+         "<frozen importlib")
+
+
+def _stop_stuck(run: _world.Run, finished: list[bool], errors: dict, timeout: float) -> bool:
+    """Finds a rank that has held the baton for ``timeout`` seconds, outside any
+    collective, while another rank waits for it (its turn, or a collective with it):
+    ranks take turns only at collectives, so a rank waiting for something another
+    rank does outside functp (a file it writes) would wait forever. Records where it
+    is, raises ``_Stuck`` inside it, and returns True once it has had time to stop."""
+    now = time.monotonic()
+    if run.stuck is not None:
+        return now - run.stuck[2] > _STUCK_GRACE
+    h, since = run.holder, run.held_since
+    if h is None or finished[h] or now - since < timeout:
+        return False
+    others = [r for r in range(run.size) if r != h]
+    # (a rank that raised before this one took its turn was not waiting for it)
+    if not any(not finished[r] or (r in errors and errors[r][0] > since) for r in others):
+        return False
+    ident = run.threads[h]
+    frame = sys._current_frames().get(ident)
+    if frame is not None and frame.f_code.co_filename.startswith(_BUSY):
+        return False        # inside functp, torch or an import: working, not waiting
+    mine = (os.path.dirname(os.path.abspath(__file__)), threading.__file__)
+    stack = [f for f in (traceback.extract_stack(frame) if frame is not None else [])
+             if not f.filename.startswith(mine)]
+    where = "".join(traceback.format_list(stack[-4:]))
+    run.stuck = (h, where, now)
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(_Stuck))
+    return False
+
+
+def _raise_stuck(run: _world.Run, errors: dict, nprocs: int, timeout: float) -> None:
+    h, where, _ = run.stuck
+    err = ShardingError(
+        f"functp.simulate: rank {h} ran for {timeout:g} s without reaching a collective "
+        f"while other ranks waited for it. Simulated ranks take turns at collectives, so "
+        f"a rank that waits for something another rank does outside functp (a file it "
+        f"writes, a queue, a barrier of its own) waits forever here; exchange it through "
+        f"a collective instead, or run the program under torchrun. (A rank that "
+        f"computes longer than that between collectives needs a larger "
+        f"simulate(..., timeout=).) Rank {h} was at:\n{where.rstrip()}")
+    for r in sorted(errors):
+        e = errors[r][1]
+        if r != h and not isinstance(e, _Stuck):
+            err.add_note(f"rank {r} then raised {type(e).__name__}: {first_line(e)[:200]}")
+    raise err
 
 
 def _raise_first(errors: dict, orphaned: list[int], nprocs: int) -> None:

@@ -57,12 +57,19 @@ class Run:
     # makes by default, an in-process all-reduce took 3.2 ms on 4 ranks (thread
     # wake-ups on 2 cores); shared, 0.7 ms
     device: object = None
+    # the rank holding the baton and since when; each rank's thread; set once a rank
+    # is found stuck outside any collective: (rank, where), and the ranks then fail
+    holder: int | None = None
+    held_since: float = 0.0
+    threads: list = field(default_factory=list)
+    stuck: tuple | None = None
 
     def __post_init__(self) -> None:
         self.names = [[] for _ in range(self.size)]
         self.groups = [[] for _ in range(self.size)]
         self.waiting = [None] * self.size
         self.meshes = [{} for _ in range(self.size)]
+        self.threads = [None] * self.size
 
     def start(self, timeout: datetime.timedelta) -> None:
         """Readies the run for a program: every rank starts with the caller's random
@@ -80,11 +87,20 @@ class Run:
     def hold(self, rank: int) -> None:
         """Rank ``rank`` runs: takes the baton and its process-like state."""
         self.baton.acquire()
+        if self.stuck is not None and self.stuck[0] != rank:
+            self.baton.release()
+            raise ShardingError(
+                f"functp.simulate: rank {self.stuck[0]} was stuck outside any collective "
+                f"(see its error); rank {rank} stops here")
         restore_state(self.state[rank])
+        self.holder, self.held_since = rank, time.monotonic()
 
     def release(self, rank: int) -> None:
         """Rank ``rank`` blocks or ends: keeps its state and hands the baton on."""
+        if self.holder != rank:       # (hold() refused it the baton: the run failed)
+            return
         self.state[rank] = process_state()
+        self.holder = None
         self.baton.release()
 
     def close(self, rank: int) -> None:
@@ -158,6 +174,7 @@ def current_run() -> Run | None:
 
 def enter(run: Run, rank: int) -> None:
     _local.run, _local.rank = run, rank
+    run.threads[rank] = threading.get_ident()
     world_group()          # every rank has a world group: made now, by every rank
 
 
