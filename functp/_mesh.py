@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import _world
+from . import _crosscheck, _world
 from ._errors import ShardingError
 
 __all__ = ["Mesh", "make_mesh", "AxisGroup"]
@@ -121,6 +121,7 @@ class Mesh:
                            zip(itertools.product(*map(range, self.axis_sizes)),
                                grid.flatten().tolist())}
         self.timeout: datetime.timedelta | None = None     # set by make_mesh / set_timeout
+        self._debug_generation = -1      # the check mode's setting last agreed at (_crosscheck)
         whole_name, whole_ranks = groups[frozenset(self.axis_names)]
         self.check = CheckGroup(
             whole_name, math.prod(self.axis_sizes), whole_ranks,
@@ -160,7 +161,8 @@ class Mesh:
         self.timeout = td
 
     def _check_axes(self, axis_name, what: str) -> tuple[str, ...]:
-        axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        axes = ((axis_name,) if isinstance(axis_name, str) else
+                tuple(axis_name) if isinstance(axis_name, (tuple, list)) else ())
         if not axes or not all(isinstance(a, str) for a in axes):
             raise ShardingError(
                 f"{what}: axis_name must be a mesh axis name or a non-empty tuple of "
@@ -176,7 +178,8 @@ class Mesh:
 
     def axis_group(self, axis_name, what: str = "collective") -> AxisGroup:
         """The resolved group for one axis name or a tuple of them (major to minor)."""
-        key = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        key = ((axis_name,) if isinstance(axis_name, str) else
+               tuple(axis_name) if isinstance(axis_name, (tuple, list)) else None)
         hit = self._axis_groups.get(key)
         if hit is not None:
             return hit
@@ -297,7 +300,15 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str],
         mesh.set_timeout(timeout if timeout is not None else _world_timeout())
     elif timeout is not None:
         mesh.set_timeout(timeout)
+    _agree_check_mode(mesh)
     return mesh
+
+
+def _agree_check_mode(mesh: Mesh) -> None:
+    # (every rank makes its meshes at the same point: the check mode's setting is
+    # compared there, not in the middle of a step)
+    if mesh._debug_generation != _crosscheck.GENERATION:
+        _crosscheck.agree_mode(mesh)
 
 
 def _check_world(shape: tuple[int, ...], names: tuple[str, ...], world: int) -> None:
@@ -333,6 +344,7 @@ def _simulated_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type:
         mesh.timeout = _world.current_run().timeout
     if timeout is not None:
         mesh.set_timeout(timeout)
+    _agree_check_mode(mesh)
     return mesh
 
 

@@ -75,10 +75,12 @@ def local_of(x: torch.Tensor, spec: P, mesh: Mesh, path: str = "value") -> torch
     return x
 
 
-def full_of(x: torch.Tensor, n: Sequence[int], spec: P, mesh: Mesh, ops) -> torch.Tensor:
+def full_of(x: torch.Tensor, n: Sequence[int], spec: P, mesh: Mesh, ops,
+            path: str = "value") -> torch.Tensor:
     """The full tensor (global shape ``n``) from every rank's block ``x`` under ``spec``:
     one all-gather per split dimension (none if nothing is split)."""
     if _packed.packing(spec):
+        _packed.check(path, n, spec, mesh.shape)     # (the same on every rank: n is global)
         xv, nv = _packed.view(x, spec), _packed.view_shape(n, spec)
         return _packed.unview(full_of(xv, nv, _packed.view_spec(spec), mesh, ops), spec)
     src = layout(spec, x.ndim, mesh)

@@ -8,8 +8,8 @@ from typing import Any, Callable
 import optree
 import torch
 
-from . import _context, _crosscheck, _world
-from . import _ops
+from . import _context, _crosscheck, _fingerprint, _world
+from . import _ops, _packed
 from ._errors import ShardingError
 from ._boundary import SumRules, VmaRules
 from ._precision import inexact
@@ -95,8 +95,22 @@ def shard_map(f: Callable | None = None, mesh: Mesh | None = None, in_specs: Any
 
     @functools.wraps(f)
     def mapped(*args, **kwargs):
+        if _world.SIMULATING and torch.compiler.is_compiling():
+            return _refuse_compile()
         return body(*args, **kwargs)
     return mapped
+
+
+def _raise_compile_refused():
+    raise ShardingError(_world.COMPILE_REFUSED)
+
+
+# torch.compile inside functp.simulate is refused here, where it meets the call, before
+# anything of the body is traced (both check_vma settings): as a call Dynamo must not
+# trace, it is a graph break that then raises this ShardingError (fullgraph=False), or
+# Dynamo's own error quoting the reason (fullgraph=True); traced, its raise would make
+# Dynamo go on tracing the body's own frames one by one
+_refuse_compile = torch.compiler.disable(_raise_compile_refused, reason=_world.COMPILE_REFUSED)
 
 
 def _unreduced(axes: tuple[str, ...], unreduced) -> frozenset:
@@ -222,6 +236,20 @@ class _Body:
         self._opaque = _opaque(self) if check_vma else None
 
     def __call__(self, *args, **kwargs):
+        if self.mesh._debug_generation != _crosscheck.GENERATION:
+            if not torch.compiler.is_dynamo_compiling():
+                _crosscheck.agree_mode(self.mesh)      # (first call, or set_debug since)
+        if not _crosscheck.ENABLED or torch.compiler.is_dynamo_compiling():
+            return self._call(args, kwargs)
+        try:
+            return self._call(args, kwargs)
+        except Exception as e:
+            # an error on this rank only would leave the others waiting in their next
+            # collective: they are told at their next check and raise there too
+            _crosscheck.raised(self.mesh, self.name, e)
+            raise
+
+    def _call(self, args, kwargs):
         if kwargs:
             raise ShardingError(
                 f"shard_map'd function {getattr(self.f, '__name__', self.f)!r} got keyword "
@@ -305,8 +333,6 @@ class _Body:
     def _run(self, args, outer: _context.Frame | None):
         compiling = torch.compiler.is_dynamo_compiling()
         if compiling and outer is None:
-            if _world.current_run() is not None:
-                raise ShardingError(_world.COMPILE_REFUSED)
             if self.check_vma:
                 if self._opaque is None:
                     raise ShardingError(
@@ -335,6 +361,8 @@ class _Body:
         if _crosscheck.ENABLED and not tracing:    # ranks agree on the blocks
             _crosscheck.boundary(self.mesh, self.name, "entry", plan.paths, local)
             if outer is None:     # (a nested body's blocks carry the outer vma tags)
+                _fingerprint.check_inputs(self.mesh, self.axes, self.name, plan.paths,
+                                          local, specs)
                 local = _crosscheck.mark(self.mesh, self.name, "backward done", local)
         rules = self.vma_rules if tracker is not None else self.sum_rules
         mp = self.precision
@@ -357,22 +385,25 @@ class _Body:
         if tracker is not None and tracker.mode is not None:
             tracker.mode.finish(out)   # a custom Function's output returned as it is
         try:
-            out = self._outputs(out, rules, tracker, outer is not None, compiling)
+            out, specs = self._outputs(out, rules, tracker, outer is not None, compiling)
             if _crosscheck.ENABLED and not tracing:
-                out = self._check_outputs(out, outer is None)
+                out = self._check_outputs(out, specs if outer is None else None)
             return out
         finally:
             if tracker is not None and outer is None:
                 tracker.forget([leaves[i] for i in plan.tensors])
 
     # -- outputs ---------------------------------------------------------------------
-    def _check_outputs(self, out, top: bool):
-        """The check mode at the exit: ranks agree on the output blocks, and the
-        backward starts on every rank together."""
+    def _check_outputs(self, out, specs: list | None):
+        """The check mode at the exit: ranks agree on the output blocks (and, for a
+        top-level body, given its outputs' ``specs``, on the values declared
+        replicated), and the backward starts on every rank together."""
         paths, leaves, treespec = optree.tree_flatten_with_path(out)
         paths = [keystr("output", p) for p in paths]
         _crosscheck.boundary(self.mesh, self.name, "exit", paths, leaves)
-        if top:
+        if specs is not None:
+            _fingerprint.check_outputs(self.mesh, self.axes, self.name, paths, leaves, specs,
+                                       self.check_vma)
             leaves = _crosscheck.mark(self.mesh, self.name, "backward start", leaves)
         return optree.tree_unflatten(treespec, leaves)
 
@@ -396,15 +427,19 @@ class _Body:
                 self._spec(spec, f"out_specs for {paths[i]}", y.shape)
             y = rules.exit(tracker, paths[i], y, spec)
             oleaves[i] = self._gather_back(y, spec, tracker) if nested else y
-        return optree.tree_unflatten(otree, oleaves)
+        return optree.tree_unflatten(otree, oleaves), specs
 
     def _gather_back(self, y: torch.Tensor, spec: P, tracker) -> torch.Tensor:
-        """A nested body's output, back to whole along its axes for the outer body."""
+        """A nested body's output, back to whole along its axes for the outer body
+        (a packed dimension gathered block by block, through its packed view)."""
         vma = tracker.get(y) if tracker is not None else None
-        for d in range(len(spec)):
-            axes = spec.dim_axes(d)
+        view = _packed.view_spec(spec) if spec.packed else spec
+        y = _packed.view(y, spec) if spec.packed else y
+        for d in range(len(view)):
+            axes = view.dim_axes(d)
             if axes:
                 y = _ops.all_gather(y, self.mesh.axis_group(axes).key, d, True, True)
+        y = _packed.unview(y, spec) if spec.packed else y
         if tracker is not None:
             tracker.set(y, vma - frozenset(self.axes))
         return y
@@ -420,6 +455,12 @@ class _Body:
         return spec
 
     def _take_block(self, path: str, x: torch.Tensor, spec: P) -> torch.Tensor:
+        """This rank's block of ``x``, whole along our axes (a packed dimension: this
+        rank's slice of each of its blocks, through its packed view)."""
+        if spec.packed:
+            _packed.check(f"in_specs for {path}", x.shape, spec, self.mesh.shape)
+            view = _packed.view_spec(spec)
+            return _packed.unview(self._take_block(path, _packed.view(x, spec), view), spec)
         dims = []
         for d in range(len(spec)):
             axes = spec.dim_axes(d)

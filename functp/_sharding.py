@@ -14,7 +14,7 @@ from typing import Any
 import optree
 import torch
 
-from . import _context, _world
+from . import _context, _crosscheck, _fingerprint, _world
 from ._errors import ShardingError
 from ._mesh import Mesh
 from ._reshard import (GLOBAL_SHAPE, _RawOps, block, check_block, exchange_shapes, full_of,
@@ -56,7 +56,9 @@ def shard(tree: Any, mesh: Mesh, specs: Any, *, src_rank: int | None = None) -> 
     ``src_rank`` – if given, only that rank's ``tree`` is read (others may pass
     ``None``) and it is broadcast first.
 
-    Without ``src_rank`` no communication happens. Sizes need not be divisible:
+    Without ``src_rank`` no communication happens, and nothing checks that the ranks'
+    tensors are the same (each rank would take its block of its own tensor): the
+    check mode (``FUNCTP_DEBUG=1``) compares them and raises if they differ. Sizes need not be divisible:
     blocks follow ``torch.chunk`` (10 rows over 4 ranks: 3, 3, 3, 1). Example::
 
         local = functp.shard({"w": torch.randn(8, 4)}, mesh, {"w": P("tp")})
@@ -65,6 +67,9 @@ def shard(tree: Any, mesh: Mesh, specs: Any, *, src_rank: int | None = None) -> 
     if src_rank is not None:
         tree = _broadcast_tree(tree, mesh, src_rank)
     items, treespec = leaf_specs(tree, mesh, specs, "tree")
+    if _crosscheck.ENABLED and src_rank is None:
+        _fingerprint.check_full(mesh, [p for p, _, _ in items], [x for _, x, _ in items],
+                                "functp.shard")
     return optree.tree_unflatten(treespec, [
         mark_uneven(local_block(x, s, mesh, p), x.shape, layout(s, x.ndim), mesh)
         if isinstance(x, torch.Tensor) else x for p, x, s in items])
@@ -99,7 +104,7 @@ def unshard(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
     out = []
     for (path, x, spec), n in zip(items, n_list):
         if isinstance(x, torch.Tensor):
-            x = full_of(x, n, spec, mesh, ops)
+            x = full_of(x, n, spec, mesh, ops, f"functp.unshard: {path}")
         out.append(x)
     return optree.tree_unflatten(treespec, out)
 
