@@ -418,6 +418,9 @@ def _build_variants(layout, size, n, dtype, compile_backend):
             res.append((f"functp{tag} grad {mode}", gstep, sm))
             if tag:          # the plan variant: torch.func.grad with vma only
                 break
+            if check_vma:    # JAX's API with plain reverse mode at the top level
+                vstep = (lambda sm=sm: functp.value_and_grad(sm)(params, xl, yl))
+                res.append(("functp value_and_grad vma", vstep, sm))
             tparams = {k: v.clone().requires_grad_() for k, v in params.items()}
             tleaves = list(tparams.values())
 

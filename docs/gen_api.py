@@ -24,8 +24,8 @@ SECTIONS = [
     ("Collectives", ["_collectives"]),
     ("Communication log and the cross-rank check", ["_comm_log", "_crosscheck"]),
     ("One process: simulated ranks, printing, layouts", ["_simulate", "_world", "_show"]),
-    ("Training: norms, accumulation, mixed precision, remat, optimizers",
-     ["_grads", "_precision", "_remat", "_optim"]),
+    ("Training: gradients, norms, accumulation, mixed precision, remat, optimizers",
+     ["_autodiff", "_grads", "_precision", "_remat", "_optim"]),
     ("Plans and styles", ["_plans", "_styles"]),
     ("DTensor and checkpoints", ["_interop", "_checkpoint"]),
 ]

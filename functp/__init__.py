@@ -10,6 +10,7 @@ from __future__ import annotations
 from ._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
                            axis_size, pcast, pmax, pmean, pmin, ppermute, psum, psum_scatter,
                            pvary)
+from ._autodiff import grad, value_and_grad
 from ._comm_log import CommEvent, comm_log
 from ._checkpoint import full_state_dict, load, save
 from ._crosscheck import debug_enabled, set_debug
@@ -45,7 +46,7 @@ __all__ = [
     "simulate", "print_ranks", "visualize_sharding", "process_index", "process_count",
     "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",
     "save", "load", "full_state_dict",
-    "global_norm", "clip_by_global_norm", "reduce_unreduced", "MixedPrecision",
+    "grad", "value_and_grad", "global_norm", "clip_by_global_norm", "reduce_unreduced", "MixedPrecision",
     "checkpoint", "remat", "checkpoint_name", "remat_policies", "optimizer_specs",
     "set_grads",
     "parallelize", "Parallelized", "match_plan", "register_style", "Style", "Replicated",

@@ -239,7 +239,9 @@ class _Body:
         if self.mesh._debug_generation != _crosscheck.GENERATION:
             if not torch.compiler.is_dynamo_compiling():
                 _crosscheck.agree_mode(self.mesh)      # (first call, or set_debug since)
-        if not _crosscheck.ENABLED or torch.compiler.is_dynamo_compiling():
+        if not _crosscheck.ENABLED:
+            return self._call(args, kwargs)
+        if torch.compiler.is_dynamo_compiling():
             return self._call(args, kwargs)
         try:
             return self._call(args, kwargs)
