@@ -21,7 +21,7 @@ SECTIONS = [
     ("Meshes and specs", ["_mesh", "_spec", "_errors"]),
     ("Sharding whole values", ["_sharding", "_reshard", "_functional"]),
     ("shard_map", ["_shard_map"]),
-    ("Collectives", ["_collectives"]),
+    ("Collectives", ["_collectives", "_ragged"]),
     ("Communication log and the cross-rank check", ["_comm_log", "_crosscheck"]),
     ("One process: simulated ranks, printing, layouts", ["_simulate", "_world", "_show"]),
     ("Training: gradients, norms, accumulation, mixed precision, remat, optimizers",

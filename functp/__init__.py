@@ -21,6 +21,7 @@ from ._interop import from_dtensor, to_dtensor
 from ._mesh import Mesh, make_mesh
 from ._optim import optimizer_specs, set_grads
 from ._precision import MixedPrecision
+from ._ragged import RaggedOffsets, ragged_all_to_all, ragged_offsets
 from ._remat import checkpoint, checkpoint_name, remat, remat_policies
 from ._plans import Parallelized, match_plan, parallelize
 from ._shard_map import shard_map
@@ -42,6 +43,7 @@ __all__ = [
     "functionalize", "shard", "unshard", "shard_map",
     "psum", "pmean", "pmax", "pmin", "pvary", "pcast", "all_gather", "all_gather_invariant",
     "psum_scatter", "all_to_all", "ppermute", "axis_index", "axis_size",
+    "ragged_all_to_all", "ragged_offsets", "RaggedOffsets",
     "comm_log", "CommEvent", "set_debug", "debug_enabled",
     "simulate", "print_ranks", "visualize_sharding", "process_index", "process_count",
     "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",

@@ -19,8 +19,9 @@ _local = _Local()
 @dataclass(frozen=True)
 class CommEvent:
     """One collective: ``op`` is ``all_reduce``, ``all_gather``, ``reduce_scatter``,
-    ``all_to_all`` or ``permute``; ``axes`` the mesh axes it ran over; ``nbytes`` the
-    size of this rank's input buffer."""
+    ``all_to_all``, ``ragged_all_to_all`` or ``permute``; ``axes`` the mesh axes it ran
+    over; ``nbytes`` the size of this rank's input buffer (for ``ragged_all_to_all``:
+    the rows it sends)."""
     op: str
     axes: tuple[str, ...]
     nbytes: int

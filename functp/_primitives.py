@@ -16,12 +16,14 @@ from ._mesh import AxisGroup
 _ops = torch.ops._c10d_functional
 
 
-def _record(op: str, g: AxisGroup, x: torch.Tensor, how: str = "") -> None:
-    """Before every collective: the check mode's fingerprint exchange, and comm_log."""
+def _record(op: str, g: AxisGroup, x: torch.Tensor, how: str = "",
+            ragged: bool = False) -> None:
+    """Before every collective: the check mode's fingerprint exchange, and comm_log.
+    ``ragged``: the ranks' row counts differ by design; only the row shape is compared."""
     if _world.SIMULATING:
         _world.check_collective()
     if _crosscheck.ENABLED:
-        _crosscheck.collective(op + how, g, x)
+        _crosscheck.collective(op + how, g, x[:0] if ragged else x)
     if _comm_log._local.active and not torch.compiler.is_compiling():
         _comm_log.record(op, g.axes, x.numel() * x.element_size())
 
