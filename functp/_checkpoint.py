@@ -560,6 +560,10 @@ def _read_tree(what: str, path: str, raw: bytes | None, crc, saved: _Saved) -> N
                 f"{what}: written by a newer functp (format {record['format']}; this one "
                 f"reads up to {_FORMAT}) ({path})\nupgrade functp to load it")
         saved.values = {str(k): _decode(v) for k, v in dict(record["values"]).items()}
+        both = sorted(set(saved.values) & set(saved.tensors) | set(saved.values) & saved.pickled)
+        if both:
+            raise ValueError(f"it holds a value under key '{both[0]}', which {_METADATA} "
+                             f"holds too")
         if record["tree"] is None:
             saved.why = f"{record['unkept']}" if isinstance(record.get("unkept"), str) \
                 else "no tree structure recorded"
@@ -624,7 +628,8 @@ def _fingerprint(x: Any) -> int:
     if not isinstance(x, torch.Tensor):
         return zlib.crc32(json.dumps(_encode(x)).encode())
     crc = zlib.crc32(f"{x.dtype} {tuple(x.shape)}".encode())
-    data = x.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    data = x.detach().resolve_conj().resolve_neg().contiguous().cpu().reshape(-1)
+    data = data.view(torch.uint8)
     return zlib.crc32(memoryview(data.numpy()), crc)
 
 

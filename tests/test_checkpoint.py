@@ -739,6 +739,25 @@ def test_files_outside_the_folder_are_refused(run, tmp_path, how):
         _all_raise(outcomes, repr(named), "outside the checkpoint folder", path)
 
 
+@pytest.mark.parametrize("forged", [{"step": {"pickle": "gASVAAAA"}}, {"step": {"dtype": "Tensor"}},
+                                    {"w": 3}], ids=["unknown-tag", "not-a-dtype", "a-tensor-key"])
+def test_a_forged_tree_file_is_refused(run, tmp_path, forged):
+    import json
+    path = str(tmp_path / "ckpt")
+    run(2, _save_small, path)
+    file = os.path.join(path, ".functp_tree.json")
+    with open(file) as f:
+        record = json.load(f)
+    record["values"].update(forged)
+    if "w" in forged:      # a value under a key whose tensor .metadata holds
+        record["tree"]["dict"] = [[k, {"value": k} if k == "w" else n]
+                                  for k, n in record["tree"]["dict"]]
+    with open(file, "w") as f:
+        json.dump(record, f)
+    _write_sums(path, _honest_metadata(path))
+    _all_raise(run(2, _try_load, path, {}), ".functp_tree.json is unreadable", path)
+
+
 def _tree_of_values():
     from collections import OrderedDict
     return {"w": torch.arange(6.).reshape(2, 3),
