@@ -305,8 +305,10 @@ _VALUE_TYPES = ("None, bool, int, float, complex, str, bytes, torch.dtype, torch
 def _encode(x: Any) -> Any:
     """A non-tensor leaf (or a dict key) as JSON: scalars as they are, the rest tagged
     (``{"bytes": "00ff"}``); ``TypeError`` for any other type."""
-    if x is None or isinstance(x, (bool, str)):
-        return x if type(x) in (type(None), bool, str) else str(x)
+    if x is None or type(x) is bool:
+        return x
+    if isinstance(x, str):
+        return str(x)
     if isinstance(x, int):
         return int(x)
     if isinstance(x, float):
@@ -415,7 +417,8 @@ def _tree_file(what: str, path: str, items, treespec, keys) -> bytes:
         if optree.tree_structure(_skeleton(json.loads(json.dumps(structure)))) != treespec:
             raise TypeError("a container optree flattens another way")
     except TypeError as e:        # a namedtuple, a custom pytree node: a class is code
-        structure, unkept = None, f"its tree holds a {e}, which the file does not hold"
+        structure = None
+        unkept = f"no saved tree structure: the tree holds a {e}, whose class is not saved"
     record = {"format": _FORMAT, "tree": structure, "unkept": unkept, "values": values}
     return json.dumps(record, allow_nan=False).encode()
 
@@ -577,7 +580,7 @@ def _read_tree(what: str, path: str, raw: bytes | None, crc, saved: _Saved) -> N
         saved.skeleton = skeleton
     except CheckpointError:
         raise
-    except (ValueError, KeyError, TypeError, AttributeError, ShardingError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, ShardingError) as e:
         raise CheckpointError(f"{what}: {_TREE} is unreadable ({_cause(e)}) ({path})") from e
 
 

@@ -708,17 +708,18 @@ def test_a_value_that_would_run_code_is_refused(run, tmp_path):
     assert os.path.isdir(marker)
 
 
-@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink", "metadata-link"])
 def test_files_outside_the_folder_are_refused(run, tmp_path, how):
     import shutil
     path, outside = str(tmp_path / "ckpt"), tmp_path / "outside"
     run(2, _save_small, path)
     meta = _honest_metadata(path)
     outside.mkdir()
-    moved = "__1_0.distcp"                    # rank 1's block of w, copied out of the folder
+    # rank 1's block of w (or DCP's metadata), moved out of the folder
+    moved = ".metadata" if how == "metadata-link" else "__1_0.distcp"
     shutil.copy(os.path.join(path, moved), outside / moved)
     os.remove(os.path.join(path, moved))
-    if how == "symlink":                      # the same bytes: its checksums still pass
+    if how.endswith("link"):                  # the same bytes: its checksums still pass
         os.symlink(outside / moved, os.path.join(path, moved))
         named = moved
     else:
@@ -734,9 +735,11 @@ def test_files_outside_the_folder_are_refused(run, tmp_path, how):
         plain = {"w": torch.empty(8, 8)}
         dcp.load(plain, checkpoint_id=path, no_dist=True)
     assert torch.equal(plain["w"], _small()["w"])
+    words = ((".metadata is a link that leaves the checkpoint folder",) if moved == ".metadata"
+             else (repr(named), "outside the checkpoint folder"))
     for outcomes in (run(2, _try_load, path, {}), run(2, _try_load, path, {"like": {"b": 0}}),
                      run(1, _try_load_full, path, {})):
-        _all_raise(outcomes, repr(named), "outside the checkpoint folder", path)
+        _all_raise(outcomes, *words, path)
 
 
 @pytest.mark.parametrize("forged", [{"step": {"pickle": "gASVAAAA"}}, {"step": {"dtype": "Tensor"}},
