@@ -595,7 +595,8 @@ class _Reader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any):
         if self._meta.storage_meta is None:
             self._meta.storage_meta = StorageMeta()
-        self._meta.storage_meta.load_id = self.load_id     # as DCP's own reader records it
+        # as DCP's own reader records it (for its logs)
+        self._meta.storage_meta.load_id = getattr(self, "load_id", None)
         return self._meta
 
 
