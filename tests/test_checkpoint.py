@@ -296,29 +296,81 @@ def test_interrupted_save_is_incomplete(run, tmp_path):
     _all_raise(run(2, _try_load, path, {"like": {"w": 0}}), "incomplete", path)
 
 
-def _save_as_older_functp(path):
-    """What functp.save wrote before checksums: the blocks and the tree structure."""
+def _save_as_older_functp(path, checksummed):
+    """What functp.save wrote before its tree file (format 1): the blocks, and the tree
+    structure and non-tensor leaves pickled into DCP; and, once it wrote checksums,
+    their file and a mark saying it has them."""
     import optree
     mesh = _mesh2()
     local = functp.shard(_small(), mesh, _SMALL_SPECS)
     dtensors = {"w": functp.to_dtensor(local["w"], mesh, _SMALL_SPECS["w"]),
                 "b": local["b"], "step": 3,
                 "__functp_treespec__": optree.tree_structure(_small())}
+    if checksummed:
+        dtensors["__functp_checksummed__"] = 1
     dcp.save(dtensors, checkpoint_id=path)
+    dist.barrier()
+    if checksummed and dist.get_rank() == 0:
+        _write_sums(path, _honest_metadata(path))
+
+
+def _honest_metadata(path):
+    """The metadata of a checkpoint this test wrote itself (so unpickling it is fine)."""
+    import pickle
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        return pickle.load(f)
+
+
+def _write_metadata(path, meta):
+    import pickle
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(meta, f)
+
+
+def _write_sums(path, meta):
+    """A checksum file for the folder as it is now (what a forger can do too)."""
+    import json
+    import zlib
+
+    def crc(name, start=0, length=None):
+        with open(os.path.join(path, name), "rb") as f:
+            f.seek(start)
+            return zlib.crc32(f.read(length))
+    record = {"metadata": crc(".metadata"), "entries": [
+        [i.fqn, None if i.offset is None else list(i.offset), s.relative_path, s.offset,
+         s.length, crc(s.relative_path, s.offset, s.length)]
+        for i, s in meta.storage_data.items()]}
+    if os.path.exists(os.path.join(path, ".functp_tree.json")):
+        record["tree"] = crc(".functp_tree.json")
+    with open(os.path.join(path, ".functp_checksums.json"), "w") as f:
+        json.dump(record, f)
 
 
 def _load_older(path):
     mesh = _mesh2()
-    got = functp.load(path, mesh, _SMALL_SPECS)
     want = functp.shard(_small(), mesh, _SMALL_SPECS)
-    return all(torch.equal(got[k], want[k]) for k in ("w", "b")) and got["step"] == 3
+
+    def same(t):
+        return (sorted(t) == ["b", "step", "w"] and all(torch.equal(t[k], want[k]) for k in "wb")
+                and type(t["step"]) is int and t["step"] == 3)
+    # like= gives the structure; the pickled step counter is read as plain data
+    with_like = functp.load(path, mesh, _SMALL_SPECS, like={"w": 0, "b": 0, "step": 0})
+    # the structure alone is a pickle: refused, with the way to convert the folder once
+    refused = _outcome(lambda: functp.load(path, mesh, _SMALL_SPECS))
+    trusted = functp.load(path, mesh, _SMALL_SPECS, trusted=True)
+    functp.save(path + "-new", trusted, mesh, _SMALL_SPECS)
+    converted = functp.load(path + "-new", mesh, _SMALL_SPECS)
+    return same(with_like), same(trusted), same(converted), refused
 
 
-def test_checkpoint_of_an_older_functp_loads(run, tmp_path):
-    # no checksums, and no mark that it should have them: loaded unchecked
+@pytest.mark.parametrize("checksummed", [False, True], ids=["unchecked", "checksummed"])
+def test_checkpoint_of_an_older_functp_loads(run, tmp_path, checksummed):
     path = str(tmp_path / "ckpt")
-    run(2, _save_as_older_functp, path)
-    assert run(2, _load_older, path) == [True, True]
+    run(2, _save_as_older_functp, path, checksummed)
+    results = run(2, _load_older, path)
+    assert [r[:3] for r in results] == [(True, True, True)] * 2, results
+    msgs = _all_raise([r[3] for r in results], "written by an older functp", path)
+    assert all("like=" in m and "trusted=True" in m for m in msgs), msgs
 
 
 def _save_fails_on_rank1(path, how):
@@ -559,3 +611,286 @@ def test_packed_weights_and_their_adam_moments_resume_on_any_mesh(run, tmp_path)
         torch.testing.assert_close(losses, reference[_SAVE_AT:], rtol=1e-8, atol=0,
                                    msg=lambda m: f"resumed on {shape}: {m}")
     assert reference[-1] < reference[0]
+
+
+# -- a folder from someone else: loading it runs nothing from it ---------------------------
+
+
+class _Payload:
+    """Unpickling it calls ``os.mkdir(marker)``: what a crafted file would run."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+_MKDIR = f"{os.mkdir.__module__}.mkdir"        # the global its pickle names
+
+
+@pytest.mark.parametrize("sums", ["removed", "recomputed"])
+def test_metadata_that_would_run_code_is_refused(run, tmp_path, sums):
+    path, marker = str(tmp_path / "ckpt"), str(tmp_path / "ran")
+    run(2, _save_small, path)
+    meta = _honest_metadata(path)
+    meta.planner_data = _Payload(marker)
+    _write_metadata(path, meta)
+    if sums == "removed":
+        os.remove(os.path.join(path, ".functp_checksums.json"))
+    else:
+        _write_sums(path, meta)
+    for outcomes in (run(2, _try_load, path, {}), run(2, _try_load, path, {"like": {"b": 0}}),
+                     run(1, _try_load_full, path, {})):
+        msgs = _all_raise(outcomes, ".metadata was refused", _MKDIR, "nothing from it was run",
+                          path)
+        assert all("trusted=True" in m for m in msgs), msgs
+    assert not os.path.exists(marker), "functp.load ran the payload"
+    # the payload is live: DCP's own reader runs it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.FileSystemReader(path).read_metadata()
+    assert os.path.isdir(marker)
+
+
+def _save_plain_dcp(path, values, marker=None):
+    """A checkpoint written by torch.distributed.checkpoint.save itself, on 2 ranks: ``w``
+    split, ``b`` whole, and the non-tensor ``values`` (with ``marker``: a step counter
+    whose pickle makes that directory; built here, as unpickling it would run it)."""
+    if marker is not None:
+        values = {**values, "step": _Payload(marker)}
+    mesh = _mesh2()
+    local = functp.shard(_small(), mesh, _SMALL_SPECS)
+    dcp.save({"w": functp.to_dtensor(local["w"], mesh, P("x")), "b": local["b"], **values},
+             checkpoint_id=path)
+
+
+def _load_plain_dcp(path, like):
+    mesh = _mesh2()
+    got = functp.load(path, mesh, {"w": P("x"), "b": P(), "step": P(), "name": P()}, like=like)
+    want = functp.shard(_small(), mesh, _SMALL_SPECS)
+    return ([torch.equal(got[k], want[k]) for k in "wb"], {k: got[k] for k in got if k not in "wb"},
+            _outcome(lambda: functp.load(path, mesh, P())))
+
+
+def test_a_checkpoint_of_dcp_itself_loads_exactly(run, tmp_path):
+    path = str(tmp_path / "ckpt")
+    run(2, _save_plain_dcp, path, {"step": 7, "name": "run-1"})
+    like = {"w": 0, "b": 0, "step": 0, "name": 0}
+    for same, values, no_tree in run(2, _load_plain_dcp, path, like):
+        assert same == [True, True] and values == {"step": 7, "name": "run-1"}, (same, values)
+        assert no_tree[0] == "CheckpointError" and "pass like=" in no_tree[1], no_tree
+    with warnings.catch_warnings():                # DCP: "assuming ... a single process"
+        warnings.simplefilter("ignore")
+        full = functp.load(path, like=like)       # one process, no mesh
+    assert torch.equal(full["w"], _small()["w"]) and torch.equal(full["b"], _small()["b"])
+    assert (full["step"], full["name"]) == (7, "run-1")
+
+
+def _try_load_like(path, like):
+    mesh = _mesh2()
+    return _outcome(lambda: functp.load(path, mesh, P(), like=like))
+
+
+def test_a_value_that_would_run_code_is_refused(run, tmp_path):
+    path, marker = str(tmp_path / "ckpt"), str(tmp_path / "ran")
+    run(2, _save_plain_dcp, path, {}, marker)
+    assert not os.path.exists(marker)
+    for outcomes in (run(2, _try_load_like, path, {"w": 0, "b": 0, "step": 0}),
+                     run(1, _try_load_full, path, {"like": {"step": 0}})):
+        _all_raise(outcomes, "key 'step' was refused", _MKDIR, "nothing from it was run", path)
+    assert not os.path.exists(marker), "functp.load ran the payload"
+    assert run(2, _try_load_like, path, {"w": 0, "b": 0}) == [None, None], "the rest loads"
+    # the payload is live: DCP's own planner runs it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"step": None}, checkpoint_id=path, no_dist=True)
+    assert os.path.isdir(marker)
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink", "metadata-link"])
+def test_files_outside_the_folder_are_refused(run, tmp_path, how):
+    import shutil
+    path, outside = str(tmp_path / "ckpt"), tmp_path / "outside"
+    run(2, _save_small, path)
+    meta = _honest_metadata(path)
+    outside.mkdir()
+    # rank 1's block of w (or DCP's metadata), moved out of the folder
+    moved = ".metadata" if how == "metadata-link" else "__1_0.distcp"
+    shutil.copy(os.path.join(path, moved), outside / moved)
+    os.remove(os.path.join(path, moved))
+    if how.endswith("link"):                  # the same bytes: its checksums still pass
+        os.symlink(outside / moved, os.path.join(path, moved))
+        named = moved
+    else:
+        named = f"../outside/{moved}" if how == "dotdot" else str(outside / moved)
+        for info in meta.storage_data.values():
+            if info.relative_path == moved:
+                info.relative_path = named
+        _write_metadata(path, meta)
+        _write_sums(path, meta)
+    # DCP itself reads the file outside the folder
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = {"w": torch.empty(8, 8)}
+        dcp.load(plain, checkpoint_id=path, no_dist=True)
+    assert torch.equal(plain["w"], _small()["w"])
+    words = ((".metadata is a link that leaves the checkpoint folder",) if moved == ".metadata"
+             else (repr(named), "outside the checkpoint folder"))
+    for outcomes in (run(2, _try_load, path, {}), run(2, _try_load, path, {"like": {"b": 0}}),
+                     run(1, _try_load_full, path, {})):
+        _all_raise(outcomes, *words, path)
+
+
+@pytest.mark.parametrize("forged", [{"step": {"pickle": "gASVAAAA"}}, {"step": {"dtype": "Tensor"}},
+                                    {"w": 3}], ids=["unknown-tag", "not-a-dtype", "a-tensor-key"])
+def test_a_forged_tree_file_is_refused(run, tmp_path, forged):
+    import json
+    path = str(tmp_path / "ckpt")
+    run(2, _save_small, path)
+    file = os.path.join(path, ".functp_tree.json")
+    with open(file) as f:
+        record = json.load(f)
+    record["values"].update(forged)
+    if "w" in forged:      # a value under a key whose tensor .metadata holds
+        record["tree"]["dict"] = [[k, {"value": k} if k == "w" else n]
+                                  for k, n in record["tree"]["dict"]]
+    with open(file, "w") as f:
+        json.dump(record, f)
+    _write_sums(path, _honest_metadata(path))
+    _all_raise(run(2, _try_load, path, {}), ".functp_tree.json is unreadable", path)
+
+
+def _tree_of_values():
+    from collections import OrderedDict
+    return {"w": torch.arange(6.).reshape(2, 3),
+            "meta": {"step": 7, "big": -2 ** 70, "lr": 0.1, "neg0": -0.0, "inf": float("inf"),
+                     "nan": float("nan"), "c": 1 - 2j, "name": "run-1", "raw": b"\x00\xff",
+                     "flag": True, "dtype": torch.bfloat16, "device": torch.device("cpu"),
+                     "size": torch.Size([2, 3]), "pair": (1, [2.5, None]),
+                     "ordered": OrderedDict(z=1, y="b"), "by_int": {3: "three", 1: "one"}}}
+
+
+def _values_body(path):
+    mesh = _mesh2()
+    tree = _tree_of_values()
+    functp.save(path, tree, mesh, P())
+    got = functp.load(path, mesh, P())
+    whole = functp.load(path)
+    refused = _outcome(lambda: functp.save(path + "-obj", {"x": object()}, mesh, P()))
+    return ([repr(t["meta"]) for t in (got, whole)], [torch.equal(t["w"], tree["w"])
+                                                      for t in (got, whole)], refused)
+
+
+def test_non_tensor_leaves_are_stored_as_data(run, tmp_path):
+    import json
+    import optree
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    path = str(tmp_path / "ckpt")
+    want = _tree_of_values()
+    for reprs, same, refused in run(2, _values_body, path):
+        assert reprs == [repr(want["meta"])] * 2 and same == [True, True], reprs
+        assert refused[0] == "CheckpointError" and "tree['x']" in refused[1], refused
+        assert "object" in refused[1] and "never as a pickle" in refused[1], refused
+    # the folder holds tensors and JSON, nothing pickled beside DCP's own metadata
+    meta = _honest_metadata(path)
+    assert all(isinstance(m, TensorStorageMetadata) for m in meta.state_dict_metadata.values())
+    with open(os.path.join(path, ".functp_tree.json")) as f:
+        assert json.load(f)["values"]["meta.name"] == "run-1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert optree.tree_structure(functp.load(path)) == optree.tree_structure(want)
+
+
+def _namedtuple_body(path):
+    import collections
+    Pair = collections.namedtuple("Pair", "a b")
+    mesh = _mesh2()
+    functp.save(path, Pair(torch.ones(2), 3), mesh, P())
+    got = functp.load(path, mesh, P(), like=Pair(0, 0))
+    return (type(got) is Pair and torch.equal(got.a, torch.ones(2)) and got.b == 3,
+            _outcome(lambda: functp.load(path, mesh, P())))
+
+
+def test_a_tree_of_other_nodes_loads_with_like(run, tmp_path):
+    # a namedtuple's class is code: the file keeps its leaves, like= gives the structure
+    for ok, no_like in run(2, _namedtuple_body, str(tmp_path / "ckpt")):
+        assert ok
+        assert no_like[0] == "CheckpointError" and "Pair" in no_like[1], no_like
+        assert "pass like=" in no_like[1], no_like
+
+
+def test_the_allowlist_admits_what_dcp_writes(tmp_path):
+    """Every dtype and layout DCP records, as torch (this one) writes them."""
+    import pickle
+    from functp import _safe_pickle
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+              torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+              torch.complex64, torch.complex128, torch.float8_e4m3fn]
+    state = {str(d): torch.zeros(2, 3, dtype=d) for d in dtypes}
+    state["cl"] = torch.zeros(1, 2, 3, 4).to(memory_format=torch.channels_last)
+    state["step"], state["name"] = 7, "run-1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    raw = open(tmp_path / ".metadata", "rb").read()
+    assert _safe_pickle.load_metadata(raw) == pickle.loads(raw)
+
+
+# -- check mode: replicated leaves that differ are caught at save ---------------------------
+
+
+def _save_differing(path, debug, which):
+    """Saves on (2,) or (2, 2): ``w`` split over the first axis (blocks differ, rightly)
+    and ``b`` replicated, differing between ranks when ``which`` says so."""
+    r, world = dist.get_rank(), dist.get_world_size()
+    mesh = _mesh2() if world == 2 else functp.make_mesh((2, 2), ("dp", "tp"))
+    a = mesh.axis_names[0]
+    tree = {"w": randn(4, seed=mesh.axis_index(a)),   # a block of w, split over a
+            "b": randn(3, seed=10 + (r if which == "b" else 0)),
+            "step": 3 + (r if which == "step" else 0)}
+    if world == 4:             # v split over dp, differing over tp where asked
+        tree["v"] = randn(2, seed=20 + mesh.axis_index("dp") * 2
+                          + (mesh.axis_index("tp") if which == "v" else 0))
+    specs = {"w": P(a), "b": P(), "step": P(), "v": P("dp")}
+    prev = functp.set_debug(debug)
+    try:
+        return _outcome(lambda: functp.save(path, tree, mesh,
+                                            {k: specs[k] for k in tree})), tree["b"]
+    finally:
+        functp.set_debug(prev)
+
+
+def test_check_mode_refuses_replicas_that_differ(run, tmp_path):
+    path = str(tmp_path / "ckpt")
+    outcomes, _ = zip(*run(2, _save_differing, path, True, "b"))
+    msgs = _all_raise(outcomes, "tree['b']", "P()", "('x',)", "ranks [0]", "ranks [1]",
+                      "FUNCTP_DEBUG")
+    assert all("pmean" in m and "mentions 'x'" in m for m in msgs), msgs
+    assert not os.path.exists(path), "nothing was written"
+    outcomes, _ = zip(*run(2, _save_differing, path, True, "step"))
+    _all_raise(outcomes, "tree['step']", "non-tensor", "ranks [0]", "ranks [1]")
+    # blocks of a split leaf differ rightly: saved
+    assert [o for o, _ in run(2, _save_differing, path, True, None)] == [None, None]
+
+
+def test_check_mode_compares_only_the_ranks_that_replicate_a_leaf(run, tmp_path):
+    path = str(tmp_path / "ckpt")
+    # v: P('dp') differs over dp (its blocks) on every rank: saved
+    assert [o for o, _ in run(4, _save_differing, path, True, None)] == [None] * 4
+    # v differing over tp, which its spec does not mention: ranks 0 and 1 (dp=0) differ
+    outcomes, _ = zip(*run(4, _save_differing, path, True, "v"))
+    _all_raise(outcomes, "tree['v']", "P('dp')", "('tp',)", "ranks [0]", "ranks [1]")
+
+
+def _load_b(path):
+    return functp.load(path, _mesh2(), P(), like={"b": 0})["b"]
+
+
+def test_without_check_mode_one_replica_is_kept(run, tmp_path):
+    path = str(tmp_path / "ckpt")
+    outcomes, bs = zip(*run(2, _save_differing, path, False, "b"))
+    assert outcomes == (None, None), "saved: only the check mode compares replicas"
+    loaded = run(2, _load_b, path)
+    assert torch.equal(loaded[0], loaded[1])
+    assert any(torch.equal(loaded[0], b) for b in bs) and not torch.equal(bs[0], bs[1])
