@@ -321,3 +321,38 @@ def _compiled_non_tensor_body():
 
 def test_compiled_vma_body_with_non_tensor_arguments_and_results(run):
     run(2, _compiled_non_tensor_body, timeout=600)
+
+
+# -- inductor's collective passes on functp's collectives ------------------------------------
+# functp's ops reach inductor as _c10d_functional all_reduce + wait_tensor, so its own
+# passes apply: bucket_all_reduces_fx merges independent all-reduces into one.
+
+def _bucketing_body():
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    mesh = functp.make_mesh((2,), ("dp",))
+
+    def body(a, b, c):            # three independent reductions, as a hand-written DDP has
+        return functp.pmean(a * 2, "dp"), functp.pmean(b.sin(), "dp"), functp.pmean(c + 1, "dp")
+
+    f = functp.shard_map(body, mesh, in_specs=(P("dp"),) * 3, out_specs=(P(),) * 3)
+    xs = [randn(2, 5, seed=i).float() for i in range(3)]
+    eager = f(*xs)
+    waits = {}
+    for mode in ("none", "all"):
+        torch._dynamo.reset()
+        old = inductor_config.bucket_all_reduces_fx
+        inductor_config.bucket_all_reduces_fx = mode
+        try:
+            got, code = run_and_get_code(torch.compile(f, fullgraph=True), *xs)
+        finally:
+            inductor_config.bucket_all_reduces_fx = old
+        assert_tree_close(got, eager, f"bucket_all_reduces_fx={mode}")
+        waits[mode] = "\n".join(code).count("_c10d_functional.wait_tensor.default(")
+    return waits
+
+
+def test_inductor_buckets_functp_all_reduces(run):
+    for waits in run(2, _bucketing_body, timeout=600):
+        assert waits == {"none": 3, "all": 1}, waits
