@@ -26,8 +26,9 @@ they go through torch.distributed's default group, which simulated ranks lack.
 A resumed run continues exactly where the checkpoint left off: the batches are a
 function of the step number, and the optimizer is rebuilt fresh on the new mesh and
 given its state by ``functp.init_optimizer_state`` + ``functp.optimizer_specs`` (the
-spec tree ``functp.load`` needs), so its losses are the uninterrupted run's up to
-float32 rounding (the sums run in another order on another mesh).
+spec tree ``functp.load`` needs), so with the same ``--steps`` (the learning-rate
+schedule follows it) its losses are the uninterrupted run's up to float32 rounding
+(the sums run in another order on another mesh).
 """
 from __future__ import annotations
 
@@ -162,7 +163,7 @@ def main(argv=None) -> bool:
     torch.set_num_threads(1)
     mesh = functp.make_mesh((args.dp, args.tp), ("dp", "tp"))
     rank0 = functp.process_index() == 0
-    simulated = functp.process_count() > 1 and not torch.distributed.is_initialized()
+    simulated = not torch.distributed.is_initialized()     # functp.simulate's ranks
 
     tokens = load_text()
     split = int(len(tokens) * 0.95)
