@@ -1,8 +1,9 @@
 """The examples run as a user runs them and check themselves against the unsharded model.
 
 Most run here as simulated ranks in this process (``python examples/x.py --simulate``
-does the same); train_2d, ring attention and the full Llama step (checkpoints) run
-as processes, launched by themselves or by torchrun."""
+does the same); train_2d, ring attention, the full Llama step and train_lm
+(checkpoints, a resume in a fresh process) run as processes, launched by themselves
+or by torchrun."""
 from __future__ import annotations
 
 import contextlib
