@@ -19,7 +19,7 @@ from ._functional import functionalize
 from ._grads import clip_by_global_norm, global_norm, reduce_unreduced
 from ._interop import from_dtensor, to_dtensor
 from ._mesh import Mesh, make_mesh
-from ._optim import optimizer_specs, set_grads
+from ._optim import init_optimizer_state, optimizer_specs, set_grads
 from ._precision import MixedPrecision
 from ._ragged import RaggedOffsets, ragged_all_to_all, ragged_offsets
 from ._remat import checkpoint, checkpoint_name, remat, remat_policies
@@ -50,7 +50,7 @@ __all__ = [
     "save", "load", "full_state_dict",
     "grad", "value_and_grad", "global_norm", "clip_by_global_norm", "reduce_unreduced", "MixedPrecision",
     "checkpoint", "remat", "checkpoint_name", "remat_policies", "optimizer_specs",
-    "set_grads",
+    "set_grads", "init_optimizer_state",
     "parallelize", "Parallelized", "match_plan", "register_style", "Style", "Replicated",
     "Colwise", "Rowwise", "VocabParallelEmbedding", "SequenceParallel", "PrepareInput",
     "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch", "TensorParallelExperts",

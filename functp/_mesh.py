@@ -1,10 +1,12 @@
 """Named device meshes: ``make_mesh`` and the process group behind every axis tuple."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -245,15 +247,38 @@ def _ensure_process_group(device_type: str, needed: int) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
                                 timeout=DEFAULT_TIMEOUT)
+        atexit.register(_end_process_group, dist.group.WORLD)
     elif needed == 1:
         # A one-process mesh needs no launcher: handy for the unsharded reference run.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=DEFAULT_TIMEOUT)
+        atexit.register(_end_process_group, dist.group.WORLD)
     else:
         raise ShardingError(
             f"a mesh of {needed} ranks needs {needed} processes, but this one was not "
             f"started by torchrun (RANK and WORLD_SIZE are unset); run "
             f"`torchrun --standalone --nproc-per-node {needed} your_script.py`")
+
+
+def _end_process_group(world) -> None:
+    """At exit: destroys the default process group that functp started (``make_mesh``
+    under torchrun), unless the program already did.
+
+    Left to the interpreter's teardown, torch 2.13's gloo aborts the process
+    (SIGABRT) at exit. The barrier first: a rank that destroys its groups while a
+    peer still uses them can abort that peer. Skipped after an uncaught exception
+    (``sys.last_value``): the other ranks may never reach the barrier, and torchrun
+    ends them anyway. Never raises: it runs while the interpreter shuts down."""
+    if not dist.is_initialized() or dist.group.WORLD is not world:
+        return                  # destroyed by the program (and perhaps started again)
+    try:
+        if getattr(sys, "last_value", None) is None and dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+    except Exception as e:      # noqa: BLE001 - at exit: report, do not raise
+        print(f"functp: could not end the process group at exit: {e!r}", file=sys.stderr)
+    finally:
+        _MESHES.clear()         # their groups are gone
 
 
 def make_mesh(shape: Sequence[int], axis_names: Sequence[str],
@@ -271,7 +296,9 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str],
     NCCL a timed-out collective is also aborted by NCCL's watchdog.
 
     Calling it again with the same arguments returns the same mesh (groups are made
-    once). Example, under ``torchrun --nproc-per-node 4``::
+    once). A process group that ``make_mesh`` started is also ended by functp when
+    the program exits (after a barrier, so that exit status 0 stays 0), unless the
+    program destroyed it first. Example, under ``torchrun --nproc-per-node 4``::
 
         mesh = functp.make_mesh((2, 2), ("dp", "tp"))
         mesh.shape        # {'dp': 2, 'tp': 2}

@@ -1,4 +1,5 @@
-"""Every ```python block in docs/ runs, page by page, and prints what the page shows.
+"""Every ```python block in docs/ and in the README runs, page by page, and prints what
+the page shows; the README's commands name files that exist.
 
 A plain ```python block runs in this process (its programs use ``functp.simulate``);
 the lines after a ``# prints:`` comment in it are compared with what it printed. A
@@ -17,8 +18,10 @@ import types
 
 import pytest
 
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
-PAGES = sorted(glob.glob(os.path.join(DOCS, "*.md")))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+README = os.path.join(ROOT, "README.md")
+PAGES = sorted(glob.glob(os.path.join(DOCS, "*.md"))) + [README]
 
 
 def snippets(path: str, torchrun: bool | None = None) -> list[tuple[int, str]]:
@@ -107,3 +110,20 @@ def test_api_reference_is_current():
     spec.loader.exec_module(gen)
     with open(os.path.join(DOCS, "api.md")) as f:
         assert f.read() == gen.render(), "docs/api.md is out of date: run python docs/gen_api.py"
+
+
+def _commands(path: str) -> list[str]:
+    text = open(path).read()
+    return [m.group(1) for m in re.finditer(r"^```bash\n(.*?)^```", text, re.S | re.M)]
+
+
+def test_readme_commands_run_files_that_exist():
+    # the first command trains examples/train_lm.py (tests/test_examples.py runs it),
+    # the second runs the tests; every script a command names is in the repository
+    commands = _commands(README)
+    assert commands[0].strip().endswith("python examples/train_lm.py"), commands[0]
+    assert any(c.strip().endswith("python3 -m pytest -q tests") for c in commands), commands
+    scripts = [s for c in commands for s in re.findall(r"python3? (\S+\.py)", c)]
+    assert scripts, commands
+    for script in scripts:
+        assert os.path.isfile(os.path.join(ROOT, script)), script

@@ -1,0 +1,294 @@
+"""Train a small Llama-style language model on real text, data parallel × tensor
+parallel, the way a first training script does: progress bar, tokens/s, eval loss,
+a loss curve, periodic checkpoints, and resuming from one on another mesh.
+
+    python examples/train_lm.py                     # 4 local processes, (dp=2, tp=2), < 2 min
+    torchrun --standalone --nproc-per-node 4 examples/train_lm.py
+    python examples/train_lm.py --simulate          # 4 simulated ranks in this process
+    python examples/train_lm.py --mesh 1x4 --resume runs/lm/step_000100 --steps 200
+
+The text is the Python standard library's own source (the top-level modules, 1 MB;
+the last 5 % held out for evaluation), read as bytes: the tokenizer is the identity
+on bytes (vocabulary 256), so nothing is downloaded. The model is
+``functp.models.Llama`` (GQA attention, rotary positions, SwiGLU), laid out by its
+Megatron plan over 'tp' (heads and MLP units split, vocabulary-parallel embedding)
+with the batch over 'dp'; AdamW steps on each rank's blocks after the gradients are
+clipped by their global norm.
+
+Everything goes to ``--out`` (``runs/lm``): ``metrics.jsonl`` (one line per step:
+loss, tokens/s, eval loss when measured), ``step_NNNNNN/`` checkpoints (parameters,
+AdamW state, the step and the metrics so far; ``functp.save`` writes them from the
+blocks, ``functp.load`` reads them onto any mesh), and ``loss.png`` (needs
+matplotlib: ``pip install -e ".[examples]"``; tqdm draws the progress bar, a plain
+line every few steps without it). Under ``--simulate`` checkpoints are skipped:
+they go through torch.distributed's default group, which simulated ranks lack.
+
+A resumed run continues exactly where the checkpoint left off: the batches are a
+function of the step number, and the optimizer is rebuilt fresh on the new mesh and
+given its state by ``functp.init_optimizer_state`` + ``functp.optimizer_specs`` (the
+spec tree ``functp.load`` needs), so with the same ``--steps`` (the learning-rate
+schedule follows it) its losses are the uninterrupted run's up to float32 rounding
+(the sums run in another order on another mesh).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+
+import torch
+
+import functp
+from functp import P
+from functp.models import LLAMA_TP_PLAN, Llama, LlamaConfig
+
+NPROC = 4
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mesh", default="2x2", help="dp x tp, e.g. 2x2, 1x4, 4x1 (default 2x2)")
+    ap.add_argument("--steps", type=int, default=150, help="last step to train to")
+    ap.add_argument("--batch", type=int, default=16, help="sequences per step, all dp ranks")
+    ap.add_argument("--seq", type=int, default=128, help="tokens (bytes) per sequence")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--out", default="runs/lm", help="metrics, checkpoints and the plot")
+    ap.add_argument("--resume", default=None, help="a step_NNNNNN checkpoint to resume from")
+    ap.add_argument("--simulate", action="store_true", help="ranks as threads in this process")
+    args = ap.parse_args(argv)
+    args.dp, args.tp = (int(n) for n in args.mesh.lower().split("x"))
+    return args
+
+
+# -- data: bytes of real text ---------------------------------------------------------
+
+def load_text(limit: int = 1_000_000) -> torch.Tensor:
+    """The first ``limit`` bytes of the standard library's public top-level modules,
+    in name order, as a tensor of byte values (the tokens)."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    chunks, size = [], 0
+    for f in files:
+        if os.path.basename(f).startswith("_"):      # private, some machine-specific
+            continue
+        with open(f, "rb") as fh:
+            chunks.append(fh.read())
+        size += len(chunks[-1])
+        if size >= limit:
+            break
+    data = b"".join(chunks)[:limit]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def batch_at(tokens: torch.Tensor, step: int, batch: int, seq: int, seed: int = 0):
+    """The batch of step ``step`` (a function of the step, the same on every rank, so a
+    resumed run sees the batches the uninterrupted one would): ``(ids, targets)``."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    start = torch.randint(len(tokens) - seq - 1, (batch,), generator=g)
+    rows = torch.stack([tokens[s:s + seq + 1] for s in start.tolist()])
+    return rows[:, :-1], rows[:, 1:]
+
+
+def lm_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+# -- progress, metrics, plot (rank 0) ---------------------------------------------------
+
+class Progress:
+    """tqdm's bar when tqdm is installed; otherwise a plain line every few steps."""
+
+    def __init__(self, first: int, last: int, show: bool):
+        self.show, self.last = show, last
+        self.bar = None
+        if show:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=last, initial=first, unit="step", dynamic_ncols=True)
+            except ImportError:
+                print("(pip install tqdm for a progress bar)")
+
+    def update(self, step: int, loss: float, tok_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            self.bar.update(1)
+        elif self.show and (step % 10 == 0 or step == self.last):
+            print(f"[{step}/{self.last}] loss {loss:.3f}  {tok_s:,.0f} tokens/s", flush=True)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)        # above the bar, which stays at the bottom
+        elif self.show:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def plot(metrics: list[dict], path: str) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return 'no loss plot: pip install matplotlib (or pip install -e ".[examples]")'
+    fig, ax = plt.subplots(figsize=(6, 4))
+    tr = [m for m in metrics if "loss" in m]
+    ax.plot([m["step"] for m in tr], [m["loss"] for m in tr], label="train", lw=1)
+    ev = [m for m in metrics if "eval_loss" in m]
+    ax.plot([m["step"] for m in ev], [m["eval_loss"] for m in ev], "o-", label="eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per byte)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"loss curve: {path}"
+
+
+# -- training ---------------------------------------------------------------------
+
+def main(argv=None) -> bool:
+    began = time.perf_counter()
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(1)
+    mesh = functp.make_mesh((args.dp, args.tp), ("dp", "tp"))
+    rank0 = functp.process_index() == 0
+    simulated = not torch.distributed.is_initialized()     # functp.simulate's ranks
+
+    tokens = load_text()
+    split = int(len(tokens) * 0.95)
+    train, held_out = tokens[:split], tokens[split:]
+
+    torch.manual_seed(0)                       # the same initial model on every rank
+    cfg = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                      num_hidden_layers=args.layers, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=args.hidden // 8)
+    model = Llama(cfg)                         # ordinary single-device torch.nn code
+    apply, params, specs = functp.parallelize(model, mesh, LLAMA_TP_PLAN, axis="tp")
+
+    def local_loss(p, ids, targets):           # this rank's blocks and batch rows
+        return functp.pmean(lm_loss(apply(p, ids), targets), "dp")
+
+    loss_fn = functp.shard_map(local_loss, mesh, in_specs=(specs, P("dp"), P("dp")),
+                               out_specs=P())
+    grad_fn = torch.func.grad_and_value(loss_fn)
+
+    params = {k: v.clone().requires_grad_() for k, v in params.items()}
+    opt = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    start, metrics = 0, []
+    if args.resume:
+        # a fresh optimizer on this mesh: give it the state a step would make, so that
+        # optimizer_specs can describe it and functp.load fill it
+        functp.init_optimizer_state(opt)
+        layout = {"params": specs, "opt": functp.optimizer_specs(opt, params, specs),
+                  "step": P(), "metrics": P()}
+        state = functp.load(args.resume, mesh, layout)
+        with torch.no_grad():
+            for k, v in params.items():
+                v.copy_(state["params"][k])
+        opt.load_state_dict(state["opt"])
+        start, metrics = int(state["step"]), json.loads(state["metrics"])
+        if rank0:
+            print(f"resumed from {args.resume} at step {start} on (dp={args.dp}, tp={args.tp})"
+                  f": parameters, and AdamW state for {len(state['opt']['state'])} of them")
+
+    def lr_at(step: int) -> float:             # linear warmup, then cosine to 10 %
+        warm = 20
+        if step < warm:
+            return args.lr * (step + 1) / warm
+        t = min(1.0, (step - warm) / max(1, args.steps - warm))
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        losses = [loss_fn({k: v.detach() for k, v in params.items()},
+                          *functp.shard(batch_at(held_out, i, args.batch, args.seq, seed=1),
+                                        mesh, P("dp"))).item() for i in range(4)]
+        return sum(losses) / len(losses)
+
+    def save(step: int) -> str:
+        path = os.path.join(args.out, f"step_{step:06d}")
+        layout = {"params": specs, "opt": functp.optimizer_specs(opt, params, specs),
+                  "step": P(), "metrics": P()}
+        functp.save(path, {"params": {k: v.detach() for k, v in params.items()},
+                           "opt": opt.state_dict(), "step": step,
+                           "metrics": json.dumps(metrics)}, mesh, layout)
+        return path
+
+    if rank0:
+        os.makedirs(args.out, exist_ok=True)
+        n = sum(v.numel() for v in model.parameters())
+        print(f"{len(tokens):,} bytes of Python's standard library ({split:,} train); model "
+              f"{n / 1e6:.2f}M parameters; mesh (dp={args.dp}, tp={args.tp}); "
+              f"{args.batch} x {args.seq} tokens a step", flush=True)
+    if start == 0:
+        first_eval = evaluate()
+        if rank0:
+            print(f"step 0: eval loss {first_eval:.4f} (uniform over bytes: {math.log(256):.4f})",
+                  flush=True)
+        metrics.append({"step": 0, "eval_loss": first_eval})
+
+    if rank0:          # the history so far (a resumed run's from its checkpoint)
+        with open(os.path.join(args.out, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in metrics)
+    bar = Progress(start, args.steps, rank0)
+    tokens_per_step = args.batch * args.seq
+    busy, seen = 0.0, 0                        # seconds spent in training steps, tokens
+    for step in range(start + 1, args.steps + 1):
+        t0 = time.perf_counter()
+        ids, targets = functp.shard(batch_at(train, step, args.batch, args.seq), mesh, P("dp"))
+        grads, loss = grad_fn({k: v.detach() for k, v in params.items()}, ids, targets)
+        grads, _ = functp.clip_by_global_norm(grads, 1.0, mesh, specs)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        functp.set_grads(params, grads)
+        opt.step()
+        busy += time.perf_counter() - t0
+        seen += tokens_per_step
+        tok_s = seen / busy
+        row = {"step": step, "loss": loss.item(), "tokens_per_s": round(tok_s, 1)}
+        if step % args.eval_every == 0 or step == args.steps:
+            row["eval_loss"] = evaluate()
+            bar.write(f"step {step}: loss {row['loss']:.4f}  eval loss {row['eval_loss']:.4f}  "
+                      f"{tok_s:,.0f} tokens/s")
+        metrics.append(row)
+        if rank0:
+            with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+        bar.update(step, row["loss"], tok_s)
+        if step % args.ckpt_every == 0:
+            if simulated:
+                if step == args.ckpt_every:
+                    bar.write("(checkpoints are skipped under --simulate: functp.save needs "
+                              "torchrun's process group)")
+            else:
+                bar.write(f"saved {save(step)}")
+    bar.close()
+    evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
+    if rank0:
+        print(f"trained steps {start + 1}-{args.steps} in {time.perf_counter() - began:.0f} s "
+              f"({busy:.0f} s in steps, {seen / max(busy, 1e-9):,.0f} tokens/s); eval loss "
+              f"{evals[0]:.4f} -> {evals[-1]:.4f}")
+        print(plot(metrics, os.path.join(args.out, "loss.png")))
+    return evals[-1] < evals[0]
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        sys.exit(0 if main() else 1)
+    args = parse_args()
+    if args.simulate:
+        sys.exit(0 if all(functp.simulate(main, args.dp * args.tp, timeout=600)) else 1)
+    from torch.distributed.run import main as torchrun
+    torchrun(["--standalone", "--nproc-per-node", str(args.dp * args.tp),
+              os.path.abspath(__file__), *sys.argv[1:]])
