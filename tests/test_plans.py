@@ -461,7 +461,9 @@ def _plan_warnings():
 
 
 def test_plan_verification_warns_on_rank_0_only(run):
-    rank0, rank1 = run(2, _plan_warnings)
+    # processes: warnings.catch_warnings is process-wide, so simulated ranks (threads)
+    # could record each other's warnings
+    rank0, rank1 = run(2, _plan_warnings, gloo=True)
     assert rank1 == []
     assert len(rank0) == 2
     assert "matched no module" in rank0[0] and "'head.weight'" in rank0[0]
