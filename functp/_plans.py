@@ -111,6 +111,8 @@ class Parallelized:
     collectives at module boundaries.
 
     ``apply.specs`` / ``apply.styles`` give each parameter's spec and rule;
+    ``apply.split_share`` the share of parameter elements the plan splits (what it
+    leaves out is replicated: memory every rank pays in full);
     ``apply.shard(full)`` turns canonical full parameters into this rank's blocks and
     ``apply.unshard(blocks)`` (parameters or their gradients) turns blocks back into
     canonical full tensors: packed weights come back as ``[gate; up]``, not as the
@@ -124,6 +126,10 @@ class Parallelized:
         self.styles = {n: owners[n][0] if n in owners else "not covered" for n in specs}
         self._owners = owners
         self._hooked = hooked
+        sizes = {n: p.numel() for n, p in module.named_parameters()}
+        split = sum(sizes[n] for n, s in specs.items() if n in sizes and s.axes)
+        #: the share of the module's parameter elements the plan splits over ``axis``
+        self.split_share = split / max(sum(sizes.values()), 1)
         self._withheld = withheld
         # the hooks are registered once, here, and act only while __call__ runs:
         # registering them per call cannot be traced by torch.compile
@@ -135,7 +141,8 @@ class Parallelized:
 
     def __repr__(self) -> str:
         return (f"Parallelized({type(self.module).__name__} over '{self.axis}' of {self.mesh}, "
-                f"{len(self.specs)} parameters, {len(self._hooked)} hooked modules)")
+                f"{len(self.specs)} parameters, {len(self._hooked)} hooked modules, "
+                f"{self.split_share:.0%} of parameter elements split)")
 
     def _style(self, name: str) -> Style:
         return self._owners[name][1] if name in self._owners else _REPLICATED
@@ -460,7 +467,7 @@ def _whole_statistics(module: nn.Module, plan: dict[str, Any]) -> dict[str, str]
 
 
 def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
-                axis: str = "tp") -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
+                axis: str = "tp", verify: bool = False) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
     """Applies a tensor-parallel ``plan`` to ``module`` over mesh axis ``axis``.
 
     **Arguments:** ``module`` – an ordinary ``torch.nn.Module``, the same on every
@@ -472,7 +479,11 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
     (``model._tp_plan``, its style names translated; parameters it does not name
     are replicated, as transformers does), or for GPT-2, which has none, a plan
     functp ships; ``axis`` – the mesh axis the plan splits over. Other
-    mesh axes (``dp``) are left to you: parameters are replicated over them.
+    mesh axes (``dp``) are left to you: parameters are replicated over them;
+    ``verify`` – first run :func:`functp.verify_plan` on random token ids (a
+    transformers language model; for others call ``verify_plan`` with an input):
+    a plan that makes any module's output or any gradient differ from the
+    unsharded module raises a ``ShardingError`` naming the first such module.
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
     by the module's dotted parameter names), their specs, and
@@ -506,6 +517,9 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
             f"parallelize: axis {axis!r} is not an axis of {mesh}; pass axis= one of "
             f"{mesh.axis_names}")
     auto = isinstance(plan, str) and plan == "auto"
+    if verify:
+        from ._verify import verify_plan
+        verify_plan(module, mesh, plan, axis=axis)
     if isinstance(plan, str) and not auto:
         raise ShardingError(f"parallelize: plan must be a dict of rules or 'auto', got {plan!r}")
     if auto:

@@ -183,3 +183,26 @@ def test_every_listed_type_exists():
     known = set(_types())
     for table in (REFUSED, NOT_BUILT, EXTRA, TWO_D, FLOAT32_INSIDE):
         assert set(table) <= known, set(table) - known
+
+
+def _verify_gemma3n():
+    from functp._plans import _auto_plan
+    model = _build("gemma3n_text")
+    mesh = functp.make_mesh((2,), ("tp",))
+    # transformers' own plan, without the rules 'auto' adds so that the activation
+    # sparsity's mean and deviation are over the whole intermediate dimension
+    plan = {k: v for k, v in _auto_plan(model).items()
+            if not k.endswith(("0.mlp.gate_proj", "0.mlp.act_fn"))}
+    with pytest.raises(functp.ShardingError) as e:
+        functp.verify_plan(model, mesh, plan)
+    report = functp.verify_plan(model, mesh, "auto")
+    apply, _, _ = functp.parallelize(model, mesh, "auto", verify=True)
+    return str(e.value), report, apply.split_share, repr(apply)
+
+
+def test_verify_plan_names_the_module_fed_by_a_reduction_over_a_split_dimension(run):
+    message, report, share, text = run(2, _verify_gemma3n)[0]
+    assert "first module whose output differs" in message, message
+    assert "'model.layers.0.mlp.act_fn'" in message, message
+    assert report["max_error"] < 1e-5 and report["modules"] > 50, report
+    assert 0 < share < 1 and f"{share:.0%} of parameter elements split" in text, text
