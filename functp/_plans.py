@@ -442,7 +442,29 @@ def _auto_plan(module: nn.Module) -> dict[str, Any]:
             f"apply yet: {', '.join(missing)}; pass a plan dict that covers these modules "
             f"with functp styles (see functp.parallelize)")
     out.update(_whole_statistics(module, out))
+    out.update(_local_heads(module, out))
     return out
+
+
+def _local_heads(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """Rules that give a per-head side path of an attention module this rank's heads.
+
+    Doge's attention maps its (split) value heads through a row-parallel ``dt_proj``
+    to one number per key/value head, scales it by its own ``A`` (one per head)
+    and masks the attention weights of every head with it: ``dt_proj``'s output is
+    reduce-scattered over the heads, and ``A`` split, so both match this rank's
+    heads."""
+    extra: dict[str, Any] = {}
+    for name, sub in module.named_modules():
+        a, dt = getattr(sub, "A", None), getattr(sub, "dt_proj", None)
+        if not (isinstance(a, nn.Parameter) and a.ndim == 1 and isinstance(dt, nn.Linear)
+                and dt.out_features == a.shape[0]):
+            continue
+        rule = next((r for r in plan if _matches(r, f"{name}.dt_proj")), None)
+        if rule is not None and plan[rule] == "rowwise":
+            extra[f"{name}.dt_proj"] = "rowwise_scatter_output"
+            extra[name] = ParameterRules({"A": "colwise"})
+    return extra
 
 
 def _whole_statistics(module: nn.Module, plan: dict[str, Any]) -> dict[str, str]:

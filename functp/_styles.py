@@ -311,7 +311,14 @@ class Rowwise(_Linearish):
         _weight_of(module, "rowwise")
         specs = {n: P() for n, _ in module.named_parameters(recurse=False)}
         specs["weight"] = self._spec(axis, None) if _is_conv1d(module) else self._spec(None, axis)
+        if "bias" in specs and self._scatters_features():
+            specs["bias"] = P(axis)     # added to this rank's output features
         return specs
+
+    def _scatters_features(self) -> bool:
+        """Whether the output is reduce-scattered over its last dimension (features)."""
+        out = self.output_layout
+        return isinstance(out, Shard) and out.dim == -1
 
     def withheld(self, module):
         return ("bias",) if getattr(module, "bias", None) is not None else ()
@@ -734,6 +741,7 @@ for _name, _style in {
     "rowwise": Rowwise(),
     "rowwise_split_input": Rowwise(input_layout=Replicate()),
     "rowwise_sp": Rowwise(output_layout=_SEQ),
+    "rowwise_scatter_output": Rowwise(output_layout=Shard(-1)),
     "packed_colwise": Colwise(packed=2),
     "packed_rowwise": Rowwise(packed=2),
     "packed_colwise_qkv": Colwise(packed=3),

@@ -52,6 +52,13 @@ EXTRA = {    # what a type needs beyond TINY to build and run unsharded
                          layer_types=["sliding_attention", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1),
+    # its causal LM builds the vision and audio embedders: tiny ones
+    "phi4_multimodal": dict(
+        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        audio_config=dict(hidden_size=16, intermediate_size=16, num_blocks=1,
+                          num_attention_heads=2, ext_pw_out_channel=16, downsample_rate=1,
+                          depthwise_seperable_out_channel=16, nemo_conv_channels=16)),
     "cohere_compass_text": dict(
         layer_types=["full_attention"] * 2,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
@@ -65,16 +72,10 @@ NOT_BUILT = {
                      "model cannot run in float64",
     "dots3_note_text": "its config validates per-layer sub-configs that a tiny config "
                        "does not reproduce",
-    "phi4_multimodal": "its causal LM builds the vision and audio embedders (870M "
-                       "parameters even with a tiny text config)",
 }
 
 # types functp refuses with a ShardingError: a substring of the message (the reason)
-REFUSED = {
-    # dt_proj is row-parallel over the value heads but gives the attention mask of
-    # every key/value head, which meets this rank's heads only
-    "doge": "'model.layers.0.self_attn' (DogeAttention) raised RuntimeError",
-}
+REFUSED: dict[str, str] = {}
 
 # types whose models compute a part in float32 whatever the parameters' dtype (MoE
 # routers' softmax, some norms): a float32 rounding of a 1e-16 difference shows as
@@ -88,7 +89,8 @@ FLOAT32_INSIDE = {
     "mimo_v2_flash", "inkling_text"}
 
 # a representative set also runs on a 2 x 2 (dp, tp) mesh
-TWO_D = {"llama", "qwen3_moe", "gemma3n_text", "deepseek_v2", "granite_swa", "llama4_text"}
+TWO_D = {"llama", "qwen3_moe", "gemma3n_text", "deepseek_v2", "granite_swa", "llama4_text",
+         "doge"}
 
 
 def _types() -> list[str]:
@@ -206,3 +208,27 @@ def test_verify_plan_names_the_module_fed_by_a_reduction_over_a_split_dimension(
     assert "'model.layers.0.mlp.act_fn'" in message, message
     assert report["max_error"] < 1e-5 and report["modules"] > 50, report
     assert 0 < share < 1 and f"{share:.0%} of parameter elements split" in text, text
+
+
+def _doge_with_transformers_plan():
+    from functp._plans import _auto_plan
+    model = _build("doge")
+    mesh = functp.make_mesh((2,), ("tp",))
+    # transformers' plan as it is: dt_proj row-parallel, its output every head's
+    plan = {k: ("rowwise" if k.endswith("dt_proj") else v) for k, v in _auto_plan(model).items()
+            if not k.endswith("self_attn")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # (its norms: no rule, replicated)
+        apply, params, specs = functp.parallelize(model, mesh, plan)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    step = functp.shard_map(lambda p, i: apply(p, input_ids=i, use_cache=False).logits.sum(),
+                            mesh, in_specs=(specs, P()), out_specs=P())
+    with pytest.raises(functp.ShardingError) as e:
+        step(params, ids)
+    return str(e.value)
+
+
+def test_a_raw_error_under_a_plan_names_the_module_and_its_rules(run):
+    message = run(2, _doge_with_transformers_plan)[0]
+    assert "module 'model.layers.0.self_attn' (DogeAttention) raised RuntimeError" in message
+    assert "'model.layers.0.self_attn.dt_proj'" in message and "'rowwise'" in message, message
