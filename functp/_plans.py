@@ -379,7 +379,7 @@ _SHIPPED = {"GPT2Model": _GPT2_BLOCKS,
                                 "lm_head": "colwise_gather_output"}}
 
 
-def _auto_plan(module: nn.Module) -> dict[str, Any]:
+def _auto_plan(module: nn.Module, size: int | None = None) -> dict[str, Any]:
     """transformers' own tensor-parallel plan of ``module`` in functp's styles.
 
     Rules that name a parameter (``experts.gate_up_proj``, ``self_attn.sinks``) are
@@ -443,7 +443,47 @@ def _auto_plan(module: nn.Module) -> dict[str, Any]:
             f"with functp styles (see functp.parallelize)")
     out.update(_whole_statistics(module, out))
     out.update(_local_heads(module, out))
+    if size is not None:
+        out.update(_left_out(module, out, size))
     return out
+
+
+def _covered(name: str, plan: dict[str, Any]) -> bool:
+    return any(_matches(r, name) for r in plan)
+
+
+def _left_out(module: nn.Module, plan: dict[str, Any], size: int) -> dict[str, str]:
+    """Megatron rules for the standard parts a transformers plan leaves out, where
+    they split exactly over ``size`` ranks: an attention module whose only
+    projections are ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (and per-head
+    norms), none with a rule, whose heads divide; a shared expert or shared MLP
+    (``gate_proj``, ``up_proj``, ``down_proj``) without rules."""
+    extra: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        prefix = name + "." if name else ""
+        kids = dict(sub.named_children())
+        proj = [kids.get(k) for k in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        hd = getattr(sub, "head_dim", None)
+        if (all(isinstance(k, nn.Linear) for k in proj) and isinstance(hd, int) and hd > 0
+                and not any(_covered(prefix + k, plan) for k in ("q_proj", "k_proj", "v_proj",
+                                                                    "o_proj"))
+                and not any(p.numel() > hd for k, m in kids.items()
+                            if k not in ("q_proj", "k_proj", "v_proj", "o_proj")
+                            for p in m.parameters())
+                and not any(True for _ in sub.parameters(recurse=False))
+                and all(m.out_features % (hd * size) == 0 for m in proj[:3])):
+            extra.update({prefix + "q_proj": "colwise", prefix + "k_proj": "colwise",
+                          prefix + "v_proj": "colwise", prefix + "o_proj": "rowwise"})
+            continue
+        last = name.rpartition(".")[2]
+        mlp = [kids.get(k) for k in ("gate_proj", "up_proj", "down_proj")]
+        if (last in ("shared_expert", "shared_experts", "shared_mlp")
+                and all(isinstance(k, nn.Linear) for k in mlp) and len(kids) <= 4
+                and not any(_covered(prefix + k, plan) for k in ("gate_proj", "up_proj", "down_proj"))
+                and mlp[2].in_features % size == 0):
+            extra.update({prefix + "gate_proj": "colwise", prefix + "up_proj": "colwise",
+                          prefix + "down_proj": "rowwise"})
+    return extra
 
 
 def _local_heads(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
@@ -545,7 +585,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
     if isinstance(plan, str) and not auto:
         raise ShardingError(f"parallelize: plan must be a dict of rules or 'auto', got {plan!r}")
     if auto:
-        plan = _auto_plan(module)
+        plan = _auto_plan(module, mesh.shape[axis])
     matched, unused = match_plan(module, plan)
     full = dict(module.named_parameters())                 # tied parameters once
     canon = {id(p): n for n, p in full.items()}

@@ -232,3 +232,18 @@ def test_a_raw_error_under_a_plan_names_the_module_and_its_rules(run):
     message = run(2, _doge_with_transformers_plan)[0]
     assert "module 'model.layers.0.self_attn' (DogeAttention) raised RuntimeError" in message
     assert "'model.layers.0.self_attn.dt_proj'" in message and "'rowwise'" in message, message
+
+
+def _split_by_auto(model_type):
+    model = _build(model_type)
+    apply, _, specs = functp.parallelize(model, functp.make_mesh((2,), ("tp",)), "auto")
+    return {k for k, s in specs.items() if s.axes}, apply.split_share
+
+
+def test_auto_splits_the_standard_parts_a_plan_leaves_out(run):
+    # GraniteMoE's plan covers only its experts, Qwen2-MoE's not its shared expert:
+    # 'auto' adds Megatron rules where they split exactly (the survey checks that)
+    split, share = run(2, _split_by_auto, "granitemoe")[0]
+    assert "model.layers.0.self_attn.q_proj.weight" in split and share > 0.9, (share, split)
+    split, share = run(2, _split_by_auto, "qwen2_moe")[0]
+    assert "model.layers.1.mlp.shared_expert.down_proj.weight" in split, split
