@@ -27,12 +27,13 @@ from ._plans import Parallelized, match_plan, parallelize
 from ._shard_map import shard_map
 from ._show import print_ranks, visualize_sharding
 from ._simulate import simulate
+from ._verify import verify_plan
 from ._world import process_count, process_index
 from ._reshard import global_shapes, reshard
 from ._sharding import pad_to_multiple, shard, unpad, unshard
 from ._spec import P
 from ._styles import (Colwise, ExpertDispatch, ExpertParallel, ExpertRouter, PrepareInput,
-                      PrepareOutput, Replicated, Rowwise, SequenceParallel, Style,
+                      ParameterRules, PrepareOutput, Replicated, Rowwise, SequenceParallel, Style,
                       TensorParallelExperts, LocalSizes,
                       VocabParallelEmbedding, register_style)
 
@@ -51,8 +52,9 @@ __all__ = [
     "grad", "value_and_grad", "global_norm", "clip_by_global_norm", "reduce_unreduced", "MixedPrecision",
     "checkpoint", "remat", "checkpoint_name", "remat_policies", "optimizer_specs",
     "set_grads", "init_optimizer_state",
-    "parallelize", "Parallelized", "match_plan", "register_style", "Style", "Replicated",
+    "parallelize", "Parallelized", "match_plan", "verify_plan", "register_style", "Style",
+    "Replicated",
     "Colwise", "Rowwise", "VocabParallelEmbedding", "SequenceParallel", "PrepareInput",
     "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch", "TensorParallelExperts",
-    "LocalSizes",
+    "LocalSizes", "ParameterRules",
 ]

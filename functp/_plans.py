@@ -28,7 +28,7 @@ from ._errors import ShardingError
 from ._mesh import Mesh
 from ._sharding import unshard
 from ._spec import P, normalize_spec
-from ._styles import Call, Replicated, Style, get_style
+from ._styles import STYLES, Call, ParameterRules, Replicated, Style, get_style
 
 __all__ = ["parallelize", "Parallelized", "match_plan"]
 
@@ -111,6 +111,8 @@ class Parallelized:
     collectives at module boundaries.
 
     ``apply.specs`` / ``apply.styles`` give each parameter's spec and rule;
+    ``apply.split_share`` the share of parameter elements the plan splits (what it
+    leaves out is replicated: memory every rank pays in full);
     ``apply.shard(full)`` turns canonical full parameters into this rank's blocks and
     ``apply.unshard(blocks)`` (parameters or their gradients) turns blocks back into
     canonical full tensors: packed weights come back as ``[gate; up]``, not as the
@@ -124,6 +126,10 @@ class Parallelized:
         self.styles = {n: owners[n][0] if n in owners else "not covered" for n in specs}
         self._owners = owners
         self._hooked = hooked
+        sizes = {n: p.numel() for n, p in module.named_parameters()}
+        split = sum(sizes[n] for n, s in specs.items() if n in sizes and s.axes)
+        #: the share of the module's parameter elements the plan splits over ``axis``
+        self.split_share = split / max(sum(sizes.values()), 1)
         self._withheld = withheld
         # the hooks are registered once, here, and act only while __call__ runs:
         # registering them per call cannot be traced by torch.compile
@@ -135,7 +141,8 @@ class Parallelized:
 
     def __repr__(self) -> str:
         return (f"Parallelized({type(self.module).__name__} over '{self.axis}' of {self.mesh}, "
-                f"{len(self.specs)} parameters, {len(self._hooked)} hooked modules)")
+                f"{len(self.specs)} parameters, {len(self._hooked)} hooked modules, "
+                f"{self.split_share:.0%} of parameter elements split)")
 
     def _style(self, name: str) -> Style:
         return self._owners[name][1] if name in self._owners else _REPLICATED
@@ -159,11 +166,44 @@ class Parallelized:
         try:
             return functional_call(self.module, call_params, args, kwargs,
                                    tie_weights=True, strict=False)
+        except ShardingError:
+            raise
+        except (RuntimeError, ValueError, IndexError) as e:
+            raise self._failed(e) from e
         finally:
             exits = state.exits
             state.params, state.exits, state.stacks = None, None, {}
             for fn in reversed(exits):
                 fn()
+
+    def _failed(self, e: BaseException) -> ShardingError:
+        """A raw error from inside the module under the plan, as a ShardingError
+        naming the innermost module of ``self.module`` that was running and the
+        plan's rules inside it (a shape mismatch there means the plan split one of
+        the values it combines and not the other)."""
+        names = {id(m): n for n, m in self.module.named_modules()}
+        where, tb = None, e.__traceback__
+        while tb is not None:
+            obj = tb.tb_frame.f_locals.get("self")
+            if id(obj) in names:
+                where = names[id(obj)]
+            tb = tb.tb_next
+        if where is None:
+            where = ""
+        prefix = where + "." if where else ""
+        rules = {}
+        for pname, (desc, _) in self._owners.items():
+            if pname.startswith(prefix):
+                rules.setdefault(pname.rpartition(".")[0], desc)
+        shown = "; ".join(f"{m!r}: {r}" for m, r in list(rules.items())[:8]) or "none"
+        mod = self.module.get_submodule(where) if where else self.module
+        return ShardingError(
+            f"module {where or '(the root)'!r} ({type(mod).__name__}) raised "
+            f"{type(e).__name__} under the plan: {str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
+            f"The plan's rules inside it: {shown}. A module that combines a value the plan "
+            f"splits (its heads, its columns) with one it does not fails so; give that "
+            f"module's children rules that split both the same way, or 'replicated' (if "
+            f"the unsharded module raises the same error, the plan is not the cause)")
 
     def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical full tensors (keyed by parameter name) -> this rank's blocks."""
@@ -314,21 +354,19 @@ def _tied_styles(module: nn.Module, matched: dict, specs: dict, canon: dict, mes
     return out
 
 
-# transformers' style names (integrations/tensor_parallel.py) -> functp's; None: no
-# functp style yet. Its 'replicated_with_grad_allreduce' needs nothing more than
-# replication: vma all-reduces the gradient of a replicated weight that meets
-# varying values.
+# transformers' style names -> functp's, where they differ (its old and new names
+# are registered functp styles too); None: no functp style yet.
+# 'replicated_with_grad_allreduce' and 'mla_kv_a_proj' need nothing more than
+# replication: vma sums the gradient of a replicated value that meets split ones.
 _HF_STYLES = {
-    "colwise": "colwise", "rowwise": "rowwise", "rowwise_rep": "rowwise",
-    "colwise_gather_output": "colwise_gather_output", "colwise_rep": "colwise_gather_output",
-    "rowwise_split_input": "rowwise_split_input", "embedding_rowwise": "embedding_rowwise",
-    "embedding_colwise": "embedding_colwise", "packed_colwise": "packed_colwise",
-    "packed_rowwise": "packed_rowwise", "sequence_parallel": "sequence_parallel",
+    "rowwise_rep": "rowwise_split_input", "colwise_rep": "colwise_gather_output",
     "replicated_with_grad_allreduce": "replicated", "replicate": "replicated",
-    "moe_tp_experts": "moe_tp_experts", "grouped_gemm": None, "ep_dispatch_experts": None,
-    "moe_identity_expert": None, "mla_kv_a_proj": None, "local_params": None,
-    "all_reduce": None,
+    "mla_kv_a_proj": "replicated", "local_params": "replicated",
+    "grouped_gemm": None, "ep_dispatch_experts": None,
 }
+# module styles of transformers' plans that, over rules for the module's own
+# parameters, say whether its output is a partial sum (True) or not (False)
+_OWNER_STYLES = {"moe_tp_experts": True, "all_reduce": True, "local_params": False}
 
 
 # Plans functp ships for transformers classes that come without one (GPT-2's Conv1D
@@ -341,8 +379,13 @@ _SHIPPED = {"GPT2Model": _GPT2_BLOCKS,
                                 "lm_head": "colwise_gather_output"}}
 
 
-def _auto_plan(module: nn.Module) -> dict[str, str]:
-    """transformers' own tensor-parallel plan of ``module`` in functp's style names."""
+def _auto_plan(module: nn.Module, size: int | None = None) -> dict[str, Any]:
+    """transformers' own tensor-parallel plan of ``module`` in functp's styles.
+
+    Rules that name a parameter (``experts.gate_up_proj``, ``self_attn.sinks``) are
+    gathered into one :class:`ParameterRules` style for their module, which sums its
+    output when the module's own rule says so (``moe_tp_experts``, ``all_reduce``).
+    """
     kind = type(module).__name__
     plan = getattr(module, "_tp_plan", None)
     if plan is None:
@@ -362,28 +405,131 @@ def _auto_plan(module: nn.Module) -> dict[str, str]:
             f"pass a plan dict {{module-name pattern: style}}")
     modules = dict(module.named_modules())
     params = dict(module.named_parameters())
-    out, missing = {}, []
+    out: dict[str, Any] = {}
+    owned: dict[str, dict[str, str]] = {}        # owner pattern -> {parameter: layout}
+    missing = []
     for pattern, style in plan.items():
-        name = _HF_STYLES.get(style, style)
-        parent = pattern.rpartition(".")[0]
-        if plan.get(parent) == "moe_tp_experts" and style in ("packed_colwise", "rowwise"):
-            continue        # the experts' own parameters: their module's style lays them out
         on_module = any(_matches(pattern, m) for m in modules)
-        if name is None or (not on_module and any(_matches(pattern, n) for n in params)):
+        if not on_module and any(_matches(pattern, n) for n in params):
+            owner, _, short = pattern.rpartition(".")
+            if style in ParameterRules.KINDS:
+                if "gate_up" in short and not style.startswith("packed"):
+                    # a fused [gate; up] weight: a plain split would give one rank
+                    # all of gate (Inkling's plan says 'colwise' for it)
+                    style = f"packed_{style}"
+                owned.setdefault(owner, {})[short] = style
+            else:
+                missing.append(f"{pattern!r}: {style!r} (a parameter)")
+            continue
+        if not on_module:
+            continue         # (a rule for layers this configuration lacks is ignored)
+        name = _HF_STYLES.get(style, style)
+        if name is None or (name not in STYLES and name not in _OWNER_STYLES):
             missing.append(f"{pattern!r}: {style!r}")
-        elif on_module:     # (a rule for layers this configuration lacks is ignored)
+        elif name != "local_params":
             out[pattern] = name
+    for owner, rules in owned.items():
+        reduce = _OWNER_STYLES.get(plan.get(owner))
+        contracts = any(k.endswith("rowwise") for k in rules.values())
+        if reduce is None and contracts:
+            missing.append(f"{owner!r}: its parameters' rules {rules} split a dimension "
+                           f"it contracts, and no rule of the plan sums its output")
+            continue
+        out[owner] = ParameterRules(rules, reduce_output=bool(reduce), strict=False)
     if missing:
         raise ShardingError(
             f"parallelize(..., 'auto'): {kind}'s transformers plan has rules functp cannot "
-            f"apply yet (styles without a functp equivalent, or rules that name a "
-            f"parameter rather than a module): {', '.join(missing)}; pass a plan dict "
-            f"that covers these modules with functp styles (see functp.parallelize)")
+            f"apply yet: {', '.join(missing)}; pass a plan dict that covers these modules "
+            f"with functp styles (see functp.parallelize)")
+    out.update(_whole_statistics(module, out))
+    out.update(_local_heads(module, out))
+    if size is not None:
+        out.update(_left_out(module, out, size))
     return out
 
 
+def _covered(name: str, plan: dict[str, Any]) -> bool:
+    return any(_matches(r, name) for r in plan)
+
+
+def _left_out(module: nn.Module, plan: dict[str, Any], size: int) -> dict[str, str]:
+    """Megatron rules for the standard parts a transformers plan leaves out, where
+    they split exactly over ``size`` ranks: an attention module whose only
+    projections are ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (and per-head
+    norms), none with a rule, whose heads divide; a shared expert or shared MLP
+    (``gate_proj``, ``up_proj``, ``down_proj``) without rules."""
+    extra: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        prefix = name + "." if name else ""
+        kids = dict(sub.named_children())
+        proj = [kids.get(k) for k in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        hd = getattr(sub, "head_dim", None)
+        if (all(isinstance(k, nn.Linear) for k in proj) and isinstance(hd, int) and hd > 0
+                and not any(_covered(prefix + k, plan) for k in ("q_proj", "k_proj", "v_proj",
+                                                                    "o_proj"))
+                and not any(p.numel() > hd for k, m in kids.items()
+                            if k not in ("q_proj", "k_proj", "v_proj", "o_proj")
+                            for p in m.parameters())
+                and not any(True for _ in sub.parameters(recurse=False))
+                and all(m.out_features % (hd * size) == 0 for m in proj[:3])):
+            extra.update({prefix + "q_proj": "colwise", prefix + "k_proj": "colwise",
+                          prefix + "v_proj": "colwise", prefix + "o_proj": "rowwise"})
+            continue
+        last = name.rpartition(".")[2]
+        mlp = [kids.get(k) for k in ("gate_proj", "up_proj", "down_proj")]
+        if (last in ("shared_expert", "shared_experts", "shared_mlp")
+                and all(isinstance(k, nn.Linear) for k in mlp) and len(kids) <= 4
+                and not any(_covered(prefix + k, plan) for k in ("gate_proj", "up_proj", "down_proj"))
+                and mlp[2].in_features % size == 0):
+            extra.update({prefix + "gate_proj": "colwise", prefix + "up_proj": "colwise",
+                          prefix + "down_proj": "rowwise"})
+    return extra
+
+
+def _local_heads(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """Rules that give a per-head side path of an attention module this rank's heads.
+
+    Doge's attention maps its (split) value heads through a row-parallel ``dt_proj``
+    to one number per key/value head, scales it by its own ``A`` (one per head)
+    and masks the attention weights of every head with it: ``dt_proj``'s output is
+    reduce-scattered over the heads, and ``A`` split, so both match this rank's
+    heads."""
+    extra: dict[str, Any] = {}
+    for name, sub in module.named_modules():
+        a, dt = getattr(sub, "A", None), getattr(sub, "dt_proj", None)
+        if not (isinstance(a, nn.Parameter) and a.ndim == 1 and isinstance(dt, nn.Linear)
+                and dt.out_features == a.shape[0]):
+            continue
+        rule = next((r for r in plan if _matches(r, f"{name}.dt_proj")), None)
+        if rule is not None and plan[rule] == "rowwise":
+            extra[f"{name}.dt_proj"] = "rowwise_scatter_output"
+            extra[name] = ParameterRules({"A": "colwise"})
+    return extra
+
+
+def _whole_statistics(module: nn.Module, plan: dict[str, Any]) -> dict[str, str]:
+    """Rules that keep a plan from splitting a dimension a module reduces over.
+
+    Gemma-3n's MLP with ``activation_sparsity > 0`` cuts ``gate_proj``'s output at
+    its mean plus a multiple of its standard deviation, taken over the whole
+    intermediate dimension: ``gate_proj`` then gathers its output (the statistic is
+    global), and ``act_fn``'s output goes back to this rank's columns for the
+    column-parallel ``up_proj`` it is multiplied with."""
+    extra: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        if not getattr(sub, "activation_sparsity", 0) or not all(
+                isinstance(getattr(sub, c, None), nn.Module) for c in ("gate_proj", "act_fn")):
+            continue
+        gate = f"{name}.gate_proj"
+        rule = next((r for r in plan if _matches(r, gate)), None)
+        if rule is not None and plan[rule] == "colwise":
+            extra[gate] = "colwise_gather_output"
+            extra[f"{name}.act_fn"] = "local_columns"
+    return extra
+
+
 def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
-                axis: str = "tp") -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
+                axis: str = "tp", verify: bool = False) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
     """Applies a tensor-parallel ``plan`` to ``module`` over mesh axis ``axis``.
 
     **Arguments:** ``module`` – an ordinary ``torch.nn.Module``, the same on every
@@ -395,7 +541,11 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
     (``model._tp_plan``, its style names translated; parameters it does not name
     are replicated, as transformers does), or for GPT-2, which has none, a plan
     functp ships; ``axis`` – the mesh axis the plan splits over. Other
-    mesh axes (``dp``) are left to you: parameters are replicated over them.
+    mesh axes (``dp``) are left to you: parameters are replicated over them;
+    ``verify`` – first run :func:`functp.verify_plan` on random token ids (a
+    transformers language model; for others call ``verify_plan`` with an input):
+    a plan that makes any module's output or any gradient differ from the
+    unsharded module raises a ``ShardingError`` naming the first such module.
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
     by the module's dotted parameter names), their specs, and
@@ -429,10 +579,13 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
             f"parallelize: axis {axis!r} is not an axis of {mesh}; pass axis= one of "
             f"{mesh.axis_names}")
     auto = isinstance(plan, str) and plan == "auto"
+    if verify:
+        from ._verify import verify_plan
+        verify_plan(module, mesh, plan, axis=axis)
     if isinstance(plan, str) and not auto:
         raise ShardingError(f"parallelize: plan must be a dict of rules or 'auto', got {plan!r}")
     if auto:
-        plan = _auto_plan(module)
+        plan = _auto_plan(module, mesh.shape[axis])
     matched, unused = match_plan(module, plan)
     full = dict(module.named_parameters())                 # tied parameters once
     canon = {id(p): n for n, p in full.items()}

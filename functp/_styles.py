@@ -35,7 +35,8 @@ from ._spec import P
 
 __all__ = ["Style", "Call", "Replicated", "Colwise", "Rowwise", "VocabParallelEmbedding",
            "SequenceParallel", "PrepareInput", "PrepareOutput", "ExpertRouter",
-           "ExpertParallel", "ExpertDispatch", "register_style", "get_style", "STYLES"]
+           "ExpertParallel", "ExpertDispatch", "ParameterRules", "SumOutput",
+           "ScaleInputByAxisSize", "register_style", "get_style", "STYLES"]
 
 Layout = Placement | P
 
@@ -310,7 +311,14 @@ class Rowwise(_Linearish):
         _weight_of(module, "rowwise")
         specs = {n: P() for n, _ in module.named_parameters(recurse=False)}
         specs["weight"] = self._spec(axis, None) if _is_conv1d(module) else self._spec(None, axis)
+        if "bias" in specs and self._scatters_features():
+            specs["bias"] = P(axis)     # added to this rank's output features
         return specs
+
+    def _scatters_features(self) -> bool:
+        """Whether the output is reduce-scattered over its last dimension (features)."""
+        out = self.output_layout
+        return isinstance(out, Shard) and out.dim == -1
 
     def withheld(self, module):
         return ("bias",) if getattr(module, "bias", None) is not None else ()
@@ -610,6 +618,91 @@ class TensorParallelExperts(Style):
         return psum(output, call.axis)      # each rank holds a part of every expert's sum
 
 
+class ParameterRules(Style):
+    """A module whose own parameters are laid out one by one, as transformers' plans
+    do with rules that name a parameter (``"layers.*.mlp.experts.gate_up_proj":
+    "packed_colwise"``, ``"layers.*.self_attn.sinks": "colwise"``) rather than a module.
+
+    ``rules`` maps a parameter's short name to how it is split: ``"colwise"``
+    (the output features: dimension ``ndim - 2`` of a weight, 0 of a vector),
+    ``"rowwise"`` (the input features: the last dimension; a ``bias`` stays
+    replicated), ``"packed_colwise"`` / ``"packed_rowwise"`` (the same, of a fused
+    ``[gate; up]`` weight: each rank gets its slice of both). Parameters without a
+    rule are replicated. ``reduce_output``: the module's output is a partial sum
+    (it contracts a split dimension, like an experts module whose ``down_proj`` is
+    row-parallel), summed over the axis after the call. ``strict``: a rule for a
+    parameter the module lacks is an error (``False``: skipped, for plans whose
+    rules cover layers of several kinds). Example (Llama-4's experts,
+    stored ``[experts, in, out]``)::
+
+        ParameterRules({"gate_up_proj": "packed_rowwise", "down_proj": "colwise"},
+                       reduce_output=True)
+    """
+
+    KINDS = ("colwise", "rowwise", "packed_colwise", "packed_rowwise")
+
+    def __init__(self, rules: dict[str, str], *, reduce_output: bool = False,
+                 strict: bool = True):
+        bad = {k: v for k, v in rules.items() if v not in self.KINDS}
+        if bad:
+            raise ShardingError(
+                f"ParameterRules: {bad} are not parameter layouts; use one of {self.KINDS}")
+        self.rules, self.reduce_output, self.strict = dict(rules), reduce_output, strict
+
+    def param_specs(self, module, axis):
+        own = dict(module.named_parameters(recurse=False))
+        missing = sorted(set(self.rules) - set(own))
+        if missing and self.strict:
+            raise ShardingError(
+                f"ParameterRules on {type(module).__name__}: rules for {missing}, which are "
+                f"not parameters of it (it has {sorted(own)})")
+        specs = {}
+        for name, p in own.items():
+            kind = self.rules.get(name)
+            if kind is None or (kind.endswith("rowwise") and (name == "bias" or p.ndim == 1)):
+                specs[name] = P()
+                continue
+            d = p.ndim - 1 if kind.endswith("rowwise") else max(p.ndim - 2, 0)
+            entries = [None] * p.ndim
+            entries[d] = axis
+            specs[name] = P(*entries, packed={d: 2} if kind.startswith("packed") else None)
+        return specs
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        if not self.reduce_output:
+            return output
+        if isinstance(output, tuple):        # (a module that also returns its logits)
+            return (_sum_partial(output[0], call.axis), *output[1:])
+        return _sum_partial(output, call.axis)
+
+
+def _sum_partial(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """All-reduces a partial sum. Each rank's value is its own term even where it
+    happens to be the same on every rank (a layer whose tokens all went to an
+    identity expert scaled by 1/size): hence the explicit pvary."""
+    return psum(pvary(x, axis), axis)
+
+
+class SumOutput(Style):
+    """A module whose output is a partial sum over the axis (its parameters are laid
+    out by other rules): the output is all-reduced (transformers' ``all_reduce``)."""
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        return _sum_partial(output, call.axis)
+
+
+class ScaleInputByAxisSize(Style):
+    """A module inside a region whose output is summed over the axis, that sees the
+    same value on every rank (an identity expert among tensor-parallel experts): its
+    input is divided by the axis size, so that the sum counts it once
+    (transformers' ``moe_identity_expert``)."""
+
+    def prepare_input(self, module, args, kwargs, call):
+        if not args:
+            return args, kwargs
+        return (args[0] / axis_size(call.axis), *args[1:]), kwargs
+
+
 # ---------------------------------------------------------------------------------
 # the registry
 
@@ -648,6 +741,7 @@ for _name, _style in {
     "rowwise": Rowwise(),
     "rowwise_split_input": Rowwise(input_layout=Replicate()),
     "rowwise_sp": Rowwise(output_layout=_SEQ),
+    "rowwise_scatter_output": Rowwise(output_layout=Shard(-1)),
     "packed_colwise": Colwise(packed=2),
     "packed_rowwise": Rowwise(packed=2),
     "packed_colwise_qkv": Colwise(packed=3),
@@ -661,5 +755,16 @@ for _name, _style in {
     "ep_experts_all_to_all": ExpertDispatch(),
     "moe_tp_experts": TensorParallelExperts(),
     "gpt2_attention": LocalSizes("split_size"),
+    "all_reduce": SumOutput(),
+    "local_columns": PrepareOutput(Replicate(), Shard(-1)),
+    "moe_identity_expert": ScaleInputByAxisSize(),
+    # transformers' names, old and new, for the same layouts
+    "colwise_rep": Colwise(output_layout=Replicate()),
+    "rowwise_rep": Rowwise(input_layout=Replicate()),
+    "replicate": Replicated(),
+    "replicated_with_grad_allreduce": Replicated(),
+    # MLA's kv_a_proj is replicated: its rope part meets split heads, and vma sums
+    # its gradient over the axis there (transformers needs a hook for that)
+    "mla_kv_a_proj": Replicated(),
 }.items():
     register_style(_name, _style)

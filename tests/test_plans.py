@@ -567,3 +567,36 @@ def test_heads_must_split_whole(run):
     for msg in run(4, _kv_heads_on_tp4):
         assert "layers.0.self_attn.k_proj.weight" in msg and "2 heads of 4" in msg, msg
         assert "'replicated'" in msg and "divides 2" in msg, msg
+
+
+def test_transformers_style_names_old_and_new_name_the_same_layouts():
+    from functp._styles import get_style
+    assert get_style("rowwise_rep").input_layout == Replicate()        # split_input
+    assert get_style("colwise_rep").output_layout == Replicate()       # gather_output
+    for name in ("replicate", "replicated_with_grad_allreduce", "mla_kv_a_proj"):
+        assert isinstance(get_style(name), functp.Replicated)
+
+
+class Stacked(nn.Module):
+    """Experts stacked [experts, in, out] (Llama-4's layout), gate and up fused."""
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(2, H, 2 * F))
+        self.down_proj = nn.Parameter(torch.randn(2, F, H))
+
+    def forward(self, x):
+        gate, up = (x @ self.gate_up_proj).chunk(2, dim=-1)
+        return ((torch.nn.functional.silu(gate) * up) @ self.down_proj).sum(0)
+
+
+def _parameter_rules():
+    rules = functp.ParameterRules({"gate_up_proj": "packed_rowwise", "down_proj": "colwise"},
+                                  reduce_output=True)
+    _check(_tp_mesh(), _seeded(Stacked), {"": rules}, (randn(B, H, seed=1),), (P(),), _sq)
+    with pytest.raises(functp.ShardingError, match="rules for \\['sinks'\\], which are not"):
+        functp.parallelize(_seeded(Stacked), _tp_mesh(),
+                           {"": functp.ParameterRules({"sinks": "colwise"})})
+
+
+def test_parameter_rules_lay_out_stacked_experts_one_parameter_at_a_time(run):
+    run(2, _parameter_rules)

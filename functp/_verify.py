@@ -1,0 +1,196 @@
+"""``verify_plan``: a plan's forward and backward against the unsharded module, module
+by module, on a tiny input: a plan that splits a dimension some module reduces over
+as a whole (a mean, a norm, a softmax over split columns) shows up as the first
+module whose output differs, instead of as a silently wrong loss."""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ._collectives import all_gather_invariant, axis_size
+from ._errors import ShardingError
+from ._mesh import Mesh
+from ._shard_map import shard_map
+from ._spec import P
+
+__all__ = ["verify_plan"]
+
+
+def _first_tensor(x: Any) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    if hasattr(x, "to_tuple"):            # transformers' ModelOutput
+        return _first_tensor(x.to_tuple())
+    return None
+
+
+def _record(module: nn.Module, into: list, transform=None) -> list:
+    """Forward hooks on every submodule appending ``(name, first output tensor)``."""
+    handles = []
+    for name, sub in module.named_modules():
+        def hook(m, args, output, name=name):
+            t = _first_tensor(output)
+            if t is not None and t.is_floating_point():
+                into.append((name, transform(name, t) if transform else t.detach()))
+        handles.append(sub.register_forward_hook(hook))
+    return handles
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _example_args(module: nn.Module) -> tuple[tuple, dict]:
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ShardingError(
+            f"verify_plan({type(module).__name__}): give example inputs (verify_plan(model, "
+            f"mesh, plan, *args)); only a module with a config.vocab_size (a transformers "
+            f"language model) gets random token ids by default")
+    g = torch.Generator().manual_seed(0)           # the same ids on every rank
+    return (torch.randint(vocab, (2, 8), generator=g),), {"use_cache": False}
+
+
+def verify_plan(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *args: Any,
+                axis: str = "tp", rtol: float | None = None, **kwargs: Any) -> dict[str, Any]:
+    """Checks ``plan`` on ``module`` against the unsharded module, in seconds.
+
+    Runs the module on ``args`` once unsharded and once under the plan (inside a
+    ``shard_map``, inputs replicated), gathers each submodule's output where the plan
+    split it and compares them in execution order; then compares the gradients of
+    every parameter of a scalar of the output. Call it on every rank, as
+    :func:`parallelize`; it changes nothing.
+
+    **Arguments:** ``module``, ``mesh``, ``plan``, ``axis`` – as :func:`parallelize`;
+    ``*args``/``**kwargs`` – a small example input (default, for a transformers
+    language model: random token ids of shape ``(2, 8)``); ``rtol`` – allowed error
+    relative to each tensor's largest entry (default 1e-6 for float64 parameters,
+    1e-4 otherwise: models that compute a part in float32 round there).
+
+    **Returns:** ``{"modules": n, "parameters": n, "max_error": e}`` when everything
+    matches. **Raises:** ``ShardingError`` naming the first module whose output
+    differs (and by how much), or the first parameter whose gradient does.
+
+    Example::
+
+        report = functp.verify_plan(model, mesh, "auto")
+        # ShardingError: ... first module whose output differs under the plan:
+        #   'model.layers.0.mlp.act_fn' (GELUTanh), by 3.1e-01 ...
+    """
+    from ._plans import parallelize          # (plans import this module's users)
+
+    if not args and not kwargs:
+        args, kwargs = _example_args(module)
+    was_training = module.training
+    module.eval()                              # no dropout: the two runs must agree
+    try:
+        return _verify(module, mesh, plan, args, kwargs, axis, rtol, parallelize)
+    finally:
+        module.train(was_training)
+
+
+def _verify(module, mesh, plan, args, kwargs, axis, rtol, parallelize):
+    full = {n: p.detach() for n, p in module.named_parameters()}
+    if rtol is None:
+        rtol = 1e-6 if all(p.dtype == torch.float64 for p in full.values()) else 1e-4
+    reference: list = []
+    handles = _record(module, reference)
+    try:
+        with torch.no_grad():
+            functional_call(module, full, args, kwargs, tie_weights=True, strict=False)
+    finally:
+        for h in handles:
+            h.remove()
+
+    with warnings.catch_warnings():      # (the user's own parallelize call warns)
+        warnings.simplefilter("ignore")
+        apply, local, specs = parallelize(module, mesh, plan, axis=axis)
+    packed = {name: style.blocks for name, _, style, _ in apply._hooked
+              if getattr(style, "blocks", 1) > 1}
+    ref_shapes = [t.shape for _, t in reference]
+
+    def whole(i: int, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The global value of a submodule's output: gathered along the dimension the
+        plan split (the one that is ``size`` times smaller than unsharded)."""
+        want = ref_shapes[i] if i < len(ref_shapes) else t.shape
+        if t.shape == want:
+            return t.detach()
+        n = axis_size(axis)
+        dims = [d for d in range(t.ndim) if t.ndim == len(want) and t.shape[d] * n == want[d]
+                and all(t.shape[e] == want[e] for e in range(t.ndim) if e != d)]
+        if not dims:
+            raise ShardingError(
+                f"verify_plan: module {name!r} returns shape {tuple(t.shape)} under the plan "
+                f"but {tuple(want)} unsharded, which is not a split over '{axis}' "
+                f"(size {n}); the plan changes what this module computes")
+        g = all_gather_invariant(t.detach(), axis, axis=dims[0], tiled=True)
+        if name in packed and dims[0] == t.ndim - 1:
+            from ._styles import _packed_merge
+            g = _packed_merge(g, dims[0], packed[name], n)
+        return g
+
+    sharded: list = []
+
+    def body(p):
+        handles = _record(module, sharded, lambda name, t: whole(len(sharded), name, t))
+        try:
+            with torch.no_grad():
+                apply(p, *args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        return torch.zeros(())
+
+    shard_map(body, mesh, in_specs=(specs,), out_specs=P())(local)
+    worst = 0.0
+    for i, ((name, ref), (name2, got)) in enumerate(zip(reference, sharded)):
+        if name != name2 or got.shape != ref.shape:
+            raise ShardingError(
+                f"verify_plan: under the plan the modules ran in another order or shape "
+                f"(call {i}: {name2!r} {tuple(got.shape)} where the unsharded module ran "
+                f"{name!r} {tuple(ref.shape)})")
+        err = _error(got, ref)
+        worst = max(worst, err)
+        if err > rtol:
+            mod = module.get_submodule(name) if name else module
+            raise ShardingError(
+                f"verify_plan: the first module whose output differs under the plan is "
+                f"{name or '(the root)'!r} ({type(mod).__name__}), by {err:.1e} relative "
+                f"(allowed {rtol:.0e}); it, or its parent's code that computes its "
+                f"input, reduces over a dimension the plan splits (a mean, norm or softmax over "
+                f"split columns or heads), or combines split and unsplit values; give it "
+                f"or its children rules that keep that dimension whole (a gathering "
+                f"style such as 'colwise_gather_output', or 'replicated')")
+
+    def scalar(out):
+        t = _first_tensor(out)
+        return (t.double() ** 2).mean()
+
+    ref_grads = torch.func.grad(
+        lambda p: scalar(functional_call(module, p, args, kwargs, tie_weights=True,
+                                         strict=False)))(full)
+    step = shard_map(lambda p: scalar(apply(p, *args, **kwargs)), mesh, in_specs=(specs,),
+                     out_specs=P())
+    grads = apply.unshard(torch.func.grad(step)(local))
+    scale = max((g.abs().max().item() for g in ref_grads.values()), default=0.0)
+    for name, ref in ref_grads.items():
+        err = ((grads[name].double() - ref.double()).abs().max()
+               / max(ref.abs().max().item(), 1e-6 * scale, 1e-30)).item()
+        worst = max(worst, err)
+        if err > rtol:
+            raise ShardingError(
+                f"verify_plan: every module's output matches, but the gradient of "
+                f"parameter {name!r} (spec {specs[name]!r}, rule "
+                f"{apply.styles[name]}) differs by {err:.1e} relative (allowed {rtol:.0e})")
+    return {"modules": len(reference), "parameters": len(ref_grads), "max_error": worst}
