@@ -155,3 +155,64 @@ def test_bad_arguments():
         functp.estimate(lambda: None, 0)
     with pytest.raises(ShardingError, match=r"ranks=\[4\] must be ranks of the world"):
         functp.estimate(lambda: None, 4, ranks=[4])
+
+
+def test_host_reads_name_the_line():
+    def reads_a_value():
+        x = torch.randn(4)
+        return int(x.sum().item())           # the line the error names
+
+    with pytest.raises(ShardingError, match=r"reads a tensor's value on the host .*"
+                       r"test_estimate.py:\d+ in reads_a_value: return int\(x.sum\(\).item\(\)\)"
+                       r".*pass what it reads in as Python numbers"):
+        functp.estimate(reads_a_value, 2)
+
+    def masks():
+        x = torch.randn(4)
+        return x[x > 0]
+    with pytest.raises(ShardingError, match=r"output shape depends on the values .*"
+                       r"in masks: return x\[x > 0\]"):
+        functp.estimate(masks, 2)
+
+
+def test_step_time_from_the_profile():
+    from functp._hardware import HARDWARE
+    hw = HARDWARE["h100-sxm"]
+    m, k, n = 4096, 8192, 2048
+
+    def program():
+        mesh = functp.make_mesh((2, 8), ("node", "gpu"))      # 16 ranks: 2 nodes of 8
+        a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+        f = functp.shard_map(lambda a, b: functp.psum(functp.psum(a @ b, "gpu"), "node"),
+                             mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+        return f(a, b)
+    est = functp.estimate(program, 16, hardware="h100-sxm")
+    nbytes = m * n * 2
+    matmul = max(2 * m * k * n / hw.flops["bfloat16"], (m * k + k * n + m * n) * 2 /
+                 hw.memory_bandwidth)
+    (a_in, b_in), (a_out, b_out) = hw.intra, hw.inter
+    ring_in = 2 * 7 * (a_in + nbytes / 8 / b_in)            # 8 ranks within a node
+    tree_in = 2 * 3 * (a_in + nbytes / b_in)
+    ring_out = 2 * 1 * (a_out + nbytes / 2 / b_out)         # 2 ranks, one per node
+    tree_out = 2 * 1 * (a_out + nbytes / b_out)
+    randn = (m * k + k * n) * 2 / hw.memory_bandwidth        # writing a and b
+    t = est.seconds
+    assert [e.op for e in est.comm] == ["all_reduce", "all_reduce"]
+    assert t.compute == pytest.approx(matmul + randn, rel=1e-9)
+    assert t.communication == pytest.approx(min(ring_in, tree_in) + min(ring_out, tree_out))
+    assert t.overlapped == max(t.compute, t.communication)
+    assert t.serial == t.compute + t.communication
+    assert "predicted on H100 SXM" in str(est) and str(t) in str(est)
+
+
+def test_unknown_hardware():
+    with pytest.raises(ShardingError, match=r"unknown hardware 'tpu'; give one of \['a100', 'h100-sxm'\]"):
+        functp.estimate(lambda: None, 2, hardware="tpu")
+
+
+def test_printed_table():
+    est = functp.estimate(tp_mlp_grad, 2, 2)
+    text = str(est)
+    assert "functp.estimate: 2 ranks, traced [0] (no time: pass hardware=)" in text
+    assert "all_reduce over tp x1" in text
+    assert "not counted (torch has no FLOP formula): " in text and "aten.tanh x1" in text
