@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from ._errors import ShardingError
 
-__all__ = ["Hardware", "HARDWARE", "hardware_profile", "op_seconds", "collective_seconds"]
+__all__ = ["Hardware", "HARDWARE", "calibrate", "hardware_profile", "op_seconds",
+           "collective_seconds"]
 
 
 @dataclass(frozen=True)
@@ -103,3 +104,68 @@ def collective_seconds(hw: Hardware, op: str, nbytes: int, members: tuple[int, .
     if op in ("reduce_scatter", "all_to_all"):   # p - 1 blocks of nbytes / p
         return (p - 1) * (alpha + nbytes / p / beta)
     return alpha + nbytes / beta    # permute: one send and one receive
+
+
+def calibrate(*, matmul_size: int = 1024, ranks: int = 2, repeat: int = 5) -> Hardware:
+    """Measures this machine into a :class:`Hardware` profile: matmul throughput
+    (float32 and float64), memory bandwidth (a large copy), and the latency and
+    bandwidth of a gloo all-reduce between ``ranks`` ranks of
+    :func:`functp.simulate` (all counted as one node).
+
+    **Arguments:** ``matmul_size`` – the side of the square matmuls timed;
+    ``ranks`` – ranks in the all-reduces; ``repeat`` – timings per measurement (the
+    fastest is kept).
+
+    **Returns:** a ``Hardware`` named after this machine, its ``sources`` saying how
+    each number was measured. Example::
+
+        cpu = functp.calibrate()
+        functp.estimate(program, 2, hardware=cpu).seconds
+    """
+    import platform
+    import time
+
+    import torch
+
+    from . import _collectives, _mesh, _shard_map, _simulate
+    from ._spec import P
+
+    def best(f) -> float:
+        f()                                      # warm up
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    flops = {}
+    for dtype in (torch.float32, torch.float64):
+        a = torch.randn(matmul_size, matmul_size, dtype=dtype)
+        flops[str(dtype).removeprefix("torch.")] = 2 * matmul_size ** 3 / best(lambda: a @ a)
+    big = torch.empty(16 * 2 ** 20, dtype=torch.float32)          # 64 MiB
+    out = torch.empty_like(big)
+    bandwidth = 2 * big.numel() * 4 / best(lambda: out.copy_(big))
+
+    small_n, large_n = 1, 2 ** 20                                  # 4 B and 4 MiB
+
+    def timings():
+        mesh = _mesh.make_mesh((ranks,), ("x",))
+        reduce = _shard_map.shard_map(lambda v: _collectives.psum(v, "x"), mesh,
+                                      in_specs=P("x"), out_specs=P("x"), check_vma=False)
+        return [best(lambda: reduce(torch.ones(n))) for n in (small_n, large_n)]
+    # a collective ends when its slowest rank's does
+    small, large = (max(ts) for ts in zip(*_simulate.simulate(timings, ranks, check=False)))
+    steps = 2 * (ranks - 1)                                        # ring all-reduce
+    alpha = small / steps
+    beta = large_n * 4 / ranks / max(large / steps - alpha, 1e-12)
+    where = f"functp.calibrate() on {platform.node()}"
+    return Hardware(
+        f"this machine ({platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, gloo)", flops, bandwidth, 1 << 30,
+        (alpha, beta), (alpha, beta),
+        {"flops": f"{where}: best of {repeat} {matmul_size}^3 matmuls",
+         "memory_bandwidth": f"{where}: a 64 MiB copy (read + write)",
+         "intra": f"{where}: gloo all-reduce of 4 B (latency) and 4 MiB (bandwidth) "
+                  f"over {ranks} simulated ranks",
+         "inter": "as intra: one machine"})

@@ -216,3 +216,14 @@ def test_printed_table():
     assert "functp.estimate: 2 ranks, traced [0] (no time: pass hardware=)" in text
     assert "all_reduce over tp x1" in text
     assert "not counted (torch has no FLOP formula): " in text and "aten.tanh x1" in text
+
+
+def test_calibrated_profile_predicts_a_time():
+    cpu = functp.calibrate(matmul_size=256, repeat=2)
+    numbers = [*cpu.flops.values(), cpu.memory_bandwidth, *cpu.intra]
+    assert all(0 < x < float("inf") for x in numbers), cpu
+    assert set(cpu.sources) == {"flops", "memory_bandwidth", "intra", "inter"}
+    est = functp.estimate(tp_mlp_grad, 2, 2, hardware=cpu)
+    assert est.seconds.communication == pytest.approx(
+        2 * (cpu.intra[0] + est.comm.nbytes() / 2 / cpu.intra[1]))   # one ring all-reduce
+    assert est.seconds.compute > 0
