@@ -15,6 +15,8 @@ from ._comm_log import CommEvent, comm_log
 from ._checkpoint import full_state_dict, load, save
 from ._crosscheck import debug_enabled, set_debug
 from ._errors import CheckpointError, ShardingError
+from ._estimate import Estimate, RankEstimate, StepTime, estimate
+from ._hardware import Hardware, calibrate
 from ._functional import functionalize
 from ._grads import clip_by_global_norm, global_norm, reduce_unreduced
 from ._interop import from_dtensor, to_dtensor
@@ -46,7 +48,8 @@ __all__ = [
     "psum_scatter", "all_to_all", "ppermute", "axis_index", "axis_size",
     "ragged_all_to_all", "ragged_offsets", "RaggedOffsets",
     "comm_log", "CommEvent", "set_debug", "debug_enabled",
-    "simulate", "print_ranks", "visualize_sharding", "process_index", "process_count",
+    "simulate", "estimate", "Estimate", "RankEstimate", "StepTime",
+    "Hardware", "calibrate", "print_ranks", "visualize_sharding", "process_index", "process_count",
     "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",
     "save", "load", "full_state_dict",
     "grad", "value_and_grad", "global_norm", "clip_by_global_norm", "reduce_unreduced", "MixedPrecision",

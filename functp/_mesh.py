@@ -313,6 +313,8 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str],
         raise ShardingError(f"make_mesh: axis names {names} must be distinct non-empty strings")
     if any(s < 1 for s in shape):
         raise ShardingError(f"make_mesh: every axis size must be >= 1, got {shape}")
+    if _world.dry_run() is not None:         # functp.estimate: no process groups
+        return _world.dry_run().make_mesh(shape, names, device_type, timeout)
     if _world.current_run() is not None:
         return _simulated_mesh(shape, names, device_type, timeout)
     device_type = device_type or _default_device_type()

@@ -130,6 +130,7 @@ class _Local(threading.local):
     def __init__(self) -> None:
         self.run: Run | None = None
         self.rank = 0
+        self.dry = None      # the functp.estimate rank this thread traces (its .rank, .size)
 
 
 _local = _Local()
@@ -180,6 +181,15 @@ def enter(run: Run, rank: int) -> None:
 
 def leave() -> None:
     _local.run, _local.rank = None, 0
+
+
+def dry_run():
+    """The :func:`functp.estimate` rank this thread traces on fake tensors, or None."""
+    return _local.dry
+
+
+def set_dry_run(dry) -> None:
+    _local.dry = dry
 
 
 def meshes() -> dict | None:
@@ -324,6 +334,8 @@ def process_index() -> int:
     """
     if _local.run is not None:
         return _local.rank
+    if _local.dry is not None:
+        return _local.dry.rank
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
@@ -333,5 +345,7 @@ def process_count() -> int:
     process group exists, 1 with neither."""
     if _local.run is not None:
         return _local.run.size
+    if _local.dry is not None:
+        return _local.dry.size
     return (dist.get_world_size() if dist.is_initialized()
             else int(os.environ.get("WORLD_SIZE", 1)))

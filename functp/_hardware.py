@@ -1,0 +1,171 @@
+"""Hardware profiles and the time model of :func:`functp.estimate`.
+
+A profile is data: peak matmul throughput per dtype, memory bandwidth, and for the
+links within a node and across nodes a latency (alpha, seconds) and a bandwidth
+(beta, bytes per second per rank, one direction), each number with where it comes
+from. The model is the textbook one, and its answers are predictions, not
+measurements:
+
+- an operator takes ``max(flops / peak, bytes read and written / memory bandwidth)``
+  (roofline);
+- a collective of ``p`` ranks over ``n`` bytes takes what its algorithm needs (ring:
+  ``(p-1)`` steps of ``n/p`` for all-gather / reduce-scatter / all-to-all, twice that
+  for all-reduce; tree all-reduce: ``2 log2 p`` steps of ``n``; the faster of ring and
+  tree is taken, as NCCL does); each step costs ``alpha + bytes / beta`` over the
+  slowest link the group spans (across nodes when its ranks are in more than one).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ._errors import ShardingError
+
+__all__ = ["Hardware", "HARDWARE", "calibrate", "hardware_profile", "op_seconds",
+           "collective_seconds"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and its links. ``flops``: peak dense FLOP/s by dtype name
+    (``"float32"``, ``"bfloat16"``, ...); ``memory_bandwidth``: bytes/s;
+    ``intra`` / ``inter``: ``(alpha seconds, beta bytes/s per rank and direction)``
+    within a node of ``ranks_per_node`` and across nodes; ``sources``: where each
+    number comes from."""
+    name: str
+    flops: dict
+    memory_bandwidth: float
+    ranks_per_node: int
+    intra: tuple[float, float]
+    inter: tuple[float, float]
+    sources: dict = field(default_factory=dict)
+
+    def peak(self, dtype: str) -> float:
+        return self.flops.get(dtype, self.flops["float32"])
+
+
+_H100_DS = "NVIDIA H100 Tensor Core GPU datasheet (SXM5), nvidia.com/en-us/data-center/h100"
+_A100_DS = "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB), nvidia.com/en-us/data-center/a100"
+
+HARDWARE: dict[str, Hardware] = {
+    "h100-sxm": Hardware(
+        "H100 SXM, NVLink 4 within 8-GPU nodes, 400 Gb/s InfiniBand (NDR) per GPU",
+        # dense (no sparsity) tensor-core peaks; float32 runs as TF32 on tensor cores
+        {"float64": 67e12, "float32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12,
+         "float8_e4m3fn": 1978.9e12},
+        3.35e12, 8,
+        (3e-6, 450e9),       # NVLink 4: 900 GB/s bidirectional per GPU
+        (5e-6, 50e9),        # one 400 Gb/s NDR port per GPU
+        {"flops": _H100_DS, "memory_bandwidth": _H100_DS + " (HBM3 3.35 TB/s)",
+         "intra": _H100_DS + " (NVLink 900 GB/s); latency: NCCL tests, order of µs",
+         "inter": "NVIDIA ConnectX-7 NDR 400 Gb/s InfiniBand; latency order of µs"}),
+    "a100": Hardware(
+        "A100 SXM 80GB, NVLink 3 within 8-GPU nodes, 200 Gb/s InfiniBand (HDR) per GPU",
+        {"float64": 19.5e12, "float32": 156e12, "bfloat16": 312e12, "float16": 312e12},
+        2.039e12, 8,
+        (3e-6, 300e9),       # NVLink 3: 600 GB/s bidirectional per GPU
+        (5e-6, 25e9),        # one 200 Gb/s HDR port per GPU
+        {"flops": _A100_DS, "memory_bandwidth": _A100_DS + " (HBM2e 2,039 GB/s)",
+         "intra": _A100_DS + " (NVLink 600 GB/s)",
+         "inter": "NVIDIA ConnectX-6 HDR 200 Gb/s InfiniBand"}),
+}
+
+
+def hardware_profile(hardware) -> Hardware:
+    """A :class:`Hardware` from itself or from the name of a built-in profile."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if isinstance(hardware, str) and hardware in HARDWARE:
+        return HARDWARE[hardware]
+    raise ShardingError(
+        f"functp.estimate: unknown hardware {hardware!r}; give one of "
+        f"{sorted(HARDWARE)} or a functp Hardware profile")
+
+
+def op_seconds(hw: Hardware, flops: int, nbytes: int, dtype: str) -> float:
+    """Roofline time of one operator: bound by compute or by memory traffic."""
+    return max(flops / hw.peak(dtype), nbytes / hw.memory_bandwidth)
+
+
+def collective_seconds(hw: Hardware, op: str, nbytes: int, members: tuple[int, ...]) -> float:
+    """Alpha-beta time of one collective. ``nbytes``: this rank's input buffer (as
+    ``comm_log`` records it); ``members``: the global ranks of its group."""
+    p = len(members)
+    if p <= 1:
+        return 0.0
+    nodes = {r // hw.ranks_per_node for r in members}
+    alpha, beta = hw.inter if len(nodes) > 1 else hw.intra
+    if op == "all_reduce":
+        ring = 2 * (p - 1) * (alpha + nbytes / p / beta)
+        tree = 2 * math.ceil(math.log2(p)) * (alpha + nbytes / beta)
+        return min(ring, tree)
+    if op == "all_gather":          # every rank receives p - 1 blocks of nbytes
+        return (p - 1) * (alpha + nbytes / beta)
+    if op in ("reduce_scatter", "all_to_all"):   # p - 1 blocks of nbytes / p
+        return (p - 1) * (alpha + nbytes / p / beta)
+    return alpha + nbytes / beta    # permute: one send and one receive
+
+
+def calibrate(*, matmul_size: int = 1024, ranks: int = 2, repeat: int = 5) -> Hardware:
+    """Measures this machine into a :class:`Hardware` profile: matmul throughput
+    (float32 and float64), memory bandwidth (a large copy), and the latency and
+    bandwidth of a gloo all-reduce between ``ranks`` ranks of
+    :func:`functp.simulate` (all counted as one node).
+
+    **Arguments:** ``matmul_size`` – the side of the square matmuls timed;
+    ``ranks`` – ranks in the all-reduces; ``repeat`` – timings per measurement (the
+    fastest is kept).
+
+    **Returns:** a ``Hardware`` named after this machine, its ``sources`` saying how
+    each number was measured. Example::
+
+        cpu = functp.calibrate()
+        functp.estimate(program, 2, hardware=cpu).seconds
+    """
+    import platform
+    import time
+
+    import torch
+
+    from . import _collectives, _mesh, _shard_map, _simulate
+    from ._spec import P
+
+    def best(f) -> float:
+        f()                                      # warm up
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    flops = {}
+    for dtype in (torch.float32, torch.float64):
+        a = torch.randn(matmul_size, matmul_size, dtype=dtype)
+        flops[str(dtype).removeprefix("torch.")] = 2 * matmul_size ** 3 / best(lambda: a @ a)
+    big = torch.empty(16 * 2 ** 20, dtype=torch.float32)          # 64 MiB
+    out = torch.empty_like(big)
+    bandwidth = 2 * big.numel() * 4 / best(lambda: out.copy_(big))
+
+    small_n, large_n = 1, 2 ** 20                                  # 4 B and 4 MiB
+
+    def timings():
+        mesh = _mesh.make_mesh((ranks,), ("x",))
+        reduce = _shard_map.shard_map(lambda v: _collectives.psum(v, "x"), mesh,
+                                      in_specs=P("x"), out_specs=P("x"), check_vma=False)
+        return [best(lambda: reduce(torch.ones(n))) for n in (small_n, large_n)]
+    # a collective ends when its slowest rank's does
+    small, large = (max(ts) for ts in zip(*_simulate.simulate(timings, ranks, check=False)))
+    steps = 2 * (ranks - 1)                                        # ring all-reduce
+    alpha = small / steps
+    beta = large_n * 4 / ranks / max(large / steps - alpha, 1e-12)
+    where = f"functp.calibrate() on {platform.node()}"
+    return Hardware(
+        f"this machine ({platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, gloo)", flops, bandwidth, 1 << 30,
+        (alpha, beta), (alpha, beta),
+        {"flops": f"{where}: best of {repeat} {matmul_size}^3 matmuls",
+         "memory_bandwidth": f"{where}: a 64 MiB copy (read + write)",
+         "intra": f"{where}: gloo all-reduce of 4 B (latency) and 4 MiB (bandwidth) "
+                  f"over {ranks} simulated ranks",
+         "inter": "as intra: one machine"})

@@ -1,0 +1,229 @@
+"""functp.estimate against real runs of the same programs: the collectives and FLOPs
+equal (comm_log events, FlopCounterMode totals), the peak memory within 5% of torch's
+MemTracker. The real runs are gloo processes (MemTracker's hooks are per process)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils.flop_counter import FlopCounterMode
+
+import functp
+from functp import P, ShardingError
+
+H, F, B = 64, 256, 32       # hidden, ffn width, batch: divisible by every mesh size used
+TP_SPECS = {"w1": P("tp", None), "b1": P("tp"), "w2": P(None, "tp"), "b2": P()}
+
+
+def _params():
+    torch.manual_seed(0)
+    return {"w1": torch.randn(F, H), "b1": torch.randn(F), "w2": torch.randn(H, F),
+            "b2": torch.randn(H)}
+
+
+def _mlp(p, x):
+    return torch.tanh(x @ p["w1"].T + p["b1"]) @ p["w2"].T + p["b2"]
+
+
+def tp_mlp_grad(n):
+    """Megatron MLP over 'tp' (column- then row-parallel), torch.func.grad."""
+    mesh = functp.make_mesh((n,), ("tp",))
+    local = functp.shard(_params(), mesh, TP_SPECS)
+    x, y = torch.randn(B, H), torch.randn(B, H)
+
+    def loss(p, x, y):
+        h = torch.tanh(x @ p["w1"].T + p["b1"])
+        out = functp.psum(h @ p["w2"].T, "tp") + p["b2"]
+        return ((out - y) ** 2).mean()
+    step = functp.shard_map(loss, mesh, in_specs=(TP_SPECS, P(), P()), out_specs=P())
+    return torch.func.grad(step)(local, x, y)
+
+
+def fsdp_adamw(n, tape, steps=2):
+    """FSDP over 'dp' (every leaf split on dim 0, gathered in the body), AdamW on the
+    local blocks, ``steps`` steps; gradients by torch.func.grad or tape backward."""
+    mesh = functp.make_mesh((n,), ("dp",))
+    local = functp.shard(_params(), mesh, P("dp"))
+    opt = torch.optim.AdamW(list(local.values()), lr=1e-2)
+
+    def loss(p, x, y):
+        full = {k: functp.all_gather(v, "dp", tiled=True) for k, v in p.items()}
+        return functp.pmean(((_mlp(full, x) - y) ** 2).mean(), "dp")
+    step = functp.shard_map(loss, mesh, in_specs=(P("dp"), P("dp"), P("dp")), out_specs=P())
+    for _ in range(steps):
+        x, y = torch.randn(B // n, H), torch.randn(B // n, H)
+        if tape:
+            for v in local.values():
+                v.requires_grad_()
+            step(local, x, y).backward()
+        else:
+            functp.set_grads(local, torch.func.grad(step)(local, x, y))
+        opt.step()
+        opt.zero_grad()
+    return local
+
+
+PROGRAMS = {"tp_mlp_grad": (tp_mlp_grad, ()), "fsdp_adamw_grad": (fsdp_adamw, (False,)),
+            "fsdp_adamw_tape": (fsdp_adamw, (True,))}
+
+
+def _measured(name, n):
+    """The oracle, on every rank of a real run: what torch's counters report."""
+    fn, extra = PROGRAMS[name]
+    # the step as it runs in production: without the check mode's exchanges (which
+    # estimate leaves out: they are a debugging aid, and compare data)
+    previous = functp.set_debug(False)
+    try:
+        with functp.comm_log() as log, FlopCounterMode(display=False) as flops, \
+                MemTracker() as mem:
+            fn(n, *extra)
+    finally:
+        functp.set_debug(previous)
+    peak = next(iter(mem.get_tracker_snapshot("peak").values()))
+    return log.events, flops.get_total_flops(), peak["Total"]
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+@pytest.mark.parametrize("n", [2, 4])
+def test_estimate_equals_real_run(run, name, n):
+    events, flops, peak = run(n, _measured, name, n, gloo=True)[0]
+    fn, extra = PROGRAMS[name]
+    est = functp.estimate(fn, n, n, *extra)
+    assert est.ranks == [0]
+    assert events, "the program issues collectives"
+    assert est.comm.events == events, f"estimated {est.comm.events}\nreal {events}"
+    assert flops > 0 and est.flops == flops, f"estimated {est.flops} FLOPs, real {flops}"
+    assert abs(est.peak_bytes - peak) <= 0.05 * peak, \
+        f"estimated peak {est.peak_bytes} B, MemTracker on the real run {peak} B"
+    assert sum(est.memory.values()) == est.peak_bytes
+
+
+def test_optimizer_state_is_its_own_category():
+    est = functp.estimate(fsdp_adamw, 2, 2, False)
+    # AdamW's two moments of every block (half of each leaf, float32) at the peak
+    block_elements = sum(v.numel() for v in _params().values()) // 2
+    moments = 2 * block_elements * 4
+    assert est.memory.get("Optstate", 0) >= moments, est.memory
+
+
+def test_no_data_is_allocated():
+    # 2**40 floats (4 TiB) per block: only a dry run can hold them
+    def program():
+        mesh = functp.make_mesh((8,), ("x",))
+        w = torch.empty(2 ** 20, 2 ** 23)
+        f = functp.shard_map(lambda w: functp.psum(w.sum(0), "x"), mesh,
+                             in_specs=P("x"), out_specs=P())
+        return f(w)
+    est = functp.estimate(program, 8)
+    assert est.peak_bytes >= 4 * 2 ** 43
+    assert est.comm.summary() == {("all_reduce", ("x",)): 1}
+    assert est.comm.nbytes() == 4 * 2 ** 23
+
+
+def test_rank_dependent_program_traced_per_rank():
+    def program():
+        mesh = functp.make_mesh((2,), ("pp",))
+        size = 64 if functp.process_index() == 0 else 16      # stages of unequal width
+        w, x = torch.randn(size, size), torch.randn(4, size)
+        return (x @ w).sum()
+    est = functp.estimate(program, 2, ranks=[0, 1])
+    assert est.ranks == [0, 1]
+    assert est[0].flops == 2 * 4 * 64 * 64 and est[1].flops == 2 * 4 * 16 * 16
+    assert est.flops == est[0].flops
+
+
+def test_ops_without_a_flop_formula_are_listed():
+    def program():
+        x = torch.randn(8, 8)
+        return torch.tanh(x @ x).sum()
+    est = functp.estimate(program, 1)
+    assert est.flops == 2 * 8 ** 3
+    assert est[0].flops_by_op == {"aten.mm": 2 * 8 ** 3}
+    assert est[0].uncounted == {"aten.tanh": 1, "aten.sum": 1}
+
+
+def test_caller_random_state_untouched():
+    torch.manual_seed(1)
+    expected = torch.randn(3)
+    torch.manual_seed(1)
+    functp.estimate(lambda: torch.randn(5), 2)
+    assert torch.equal(torch.randn(3), expected)
+
+
+def test_bad_arguments():
+    with pytest.raises(ShardingError, match="nprocs must be a positive int"):
+        functp.estimate(lambda: None, 0)
+    with pytest.raises(ShardingError, match=r"ranks=\[4\] must be ranks of the world"):
+        functp.estimate(lambda: None, 4, ranks=[4])
+
+
+def test_host_reads_name_the_line():
+    def reads_a_value():
+        x = torch.randn(4)
+        return int(x.sum().item())           # the line the error names
+
+    with pytest.raises(ShardingError, match=r"reads a tensor's value on the host .*"
+                       r"test_estimate.py:\d+ in reads_a_value: return int\(x.sum\(\).item\(\)\)"
+                       r".*pass what it reads in as Python numbers"):
+        functp.estimate(reads_a_value, 2)
+
+    def masks():
+        x = torch.randn(4)
+        return x[x > 0]
+    with pytest.raises(ShardingError, match=r"output shape depends on the values .*"
+                       r"in masks: return x\[x > 0\]"):
+        functp.estimate(masks, 2)
+
+
+def test_step_time_from_the_profile():
+    from functp._hardware import HARDWARE
+    hw = HARDWARE["h100-sxm"]
+    m, k, n = 4096, 8192, 2048
+
+    def program():
+        mesh = functp.make_mesh((2, 8), ("node", "gpu"))      # 16 ranks: 2 nodes of 8
+        a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+        f = functp.shard_map(lambda a, b: functp.psum(functp.psum(a @ b, "gpu"), "node"),
+                             mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+        return f(a, b)
+    est = functp.estimate(program, 16, hardware="h100-sxm")
+    nbytes = m * n * 2
+    matmul = max(2 * m * k * n / hw.flops["bfloat16"], (m * k + k * n + m * n) * 2 /
+                 hw.memory_bandwidth)
+    (a_in, b_in), (a_out, b_out) = hw.intra, hw.inter
+    ring_in = 2 * 7 * (a_in + nbytes / 8 / b_in)            # 8 ranks within a node
+    tree_in = 2 * 3 * (a_in + nbytes / b_in)
+    ring_out = 2 * 1 * (a_out + nbytes / 2 / b_out)         # 2 ranks, one per node
+    tree_out = 2 * 1 * (a_out + nbytes / b_out)
+    randn = (m * k + k * n) * 2 / hw.memory_bandwidth        # writing a and b
+    t = est.seconds
+    assert [e.op for e in est.comm] == ["all_reduce", "all_reduce"]
+    assert t.compute == pytest.approx(matmul + randn, rel=1e-9)
+    assert t.communication == pytest.approx(min(ring_in, tree_in) + min(ring_out, tree_out))
+    assert t.overlapped == max(t.compute, t.communication)
+    assert t.serial == t.compute + t.communication
+    assert "predicted on H100 SXM" in str(est) and str(t) in str(est)
+
+
+def test_unknown_hardware():
+    with pytest.raises(ShardingError, match=r"unknown hardware 'tpu'; give one of \['a100', 'h100-sxm'\]"):
+        functp.estimate(lambda: None, 2, hardware="tpu")
+
+
+def test_printed_table():
+    est = functp.estimate(tp_mlp_grad, 2, 2)
+    text = str(est)
+    assert "functp.estimate: 2 ranks, traced [0] (no time: pass hardware=)" in text
+    assert "all_reduce over tp x1" in text
+    assert "not counted (torch has no FLOP formula): " in text and "aten.tanh x1" in text
+
+
+def test_calibrated_profile_predicts_a_time():
+    cpu = functp.calibrate(matmul_size=256, repeat=2)
+    numbers = [*cpu.flops.values(), cpu.memory_bandwidth, *cpu.intra]
+    assert all(0 < x < float("inf") for x in numbers), cpu
+    assert set(cpu.sources) == {"flops", "memory_bandwidth", "intra", "inter"}
+    est = functp.estimate(tp_mlp_grad, 2, 2, hardware=cpu)
+    assert est.seconds.communication == pytest.approx(
+        2 * (cpu.intra[0] + est.comm.nbytes() / 2 / cpu.intra[1]))   # one ring all-reduce
+    assert est.seconds.compute > 0
