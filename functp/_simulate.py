@@ -131,7 +131,7 @@ def simulate(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 6
                 _discard(old)
         _world.restore_state(caller)     # the ranks' draws are theirs, not the caller's
     if run.stuck is not None:
-        _raise_stuck(run, errors, nprocs, float(timeout))
+        _raise_stuck(run, errors, orphaned, nprocs, float(timeout))
     if errors:
         _raise_first(errors, orphaned, nprocs)
     return results
@@ -243,8 +243,9 @@ def _stop_stuck(run: _world.Run, finished: list[bool], errors: dict, timeout: fl
     if h is None or finished[h] or now - since < timeout:
         return False
     others = [r for r in range(run.size) if r != h]
-    # (a rank that raised before this one took its turn was not waiting for it)
-    if not any(not finished[r] or (r in errors and errors[r][0] > since) for r in others):
+    # someone waits for it, or a rank failed (torchrun would end the others then);
+    # a rank alone after the others returned may take its time
+    if not any(not finished[r] or r in errors for r in others):
         return False
     ident = run.threads[h]
     frame = sys._current_frames().get(ident)
@@ -254,13 +255,21 @@ def _stop_stuck(run: _world.Run, finished: list[bool], errors: dict, timeout: fl
     stack = [f for f in (traceback.extract_stack(frame) if frame is not None else [])
              if not f.filename.startswith(mine)]
     where = "".join(traceback.format_list(stack[-4:]))
-    run.stuck = (h, where, now)
+    run.stuck = (h, where, now, since)
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(_Stuck))
     return False
 
 
-def _raise_stuck(run: _world.Run, errors: dict, nprocs: int, timeout: float) -> None:
-    h, where, _ = run.stuck
+def _raise_stuck(run: _world.Run, errors: dict, orphaned: list[int], nprocs: int,
+                 timeout: float) -> None:
+    h, where, _, since = run.stuck
+    early = {r: v for r, v in errors.items() if r != h and v[0] < since}
+    if early:      # a rank failed first: that is the cause; the stuck one was waiting on it
+        first = min(early.values(), key=lambda v: v[0])[1]
+        if hasattr(first, "add_note"):
+            first.add_note(f"rank {h} was then stopped: it ran for {timeout:g} s without "
+                           f"reaching a collective")
+        _raise_first(early, orphaned, nprocs)
     err = ShardingError(
         f"functp.simulate: rank {h} ran for {timeout:g} s without reaching a collective "
         f"while other ranks waited for it. Simulated ranks take turns at collectives, so "

@@ -155,13 +155,12 @@ def test_check_mode_on_one_rank_is_an_error_on_both(run, when):
 
 def _polls_for_a_file(path):
     # under torchrun this works: rank 1 writes the file, rank 0 sees it. Simulated ranks
-    # take turns at collectives: once rank 1 waits in one (over the size-1 axis "y", so
-    # it hands the turn to rank 0 whichever rank got it first), rank 0 polls, never
-    # handing the turn back, and rank 1 never writes
-    mesh = functp.make_mesh((2, 1), ("x", "y"))
+    # take turns at collectives: once rank 1 waits in one (the check mode's exchange at
+    # g's entry, so it hands the turn to rank 0 whichever rank got it first), rank 0
+    # polls, never handing the turn back, and rank 1 never writes
+    mesh = functp.make_mesh((2,), ("x",))
     f = functp.shard_map(lambda a: functp.psum(a, "x"), mesh, in_specs=P("x"), out_specs=P())
-    g = functp.shard_map(lambda a: functp.psum(a, "y"), mesh, in_specs=P("x"),
-                         out_specs=P("x"))
+    g = functp.shard_map(lambda a: a * 2, mesh, in_specs=P("x"), out_specs=P("x"))
     f(torch.ones(1))
     if functp.process_index() == 1:
         g(torch.ones(1))
@@ -173,15 +172,40 @@ def _polls_for_a_file(path):
     return f(torch.ones(1))
 
 
-@pytest.mark.parametrize("check", [True, False])
-def test_simulate_names_a_rank_stuck_outside_collectives(tmp_path, check):
+def _raises_then_peer_polls(path):
+    # rank 1 fails at once; rank 0 waits for a file it would have written: under
+    # torchrun the launcher ends rank 0; simulate stops it and reports rank 1's error
+    mesh = functp.make_mesh((2,), ("x",))
+    if functp.process_index() == 1:
+        raise KeyError("rank 1 fails first")
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    return mesh
+
+
+def test_simulate_names_a_rank_stuck_outside_collectives(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ShardingError) as info:
-        _sim(_polls_for_a_file, 2, str(tmp_path / "flag"), check=check, timeout=4)
+        _sim(_polls_for_a_file, 2, str(tmp_path / "flag"), check=True, timeout=4)
     msg = str(info.value)
     assert time.monotonic() - t0 < _LIMIT
     assert "rank 0 ran for 4 s without reaching a collective" in msg, msg
     assert "test_reliability.py" in msg and "in _polls_for_a_file" in msg, msg
+
+
+def test_simulate_stops_a_rank_waiting_for_a_failed_one(tmp_path):
+    # whichever rank takes the first turn, the run ends: rank 1's own error when it ran
+    # first (rank 0 then stopped), or rank 0 named as stuck when rank 1 never got a turn
+    t0 = time.monotonic()
+    with pytest.raises((KeyError, ShardingError)) as info:
+        _sim(_raises_then_peer_polls, 2, str(tmp_path / "never"), check=False, timeout=3)
+    assert time.monotonic() - t0 < _LIMIT
+    if isinstance(info.value, KeyError):
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "raised on rank 1" in notes and "rank 0 was then stopped" in notes, notes
+    else:
+        msg = str(info.value)
+        assert "rank 0 ran for 3 s" in msg and "in _raises_then_peer_polls" in msg, msg
 
 
 def _computes_then_waits(path):
@@ -194,9 +218,10 @@ def _computes_then_waits(path):
     return f(torch.ones(1))
 
 
-def test_simulate_timeout_blames_the_stuck_rank(tmp_path):
+@pytest.mark.parametrize("check", [True, False])
+def test_simulate_timeout_blames_the_stuck_rank(tmp_path, check):
     with pytest.raises(ShardingError) as info:
-        _sim(_computes_then_waits, 2, str(tmp_path / "never"), check=False, timeout=4)
+        _sim(_computes_then_waits, 2, str(tmp_path / "never"), check=check, timeout=4)
     msg = str(info.value)
     assert msg.startswith("functp.simulate: rank 0 ran for 4 s"), msg
     assert "in _computes_then_waits" in msg, msg
