@@ -22,6 +22,7 @@ one host sync; ``ragged_all_to_all`` given tensors syncs once for them.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -149,16 +150,10 @@ def ragged_offsets(send_counts: Any, axis_name: AxisName) -> RaggedOffsets:
     if counts.numel() != n:
         raise ShardingError(f"functp.ragged_offsets: send_counts has {counts.numel()} "
                             f"entries; the axis {g.axes} has {n} ranks (one count per peer)")
-    tr = fr.tracker
-    if tr is not None:
-        tr._paused += 1
-    try:
+    with _untracked(fr):
         # every rank's counts (rows: source axis index; columns: destination)
         table = prim._blocks_from_group_order(prim.all_gather(counts.unsqueeze(0), g, 0), g) \
             if n > 1 else counts.unsqueeze(0)
-    finally:
-        if tr is not None:
-            tr._paused -= 1
     c = table.tolist()                     # the one host sync
     me = g.index
     if any(v < 0 for row in c for v in row):
@@ -211,19 +206,13 @@ def ragged_all_to_all(operand: torch.Tensor, output: torch.Tensor, input_offsets
     args = [_ints(v, n, name) for v, name in (
         (input_offsets, "input_offsets"), (send_sizes, "send_sizes"),
         (output_offsets, "output_offsets"), (recv_sizes, "recv_sizes"))]
-    tr = fr.tracker
-    if tr is not None:
-        tr._paused += 1
-    try:
+    with _untracked(fr):
         in_off, send, out_off, recv, land = _sizes(args, recv_offsets, g)
-    finally:
-        if tr is not None:
-            tr._paused -= 1
     _check(operand, output, in_off, send, land, recv, g)
+    tr = fr.tracker
     if tr is None:
         return ragged(operand, output, g.key, in_off, send, land, recv)
-    tr._paused += 1
-    try:
+    with tr.paused():
         v = tr.get(operand) | tr.get(output) | g.axis_set
         if tr.get(operand) != v:
             operand = tr.pvary(operand, v - tr.get(operand))
@@ -231,9 +220,12 @@ def ragged_all_to_all(operand: torch.Tensor, output: torch.Tensor, input_offsets
             output = tr.pvary(output, v - tr.get(output))
         out = ragged(operand, output, g.key, in_off, send, land, recv)
         tr.set(out, v)
-    finally:
-        tr._paused -= 1
     return out
+
+
+def _untracked(fr):
+    """functp's own exchanges of sizes: not the user's program, not tracked."""
+    return fr.tracker.paused() if fr.tracker is not None else contextlib.nullcontext()
 
 
 def _sizes(args, recv_offsets, g: AxisGroup):
