@@ -93,6 +93,25 @@ def even_global_shape(shape: Sequence[int], lay: Layout, mesh) -> tuple[int, ...
     return tuple(b * mesh.axis_size(a) if a else b for b, a in zip(shape, lay))
 
 
+def mesh_coordinates(mesh) -> list[dict[str, int]]:
+    """Every rank's coordinate, in mesh (row-major) order."""
+    return [dict(zip(mesh.axis_names, c))
+            for c in itertools.product(*[range(s) for s in mesh.axis_sizes])]
+
+
+def size_from_blocks(sizes: Sequence[int], coords: Sequence[Mapping[str, int]],
+                     axes: Sequence[str], shape: Mapping[str, int]) -> int | None:
+    """The global size of a dimension split over ``axes`` whose block at ``coords[r]``
+    has ``sizes[r]`` rows (every rank of the mesh listed); ``None`` when no size gives
+    those torch.chunk blocks."""
+    # the blocks of ranks at coordinate 0 on every other axis tile the dimension
+    first = [n for n, c in zip(sizes, coords) if all(c[a] == 0 for a in c if a not in axes)]
+    total = sum(first) if axes else first[0]
+    if any(block(total, axes, shape, c)[1] != n for n, c in zip(sizes, coords)):
+        return None
+    return total
+
+
 def uneven_dim(shape: Sequence[int], lay: Layout, sizes: Mapping[str, int]) -> int | None:
     """The first dimension that ``lay`` does not split evenly, or ``None``."""
     return next((d for d, (n, axes) in enumerate(zip(shape, lay))

@@ -9,14 +9,13 @@ between ranks. Also: matching a tree of blocks with its specs. Example (4 ranks)
 """
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
 import torch
 
 from . import _primitives as prim
 from ._errors import ShardingError
-from ._layout import axis_group, block, layout, local_shape
+from ._layout import axis_group, layout, local_shape, mesh_coordinates, size_from_blocks
 from ._mesh import Mesh
 from ._spec import P, normalize_spec
 from ._tree import match_specs
@@ -82,8 +81,7 @@ def exchange_shapes(items, mesh: Mesh, what: str) -> list[tuple[int, ...] | None
     row = torch.tensor([n for _, x, s in items if s is not None for n in x.shape],
                        dtype=torch.int64, device=mesh.device_type)
     table = prim.all_gather(row.unsqueeze(0), axis_group(mesh, mesh.axis_names), 0).cpu()
-    coords = [dict(zip(mesh.axis_names, c))
-              for c in itertools.product(*[range(s) for s in mesh.axis_sizes])]
+    coords = mesh_coordinates(mesh)
     out: list[tuple[int, ...] | None] = []
     k = 0
     for p, x, spec in items:
@@ -94,12 +92,8 @@ def exchange_shapes(items, mesh: Mesh, what: str) -> list[tuple[int, ...] | None
         k += x.ndim
         n = []
         for d, axes in enumerate(layout(spec, x.ndim)):
-            # the blocks of ranks at coordinate 0 on every other axis tile the dimension
-            first = [sizes[r][d] for r, c in enumerate(coords)
-                     if all(c[a] == 0 for a in mesh.axis_names if a not in axes)]
-            total = sum(first) if axes else first[0]
-            if any(block(total, axes, mesh.shape, c)[1] != sizes[r][d]
-                   for r, c in enumerate(coords)):
+            total = size_from_blocks([s[d] for s in sizes], coords, axes, mesh.shape)
+            if total is None:
                 by_rank = [sizes[r][d] for r in range(len(coords))]
                 how = (f"torch.chunk-style blocks over {axes}" if axes
                        else "the same size on every rank (the dimension is not split)")
