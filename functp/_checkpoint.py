@@ -765,12 +765,12 @@ def save(path: str | os.PathLike, tree: Any, mesh: Mesh, specs: Any, *,
             return items, treespec, keys, tree_file, None
         # given shapes are checked against this rank's blocks only: agree on them too
         return (items, treespec, keys, tree_file,
-                shapes_for(tree, items, treespec, mesh, shapes, what))
+                shapes_for(items, treespec, mesh, shapes, what))
     items, treespec, keys, tree_file, n_list = _all_ok(what, path, device, prepare)
     if _crosscheck.ENABLED:
         _check_replicas(what, path, items, keys, mesh)
     if n_list is None:      # one all-gather; every rank checks the same table
-        n_list = shapes_for(tree, items, treespec, mesh, None, what)
+        n_list = shapes_for(items, treespec, mesh, None, what)
     ops = _RawOps(mesh)
     state: dict[str, Any] = {}
     with torch.no_grad():
@@ -973,7 +973,7 @@ def full_state_dict(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None,
         raise ShardingError(f"functp.full_state_dict: rank={rank} is not a rank of the "
                             f"world (size {dist.get_world_size()})")
     items, treespec = leaf_specs(tree, mesh, specs, "tree")
-    n_list = shapes_for(tree, items, treespec, mesh, shapes, "functp.full_state_dict")
+    n_list = shapes_for(items, treespec, mesh, shapes, "functp.full_state_dict")
     mine = dist.get_rank() == rank
     ops = _RawOps(mesh)
     out = []

@@ -48,7 +48,7 @@ def to_dtensor(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
                 f"distribute the full tensor, or leave it out of the tree")
         if s is not None:
             spec_to_placements(s, mesh, x.ndim, f"functp.to_dtensor: {path}")
-    n_list = shapes_for(tree, items, treespec, mesh, shapes, "functp.to_dtensor")
+    n_list = shapes_for(items, treespec, mesh, shapes, "functp.to_dtensor")
     out = []
     for (path, x, s), n in zip(items, n_list):
         if s is not None:

@@ -30,7 +30,7 @@ from ._layout import (Layout, axis_group, block, check_packed, even_global_shape
                       view, view_shape, view_spec)
 from ._mesh import Mesh
 from ._reshard_plan import communicates, plan
-from ._reshard_shapes import check_block, exchange_shapes, given_shapes, leaf_specs
+from ._reshard_shapes import checked_shapes, exchange_shapes, leaf_specs
 from ._spec import P, normalize_spec
 from ._tree import match_specs
 
@@ -295,11 +295,7 @@ def _global_shapes(items, treespec, jobs, shapes, mesh: Mesh, inside: bool, what
     """Given (and checked against this rank's blocks), the even blocks' inside
     shard_map, exchanged once when some leaf communicates, or not needed."""
     if shapes is not None:
-        n_list = given_shapes(treespec, shapes, items, what)
-        for (path, x, s), n in zip(items, n_list):
-            if n is not None:
-                check_block(path, x, s, n, mesh, what)
-        return n_list
+        return checked_shapes(items, treespec, shapes, mesh, what)
     if inside:
         return [None if j is None else even_global_shape(x.shape, j.src, mesh)
                 for (_, x, _), j in zip(items, jobs)]

@@ -5,7 +5,7 @@ checkpoints need them for uneven (torch.chunk-style) blocks, whose sizes differ
 between ranks. Also: matching a tree of blocks with its specs. Example (4 ranks)::
 
     items, treespec = leaf_specs(local, mesh, P("x"), "tree")
-    shapes_for(local, items, treespec, mesh, None, "functp.unshard")   # [(10, 2)]
+    shapes_for(items, treespec, mesh, None, "functp.unshard")   # [(10, 2)]
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from ._mesh import Mesh
 from ._spec import P, normalize_spec
 from ._tree import match_specs
 
-__all__ = ["leaf_specs", "given_shapes", "check_block", "exchange_shapes", "shapes_for"]
+__all__ = ["leaf_specs", "given_shapes", "check_block", "checked_shapes", "exchange_shapes",
+           "shapes_for"]
 
 
 def leaf_specs(tree, mesh: Mesh, specs, root: str, what: str = "specs"):
@@ -107,14 +108,20 @@ def exchange_shapes(items, mesh: Mesh, what: str) -> list[tuple[int, ...] | None
     return out
 
 
-def shapes_for(tree, items, treespec, mesh: Mesh, shapes, what: str):
+def checked_shapes(items, treespec, shapes, mesh: Mesh, what: str) -> list:
+    """The global shapes the caller gave (``shapes=``), each checked against this
+    rank's block."""
+    out = given_shapes(treespec, shapes, items, what)
+    for (p, x, s), n in zip(items, out):
+        if n is not None:
+            check_block(p, x, s, n, mesh, what)
+    return out
+
+
+def shapes_for(items, treespec, mesh: Mesh, shapes, what: str) -> list:
     """Global shapes: given, or exchanged once if some leaf is split."""
     if shapes is not None:
-        out = given_shapes(treespec, shapes, items, what)
-        for (p, x, s), n in zip(items, out):
-            if n is not None:
-                check_block(p, x, s, n, mesh, what)
-        return out
+        return checked_shapes(items, treespec, shapes, mesh, what)
     if any(s is not None and any(layout(s, x.ndim, mesh)) for _, x, s in items):
         return exchange_shapes(items, mesh, what)
     return [None if s is None else tuple(x.shape) for _, x, s in items]

@@ -69,7 +69,7 @@ def unshard(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
     shard_map'd function unshard with the in_specs of the inputs they belong to.
     """
     items, treespec = leaf_specs(tree, mesh, specs, "tree")
-    n_list = shapes_for(tree, items, treespec, mesh, shapes, "functp.unshard")
+    n_list = shapes_for(items, treespec, mesh, shapes, "functp.unshard")
     ops = _RawOps(mesh)
     out = []
     for (path, x, spec), n in zip(items, n_list):

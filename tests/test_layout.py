@@ -146,12 +146,15 @@ def test_take_block_then_put_back_is_the_identity():
     assert seen_packed >= 20 and seen_uneven >= 50, (seen_packed, seen_uneven)
 
 
+def _random_mesh(rng):
+    sizes, names = rng.choice(MESHES)
+    return FakeMesh(sizes, names), names, rng.randint(1, 3)
+
+
 def test_local_and_global_shapes_round_trip():
     rng = random.Random(1)
     for _ in range(300):
-        sizes, names = rng.choice(MESHES)
-        mesh = FakeMesh(sizes, names)
-        ndim = rng.randint(1, 3)
+        mesh, names, ndim = _random_mesh(rng)
         shape, spec = random_shape(rng, ndim), random_spec(rng, names, ndim)
         lay = _layout.layout(spec, ndim)
         coords = [dict(zip(names, c)) for c in mesh.coords()]
@@ -177,9 +180,7 @@ def test_local_and_global_shapes_round_trip():
 def test_placements_round_trip():
     rng = random.Random(2)
     for _ in range(300):
-        sizes, names = rng.choice(MESHES)
-        mesh = FakeMesh(sizes, names)
-        ndim = rng.randint(1, 3)
+        mesh, names, ndim = _random_mesh(rng)
         spec = _layout.mesh_order(random_spec(rng, names, ndim), ndim, mesh)
         place = _layout.spec_to_placements(spec, mesh, ndim, "test")
         back = _layout.placements_to_spec(place, names, "test")
