@@ -23,6 +23,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ._errors import ShardingError
 from ._spec import P, format_spec
@@ -126,6 +127,15 @@ def padded_shape(shape: Sequence[int], lay: Layout, mesh) -> tuple[int, ...]:
     """Every split dimension rounded up to a multiple of its axes' size."""
     return tuple(-(-s // mesh.axis_size(a)) * mesh.axis_size(a) if a else s
                  for s, a in zip(shape, lay))
+
+
+def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` zero-padded at the end of ``dim`` to ``size`` rows (differentiable; F.pad
+    counts dimensions from the last)."""
+    extra = size - x.shape[dim]
+    if extra == 0:
+        return x
+    return F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, extra])
 
 
 def strides(shape: Sequence[int]) -> tuple[int, ...]:

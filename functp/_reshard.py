@@ -19,15 +19,14 @@ from typing import Any, NamedTuple, Sequence
 
 import optree
 import torch
-import torch.nn.functional as F
 
 from . import _collectives as coll
 from . import _context
 from . import _primitives as prim
 from ._errors import ShardingError
 from ._layout import (Layout, axis_group, block, check_packed, even_global_shape, is_even,
-                      layout, local_of, local_shape, mark_uneven, packing, piece_sizes, unview,
-                      view, view_shape, view_spec)
+                      layout, local_of, local_shape, mark_uneven, packing, pad_dim, piece_sizes,
+                      unview, view, view_shape, view_spec)
 from ._mesh import Mesh
 from ._reshard_plan import communicates, plan
 from ._reshard_shapes import checked_shapes, exchange_shapes, leaf_specs
@@ -74,14 +73,6 @@ class _BodyOps:
         return coll.pvary(x, axes)
 
 
-def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """Zero-pads ``dim`` at its end to ``size`` (F.pad counts dims from the last)."""
-    extra = size - x.shape[dim]
-    if extra == 0:
-        return x
-    return F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, extra])
-
-
 def _trim_blocks(y: torch.Tensor, dim: int, sizes: list[int], width: int) -> torch.Tensor:
     """``y`` holds ``len(sizes)`` padded blocks of ``width`` along ``dim``: keep the
     first ``sizes[j]`` rows of block ``j``."""
@@ -106,10 +97,10 @@ def run_plan(x: torch.Tensor, n: Sequence[int], src: Layout, steps, mesh: Mesh, 
             m_d = block(n[d], cur[d][:-len(axes)], shape, coord)[1]
             s = piece_sizes(m_d, axes, shape)
             t = piece_sizes(x.shape[e], axes, shape)  # dim e is whole over `axes`
-            x = _pad(x, d, s[0])
+            x = pad_dim(x, d, s[0])
             if any(tj != t[0] for tj in t):           # pad every outgoing piece to t[0]
                 offs = list(itertools.accumulate([0] + t[:-1]))
-                x = torch.cat([_pad(x.narrow(e, o, tj), e, t[0]) for o, tj in zip(offs, t)], e)
+                x = torch.cat([pad_dim(x.narrow(e, o, tj), e, t[0]) for o, tj in zip(offs, t)], e)
             y = ops.a2a(x, axes, e, d)
             y = y.narrow(e, 0, t[mesh.axis_index(axes)])
             x = _trim_blocks(y, d, s, s[0])
@@ -120,7 +111,7 @@ def run_plan(x: torch.Tensor, n: Sequence[int], src: Layout, steps, mesh: Mesh, 
             for d, axes in parts:
                 m = block(n[d], cur[d][:-len(axes)], shape, coord)[1]
                 sizes.append(piece_sizes(m, axes, shape))
-                x = _pad(x, d, sizes[-1][0])
+                x = pad_dim(x, d, sizes[-1][0])
             if len(parts) == 1:
                 (d, axes), s = parts[0], sizes[0]
                 x = _trim_blocks(ops.gather(x, axes, d, True), d, s, s[0])

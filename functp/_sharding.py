@@ -17,7 +17,7 @@ import torch
 from . import _context, _crosscheck, _fingerprint, _world
 from ._errors import ShardingError
 from ._mesh import Mesh
-from ._layout import block, layout, local_of, mark_uneven, padded_shape
+from ._layout import block, layout, local_of, mark_uneven, pad_dim, padded_shape
 from ._reshard import _RawOps, full_of, run_plan
 from ._reshard_shapes import check_block, given_shapes, leaf_specs, shapes_for
 from ._spec import P
@@ -138,7 +138,7 @@ def _repad(tree, mesh: Mesh, specs, shapes, to_padded: bool):
             if isinstance(x, torch.Tensor):
                 lay = layout(s, x.ndim)
                 for d, n in enumerate(padded_shape(x.shape, lay, mesh)):
-                    x = _pad_dim(x, d, n)
+                    x = pad_dim(x, d, n)
             out.append(x)
         return optree.tree_unflatten(treespec, out)
     if _context.active():
@@ -162,25 +162,18 @@ def _repad(tree, mesh: Mesh, specs, shapes, to_padded: bool):
             for d, a in enumerate(lay):
                 if a and d not in nested:
                     want = block(big[d] if to_padded else n[d], a, mesh.shape, mesh.coordinate)[1]
-                    x = _pad_dim(x, d, want) if to_padded else x.narrow(d, 0, want)
+                    x = pad_dim(x, d, want) if to_padded else x.narrow(d, 0, want)
             if nested:
                 src, dst = (n, big) if to_padded else (big, n)
                 cur = tuple(() if d in nested else a for d, a in enumerate(lay))
                 x = run_plan(x, src, lay, (("gather", tuple((d, lay[d]) for d in nested)),),
                              mesh, ops)
                 for d in nested:
-                    x = _pad_dim(x, d, dst[d]) if to_padded else x.narrow(d, 0, dst[d])
+                    x = pad_dim(x, d, dst[d]) if to_padded else x.narrow(d, 0, dst[d])
                 x = run_plan(x, dst, cur, tuple(("slice", d, lay[d]) for d in nested), mesh, ops)
             x = x.clone(memory_format=torch.contiguous_format)
             out.append(x if to_padded else mark_uneven(x, n, lay, mesh))
     return optree.tree_unflatten(treespec, out)
-
-
-def _pad_dim(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
-    if x.shape[d] == n:
-        return x
-    pad = x.new_zeros(x.shape[:d] + (n - x.shape[d],) + x.shape[d + 1:])
-    return torch.cat([x, pad], d)
 
 
 def _broadcast_tree(tree, mesh: Mesh, src: int):
