@@ -13,8 +13,9 @@ ranks: 3, 3, 3, 1; 2 rows over 4 ranks: 1, 1, 0, 0). Example (4 ranks)::
 Here: global <-> local shapes, divisibility (and its errors), padding sizes, packed
 dimensions (``P(..., packed={dim: k})``, seen through a view in which they are
 ordinary splits), a rank's slices of a full tensor, ``P`` <-> DTensor placements and
-the process group of a tuple of axes. Shapes, views and narrows only: moving blocks
-between ranks is ``_reshard``'s job.
+the process group of a tuple of axes. Shapes, views, narrows and zero padding only:
+moving blocks between ranks is ``_reshard``'s job. Functions that take a ``mesh``
+read only its ``shape``, ``coordinate``, ``axis_names`` and ``axis_sizes``.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ._errors import ShardingError
+from ._mesh import Mesh
 from ._spec import P, format_spec
 
 Layout = tuple[tuple[str, ...], ...]       # per tensor dimension: its axes, major first
@@ -75,7 +77,7 @@ def piece_sizes(n: int, axes: Sequence[str], shape: Mapping[str, int]) -> list[i
     return [block(n, axes, shape, dict(zip(axes, c)))[1] for c in itertools.product(*ranges)]
 
 
-def layout(spec: P, ndim: int, mesh=None) -> Layout:
+def layout(spec: P, ndim: int, mesh: Mesh | None = None) -> Layout:
     """Per-dimension axis tuples of ``spec``. Given ``mesh``, axes of size 1 are left
     out: they split nothing, and planning without them avoids no-op collectives."""
     lay = tuple(spec.dim_axes(d) for d in range(ndim))
@@ -84,17 +86,17 @@ def layout(spec: P, ndim: int, mesh=None) -> Layout:
     return tuple(tuple(a for a in t if mesh.shape[a] > 1) for t in lay)
 
 
-def local_shape(shape: Sequence[int], lay: Layout, mesh) -> tuple[int, ...]:
+def local_shape(shape: Sequence[int], lay: Layout, mesh: Mesh) -> tuple[int, ...]:
     """This rank's block shape of a tensor of global ``shape`` laid out by ``lay``."""
     return tuple(block(n, axes, mesh.shape, mesh.coordinate)[1] for n, axes in zip(shape, lay))
 
 
-def even_global_shape(shape: Sequence[int], lay: Layout, mesh) -> tuple[int, ...]:
+def even_global_shape(shape: Sequence[int], lay: Layout, mesh: Mesh) -> tuple[int, ...]:
     """The global shape of an even block ``shape`` (every rank's block the same)."""
     return tuple(b * mesh.axis_size(a) if a else b for b, a in zip(shape, lay))
 
 
-def mesh_coordinates(mesh) -> list[dict[str, int]]:
+def mesh_coordinates(mesh: Mesh) -> list[dict[str, int]]:
     """Every rank's coordinate, in mesh (row-major) order."""
     return [dict(zip(mesh.axis_names, c))
             for c in itertools.product(*[range(s) for s in mesh.axis_sizes])]
@@ -119,11 +121,11 @@ def uneven_dim(shape: Sequence[int], lay: Layout, sizes: Mapping[str, int]) -> i
                  if axes and uneven(n, axes_size(sizes, axes))), None)
 
 
-def is_even(shape: Sequence[int], lay: Layout, mesh) -> bool:
+def is_even(shape: Sequence[int], lay: Layout, mesh: Mesh) -> bool:
     return uneven_dim(shape, lay, mesh.shape) is None
 
 
-def padded_shape(shape: Sequence[int], lay: Layout, mesh) -> tuple[int, ...]:
+def padded_shape(shape: Sequence[int], lay: Layout, mesh: Mesh) -> tuple[int, ...]:
     """Every split dimension rounded up to a multiple of its axes' size."""
     return tuple(-(-s // mesh.axis_size(a)) * mesh.axis_size(a) if a else s
                  for s, a in zip(shape, lay))
@@ -151,7 +153,7 @@ def strides(shape: Sequence[int]) -> tuple[int, ...]:
 # divisibility, with the errors users see
 
 
-def check_even_dtensor(where: str, shape: Sequence[int], spec: P, mesh) -> None:
+def check_even_dtensor(where: str, shape: Sequence[int], spec: P, mesh: Mesh) -> None:
     """A DTensor given to shard_map as a global value must split evenly under ``spec``."""
     lay = layout(spec, len(shape), mesh)
     d = uneven_dim(shape, lay, mesh.shape)
@@ -165,7 +167,7 @@ def check_even_dtensor(where: str, shape: Sequence[int], spec: P, mesh) -> None:
             f"functp.unpad the result (mesh {mesh})")
 
 
-def check_even_block(x: torch.Tensor, spec: P, mesh, path: str) -> None:
+def check_even_block(x: torch.Tensor, spec: P, mesh: Mesh, path: str) -> None:
     """Raises if ``x`` is a block that functp made from an uneven layout and ``spec``
     splits a dimension of it unevenly: shard_map cannot know a global size from
     uneven blocks. The same on every rank (every block of the layout is marked)."""
@@ -185,7 +187,8 @@ def check_even_block(x: torch.Tensor, spec: P, mesh, path: str) -> None:
             f"results), or choose sizes divisible by {k} (mesh {mesh})")
 
 
-def mark_uneven(t: torch.Tensor, n: Sequence[int] | None, lay: Layout, mesh) -> torch.Tensor:
+def mark_uneven(t: torch.Tensor, n: Sequence[int] | None, lay: Layout, mesh: Mesh
+                ) -> torch.Tensor:
     """Tags ``t`` with its global shape ``n`` when ``lay`` splits ``n`` unevenly."""
     if n is not None and not is_even(n, lay, mesh):
         setattr(t, GLOBAL_SHAPE, torch.Size(n))
@@ -249,14 +252,14 @@ def check_packed(path: str, shape: Sequence[int], spec: P, sizes: Mapping[str, i
 # a rank's block of a full tensor
 
 
-def block_slices(shape: Sequence[int], lay: Layout, shape_of: Mapping[str, int],
+def block_slices(shape: Sequence[int], lay: Layout, sizes: Mapping[str, int],
                  coord: Mapping[str, int]) -> list[tuple[int, int, int]]:
     """``[(dim, offset, size)]``: the narrows that cut the block at ``coord``."""
-    return [(d, *block(n, axes, shape_of, coord)) for d, (n, axes) in enumerate(zip(shape, lay))
+    return [(d, *block(n, axes, sizes, coord)) for d, (n, axes) in enumerate(zip(shape, lay))
             if axes]
 
 
-def local_of(x: torch.Tensor, spec: P, mesh, path: str = "value") -> torch.Tensor:
+def local_of(x: torch.Tensor, spec: P, mesh: Mesh, path: str = "value") -> torch.Tensor:
     """This rank's block (a view) of the full tensor ``x`` under ``spec``; a packed
     dimension gives this rank's slice of each of its blocks."""
     if packing(spec):
@@ -304,7 +307,7 @@ def placements_to_spec(placements: Sequence[Any], axis_names: Sequence[str], whe
                else tuple(dims[d]) for d in range(n)])
 
 
-def spec_to_placements(spec: P, mesh, ndim: int, where: str) -> list:
+def spec_to_placements(spec: P, mesh: Mesh, ndim: int, where: str) -> list:
     """``P('dp', 'tp')`` on mesh ``(dp, tp)`` -> ``[Shard(0), Shard(1)]``.
 
     The axes of a dimension split over several must be in mesh order, which is
@@ -336,7 +339,7 @@ def axis_placement(spec: P, axis: str):
     return Shard(dims[0]) if dims else Replicate()
 
 
-def mesh_order(spec: P, ndim: int, mesh) -> P:
+def mesh_order(spec: P, ndim: int, mesh: Mesh) -> P:
     """``spec`` with the axes of every dimension in mesh order (DTensor's nesting)."""
     lay = layout(spec, ndim)
     return P(*[None if not a else a[0] if len(a) == 1 else
@@ -347,7 +350,8 @@ def mesh_order(spec: P, ndim: int, mesh) -> P:
 # axes -> process group
 
 
-def axis_group(mesh, axes: str | Sequence[str] | frozenset, what: str = "collective"):
+def axis_group(mesh: Mesh, axes: str | Sequence[str] | frozenset,
+               what: str = "collective"):
     """The resolved ``AxisGroup`` of ``axes`` on ``mesh``: an axis name, a tuple (major
     to minor, in the order given) or a frozenset (taken in mesh order). The mesh
     resolved every one when it was made (``Mesh._setup``); this only looks it up, so
