@@ -43,11 +43,13 @@ from torch.distributed.tensor import DTensor
 
 from . import _crosscheck, _safe_pickle, _world
 from ._errors import CheckpointError, ShardingError, first_line
-from ._interop import _strides, mesh_order, spec_to_placements
+from ._layout import (layout, local_of, local_shape, mark_uneven, mesh_order,
+                      spec_to_placements, strides)
 from ._mesh import Mesh
-from ._reshard import (_RawOps, full_of, layout, leaf_specs, local_of, local_shape, mark_uneven,
-                       plan, run_plan)
-from ._sharding import _broadcast_pickled, _shapes_for
+from ._reshard import _RawOps, full_of, run_plan
+from ._reshard_plan import plan
+from ._reshard_shapes import leaf_specs, shapes_for
+from ._sharding import _broadcast_pickled
 from ._spec import P
 from ._tree import keystr
 
@@ -763,12 +765,12 @@ def save(path: str | os.PathLike, tree: Any, mesh: Mesh, specs: Any, *,
             return items, treespec, keys, tree_file, None
         # given shapes are checked against this rank's blocks only: agree on them too
         return (items, treespec, keys, tree_file,
-                _shapes_for(tree, items, treespec, mesh, shapes, what))
+                shapes_for(items, treespec, mesh, shapes, what))
     items, treespec, keys, tree_file, n_list = _all_ok(what, path, device, prepare)
     if _crosscheck.ENABLED:
         _check_replicas(what, path, items, keys, mesh)
     if n_list is None:      # one all-gather; every rank checks the same table
-        n_list = _shapes_for(tree, items, treespec, mesh, None, what)
+        n_list = shapes_for(items, treespec, mesh, None, what)
     ops = _RawOps(mesh)
     state: dict[str, Any] = {}
     with torch.no_grad():
@@ -786,7 +788,7 @@ def save(path: str | os.PathLike, tree: Any, mesh: Mesh, specs: Any, *,
                     x = run_plan(x, n, src, plan(src, dst), mesh, ops).contiguous()
                 x = DTensor.from_local(x, mesh.device_mesh,
                                        spec_to_placements(ordered, mesh, x.ndim, p),
-                                       run_check=False, shape=torch.Size(n), stride=_strides(n))
+                                       run_check=False, shape=torch.Size(n), stride=strides(n))
             state[key] = x
     state[_FORMAT_KEY] = torch.tensor([_FORMAT], dtype=torch.int64, device=device)
     _all_ok(what, path, device, lambda: _unmark(path) if dist.get_rank() == 0 else None)
@@ -826,54 +828,11 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None, specs: Any = None, *
     if mesh is not None:
         _need_numpy(what)
     device = None if mesh is None else torch.device(mesh.device_type)
-
-    def open_():
-        saved = _open(what, path, trusted)
-        if like is None and saved.skeleton is None:
-            if not (saved.old and trusted):
-                raise CheckpointError(f"{what}: {saved.why} ({path})\npass like= with the tree "
-                                      f"to load" + (f"; or {_TRUST}" if saved.old else ""))
-            # tiny, and torch.load must not unpickle damaged bytes
-            _verify(what, path, saved.meta, saved.sums, {_TREE_KEY}, None)
-        return saved
-    saved = _all_ok(what, path, device, open_)
-    if like is not None:
-        treespec = optree.tree_structure(like)
-    elif saved.skeleton is not None:
-        treespec = optree.tree_structure(saved.skeleton)
-    else:                   # format 1, trusted: its pickled tree structure, as DCP reads it
-        box = {_TREE_KEY: None}
-        _dcp(what, path, lambda: dcp.load(box, checkpoint_id=path, no_dist=mesh is None),
-             ranks=mesh is not None)
-        treespec = box[_TREE_KEY]
-
-    def prepare():
-        paths = treespec.paths()
-        keys = _keys(paths, what)
-        missing = [k for k in keys if not saved.holds(k)]
-        if missing:
-            held = sorted([*saved.tensors, *saved.values, *saved.pickled])
-            raise CheckpointError(
-                f"{what}: no entry {missing[0]!r} (leaf "
-                f"{keystr('like', paths[keys.index(missing[0])])}) ({path})\nit holds "
-                f"{held[:8]}{' ...' if len(held) > 8 else ''}")
-        # placeholders: meta tensors of the saved global shapes, so specs can be checked
-        tensors = saved.tensors
-        holders = [torch.empty(tensors[k].size, dtype=tensors[k].properties.dtype,
-                               device="meta") if k in tensors else _OBJECT for k in keys]
-        skeleton = optree.tree_unflatten(treespec, holders)
-        items = (leaf_specs(skeleton, mesh, specs if specs is not None else P(), "tree")[0]
-                 if mesh is not None else [(p, h, None) for p, h in zip(paths, holders)])
-        casts = [None] * len(keys)
-        if like is not None:
-            for i, ((_, _, s), k, x) in enumerate(zip(items, keys, optree.tree_leaves(like))):
-                _check_like(what, path, keystr("like", paths[i]), k, x, tensors.get(k), s,
-                            mesh, convert)
-                if isinstance(x, torch.Tensor) and x.dtype != tensors[k].properties.dtype:
-                    casts[i] = x.dtype
-        # allocating may fail on one rank only (out of memory): part of what is agreed
-        return (keys, items, casts) + _targets(keys, items, mesh, device, saved.values)
-    keys, items, casts, state, blocks, fix = _all_ok(what, path, device, prepare)
+    saved = _all_ok(what, path, device, lambda: _open_to_load(what, path, like, trusted))
+    treespec = _load_structure(what, path, like, saved, mesh)
+    keys, items, casts, state, blocks, fix = _all_ok(
+        what, path, device,
+        lambda: _prepare_load(what, path, treespec, saved, mesh, specs, like, convert, device))
     _verify(what, path, saved.meta, saved.sums, set(keys), device)
     # DCP reads the tensors (and the values it holds as bytes) with the metadata read
     # above, never with its own unpickling of the folder's files
@@ -886,23 +845,85 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None, specs: Any = None, *
         return optree.tree_unflatten(treespec, [
             v if k not in state else state[k] if c is None else state[k].to(c)
             for k, c, v in zip(keys, casts, values)])
+    return optree.tree_unflatten(treespec, _loaded_blocks(items, keys, casts, values, state,
+                                                          blocks, fix, mesh))
+
+
+def _open_to_load(what: str, path: str, like: Any, trusted: bool) -> _Saved:
+    """The checkpoint's metadata, checked; refused when there is no tree to load."""
+    saved = _open(what, path, trusted)
+    if like is None and saved.skeleton is None:
+        if not (saved.old and trusted):
+            raise CheckpointError(f"{what}: {saved.why} ({path})\npass like= with the tree "
+                                  f"to load" + (f"; or {_TRUST}" if saved.old else ""))
+        # tiny, and torch.load must not unpickle damaged bytes
+        _verify(what, path, saved.meta, saved.sums, {_TREE_KEY}, None)
+    return saved
+
+
+def _load_structure(what: str, path: str, like: Any, saved: _Saved, mesh: Mesh | None):
+    """The tree structure to load: ``like``'s, the saved one, or (format 1, trusted)
+    its pickled structure as DCP reads it."""
+    if like is not None:
+        return optree.tree_structure(like)
+    if saved.skeleton is not None:
+        return optree.tree_structure(saved.skeleton)
+    box = {_TREE_KEY: None}
+    _dcp(what, path, lambda: dcp.load(box, checkpoint_id=path, no_dist=mesh is None),
+         ranks=mesh is not None)
+    return box[_TREE_KEY]
+
+
+def _prepare_load(what: str, path: str, treespec, saved: _Saved, mesh: Mesh | None, specs,
+                  like: Any, convert: bool, device):
+    """Keys, leaves with their specs, dtype casts, and the targets DCP loads into (all
+    of it may fail on one rank only, e.g. allocating: ``load`` agrees on it)."""
+    paths = treespec.paths()
+    keys = _keys(paths, what)
+    missing = [k for k in keys if not saved.holds(k)]
+    if missing:
+        held = sorted([*saved.tensors, *saved.values, *saved.pickled])
+        raise CheckpointError(
+            f"{what}: no entry {missing[0]!r} (leaf "
+            f"{keystr('like', paths[keys.index(missing[0])])}) ({path})\nit holds "
+            f"{held[:8]}{' ...' if len(held) > 8 else ''}")
+    # placeholders: meta tensors of the saved global shapes, so specs can be checked
+    tensors = saved.tensors
+    holders = [torch.empty(tensors[k].size, dtype=tensors[k].properties.dtype,
+                           device="meta") if k in tensors else _OBJECT for k in keys]
+    skeleton = optree.tree_unflatten(treespec, holders)
+    items = (leaf_specs(skeleton, mesh, specs if specs is not None else P(), "tree")[0]
+             if mesh is not None else [(p, h, None) for p, h in zip(paths, holders)])
+    casts = [None] * len(keys)
+    if like is not None:
+        for i, ((_, _, s), k, x) in enumerate(zip(items, keys, optree.tree_leaves(like))):
+            _check_like(what, path, keystr("like", paths[i]), k, x, tensors.get(k), s,
+                        mesh, convert)
+            if isinstance(x, torch.Tensor) and x.dtype != tensors[k].properties.dtype:
+                casts[i] = x.dtype
+    return (keys, items, casts) + _targets(keys, items, mesh, device, saved.values)
+
+
+@torch.no_grad()
+def _loaded_blocks(items, keys, casts, values, state, blocks, fix, mesh: Mesh) -> list:
+    """The leaves as this rank's blocks under their specs: a packed one sliced from
+    the whole, one DTensor nested differently moved, each cast as ``like`` asked."""
     out = []
     ops = _RawOps(mesh)
-    with torch.no_grad():
-        for (p, h, s), k, c, v in zip(items, keys, casts, values):
-            if h is _OBJECT:
-                out.append(state[k] if k in state else v)
-                continue
-            x = blocks[k]
-            if s.packed:
-                x = local_of(x, s, mesh, p).contiguous()
-            if k in fix:
-                src, dst = fix[k]
-                x = run_plan(x, h.shape, src, plan(src, dst), mesh, ops).contiguous()
-            if c is not None:
-                x = x.to(c)
-            out.append(mark_uneven(x, h.shape, layout(s, h.ndim, mesh), mesh))
-    return optree.tree_unflatten(treespec, out)
+    for (p, h, s), k, c, v in zip(items, keys, casts, values):
+        if h is _OBJECT:
+            out.append(state[k] if k in state else v)
+            continue
+        x = blocks[k]
+        if s.packed:
+            x = local_of(x, s, mesh, p).contiguous()
+        if k in fix:
+            src, dst = fix[k]
+            x = run_plan(x, h.shape, src, plan(src, dst), mesh, ops).contiguous()
+        if c is not None:
+            x = x.to(c)
+        out.append(mark_uneven(x, h.shape, layout(s, h.ndim, mesh), mesh))
+    return out
 
 
 def _targets(keys, items, mesh: Mesh | None, device, values) -> tuple[dict, dict, dict]:
@@ -928,7 +949,7 @@ def _targets(keys, items, mesh: Mesh | None, device, values) -> tuple[dict, dict
         blocks[k] = torch.empty(local_shape(h.shape, lay, mesh), dtype=h.dtype, device=device)
         state[k] = DTensor.from_local(blocks[k], mesh.device_mesh,
                                       spec_to_placements(ordered, mesh, h.ndim, p),
-                                      run_check=False, shape=h.shape, stride=_strides(h.shape))
+                                      run_check=False, shape=h.shape, stride=strides(h.shape))
         if layout(s, h.ndim, mesh) != lay:
             fix[k] = (lay, layout(s, h.ndim, mesh))
     return state, blocks, fix
@@ -952,7 +973,7 @@ def full_state_dict(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None,
         raise ShardingError(f"functp.full_state_dict: rank={rank} is not a rank of the "
                             f"world (size {dist.get_world_size()})")
     items, treespec = leaf_specs(tree, mesh, specs, "tree")
-    n_list = _shapes_for(tree, items, treespec, mesh, shapes, "functp.full_state_dict")
+    n_list = shapes_for(items, treespec, mesh, shapes, "functp.full_state_dict")
     mine = dist.get_rank() == rank
     ops = _RawOps(mesh)
     out = []

@@ -15,6 +15,7 @@ import torch
 
 from . import _context, _ops
 from ._errors import ShardingError
+from ._layout import uneven
 from ._mesh import AxisGroup
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "pvary", "pcast", "all_gather",
@@ -392,7 +393,7 @@ def axis_size(axis_name: AxisName) -> int:
 
 def _check_split(t, d, g: AxisGroup, tiled: bool, what: str, arg: str) -> None:
     n = t.shape[d]
-    if (n % g.size if tiled else n != g.size):
+    if (uneven(n, g.size) if tiled else n != g.size):
         need = f"a multiple of {g.size}" if tiled else f"exactly {g.size}"
         alt = "" if tiled else " (or pass tiled=True)"
         raise ShardingError(

@@ -12,45 +12,18 @@ from typing import Any
 import optree
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial
 
 from . import _world
 from ._errors import ShardingError
+from ._layout import (GLOBAL_SHAPE, check_even_dtensor, is_even, layout, mesh_order,
+                      placements_to_spec, spec_to_placements, strides, uneven_dim)
 from ._mesh import Mesh
-from ._reshard import GLOBAL_SHAPE, is_even, layout, leaf_specs, move_block
-from ._sharding import _shapes_for
-from ._spec import P, normalize_spec, placements_to_spec
+from ._reshard import move_block
+from ._reshard_shapes import leaf_specs, shapes_for
+from ._spec import P, normalize_spec
 
-__all__ = ["to_dtensor", "from_dtensor", "dtensor_to_local", "spec_to_placements"]
-
-
-def _strides(shape) -> tuple[int, ...]:
-    out, s = [], 1
-    for n in reversed(tuple(shape)):
-        out.append(s)
-        s *= max(n, 1)
-    return tuple(reversed(out))
-
-
-def spec_to_placements(spec: P, mesh: Mesh, ndim: int, where: str) -> list[Placement]:
-    """``P('dp', 'tp')`` on mesh ``(dp, tp)`` -> ``[Shard(0), Shard(1)]``.
-
-    The axes of a dimension split over several must be in mesh order, which is
-    DTensor's nesting (axes of size 1 may stand anywhere: they split nothing)."""
-    place: list[Placement] = [Replicate()] * len(mesh.axis_names)
-    for d, axes in enumerate(layout(spec, ndim)):
-        pos = [mesh.axis_names.index(a) for a in axes]
-        real = [i for i in pos if mesh.axis_sizes[i] > 1]
-        if real != sorted(real):
-            ordered = tuple(sorted(axes, key=mesh.axis_names.index))
-            raise ShardingError(
-                f"{where}: {spec!r} splits dimension {d} over {axes}, against the mesh "
-                f"order of {mesh} (axes {mesh.axis_names}); DTensor nests the axes of one "
-                f"dimension in mesh order, so it has no placements for this layout. "
-                f"functp.reshard it to P({ordered!r}) on that dimension first")
-        for i in pos:
-            place[i] = Shard(d)
-    return place
+__all__ = ["to_dtensor", "from_dtensor", "dtensor_to_local"]
 
 
 def to_dtensor(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
@@ -75,13 +48,13 @@ def to_dtensor(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
                 f"distribute the full tensor, or leave it out of the tree")
         if s is not None:
             spec_to_placements(s, mesh, x.ndim, f"functp.to_dtensor: {path}")
-    n_list = _shapes_for(tree, items, treespec, mesh, shapes, "functp.to_dtensor")
+    n_list = shapes_for(items, treespec, mesh, shapes, "functp.to_dtensor")
     out = []
     for (path, x, s), n in zip(items, n_list):
         if s is not None:
             x = DTensor.from_local(x, mesh.device_mesh,
                                    spec_to_placements(s, mesh, x.ndim, path), run_check=False,
-                                   shape=torch.Size(n), stride=_strides(n))
+                                   shape=torch.Size(n), stride=strides(n))
         out.append(x)
     return optree.tree_unflatten(treespec, out)
 
@@ -109,7 +82,7 @@ def from_dtensor(tree: Any) -> tuple[Any, Any]:
             spec = placements_to_spec(x.placements, names, f"{where} (shape {tuple(x.shape)})")
             block = x.to_local()
             sizes = dict(zip(names, x.device_mesh.mesh.shape))
-            if any(n % _prod(sizes, spec.dim_axes(d)) for d, n in enumerate(x.shape)):
+            if uneven_dim(x.shape, layout(spec, x.ndim), sizes) is not None:
                 setattr(block, GLOBAL_SHAPE, torch.Size(x.shape))
             local.append(block)
             specs.append(spec)
@@ -117,13 +90,6 @@ def from_dtensor(tree: Any) -> tuple[Any, Any]:
             local.append(x)
             specs.append(P())
     return optree.tree_unflatten(treespec, local), optree.tree_unflatten(treespec, specs)
-
-
-def _prod(sizes: dict, axes) -> int:
-    out = 1
-    for a in axes:
-        out *= int(sizes[a])
-    return out
 
 
 def dtensor_to_local(x: DTensor, mesh: Mesh, spec: Any, path: str) -> torch.Tensor:
@@ -145,16 +111,8 @@ def dtensor_to_local(x: DTensor, mesh: Mesh, spec: Any, path: str) -> torch.Tens
             f"runs on {mesh} (DeviceMesh {mesh.device_mesh}); redistribute it onto that "
             f"mesh first, or pass its local block (x.to_local()) with a matching spec")
     spec = normalize_spec(spec, mesh.axis_names, where, x.shape)
+    check_even_dtensor(where, x.shape, spec, mesh)
     lay = layout(spec, x.ndim, mesh)
-    if not is_even(x.shape, lay, mesh):
-        d = next(d for d, a in enumerate(lay) if a and x.shape[d] % mesh.axis_size(a))
-        k = mesh.axis_size(lay[d])
-        raise ShardingError(
-            f"{where}: the DTensor has shape {tuple(x.shape)} and {spec!r} splits "
-            f"dimension {d} of size {x.shape[d]} over {lay[d]} of size {k}, which does not "
-            f"divide it; shard_map needs equal blocks on every rank: pad it to a multiple "
-            f"of {k} (functp.pad_to_multiple on the full value, then to_dtensor) and "
-            f"functp.unpad the result (mesh {mesh})")
     # DTensor moves it when it can express the target (differentiable); functp moves
     # it from an uneven layout (torch 2.13 gathers uneven shards nested over several
     # axes wrongly once the mesh has flattened groups, which functp's Mesh makes) and
@@ -171,10 +129,3 @@ def dtensor_to_local(x: DTensor, mesh: Mesh, spec: Any, path: str) -> torch.Tens
             x = x.redistribute(dm, placements)
         block, src = x.to_local(), layout(ordered, x.ndim, mesh)
     return move_block(block, x.shape, src, lay, mesh) if src != lay else block
-
-
-def mesh_order(spec: P, ndim: int, mesh: Mesh) -> P:
-    """``spec`` with the axes of every dimension in mesh order (DTensor's nesting)."""
-    lay = layout(spec, ndim)
-    return P(*[None if not a else a[0] if len(a) == 1 else
-               tuple(sorted(a, key=mesh.axis_names.index)) for a in lay])

@@ -130,13 +130,16 @@ class Mesh:
             torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda"
             else torch.device(self.device_type), repr(self))
         # every ordered tuple of axes resolved now, so that a step (compiled or not)
-        # only looks groups up: resolving needs host-side work and group queries
-        self._axis_groups: dict[tuple[str, ...], AxisGroup] = {}
+        # only looks groups up: resolving needs host-side work and group queries. A
+        # set of axes maps to its tuple in mesh order (what vma's pvary asks for).
+        self._axis_groups: dict[tuple[str, ...] | frozenset, AxisGroup] = {}
         for k in range(1, len(self.axis_names) + 1):
             for axes in itertools.permutations(self.axis_names, k):
                 ag = self._resolve(axes)
                 self._axis_groups[axes] = ag
                 _GROUPS[ag.key] = ag
+            for axes in itertools.combinations(self.axis_names, k):
+                self._axis_groups[frozenset(axes)] = self._axis_groups[axes]
 
     @classmethod
     def from_device_mesh(cls, device_mesh: DeviceMesh) -> "Mesh":
@@ -179,9 +182,11 @@ class Mesh:
         return axes
 
     def axis_group(self, axis_name, what: str = "collective") -> AxisGroup:
-        """The resolved group for one axis name or a tuple of them (major to minor)."""
+        """The resolved group for one axis name, a tuple of them (major to minor) or a
+        frozenset of them (in mesh order)."""
         key = ((axis_name,) if isinstance(axis_name, str) else
-               tuple(axis_name) if isinstance(axis_name, (tuple, list)) else None)
+               tuple(axis_name) if isinstance(axis_name, (tuple, list)) else
+               axis_name if isinstance(axis_name, frozenset) else None)
         hit = self._axis_groups.get(key)
         if hit is not None:
             return hit

@@ -26,6 +26,7 @@ from . import _world
 from ._collectives import axis_size
 from ._errors import ShardingError
 from ._mesh import Mesh
+from ._layout import uneven
 from ._sharding import unshard
 from ._spec import P, normalize_spec
 from ._styles import STYLES, Call, ParameterRules, Replicated, Style, get_style
@@ -267,10 +268,10 @@ def _check_heads(root: nn.Module, name: str, x: torch.Tensor, spec: P, mesh: Mes
         return
     for d in range(len(spec)):
         axes = spec.dim_axes(d)
-        if not axes or x.shape[d] % hd:
+        if not axes or uneven(x.shape[d], hd):
             continue
         heads, n = x.shape[d] // hd, mesh.axis_size(axes)
-        if heads % n:
+        if uneven(heads, n):
             raise ShardingError(
                 f"parameter {name!r} (shape {tuple(x.shape)}), plan rule {desc}, spec "
                 f"{spec!r}: dimension {d} holds {heads} heads of {hd} (head_dim of "
@@ -288,7 +289,7 @@ def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str)
             continue
         blocks = packed.get(d, 1)
         n = mesh.axis_size(axes) * blocks
-        if x.shape[d] % n:
+        if uneven(x.shape[d], n):
             packed = f" x {blocks} packed blocks" if blocks > 1 else ""
             raise ShardingError(
                 f"parameter {name!r} (shape {tuple(x.shape)}), plan rule {desc}, "
@@ -471,7 +472,7 @@ def _left_out(module: nn.Module, plan: dict[str, Any], size: int) -> dict[str, s
                             if k not in ("q_proj", "k_proj", "v_proj", "o_proj")
                             for p in m.parameters())
                 and not any(True for _ in sub.parameters(recurse=False))
-                and all(m.out_features % (hd * size) == 0 for m in proj[:3])):
+                and all(not uneven(m.out_features, hd * size) for m in proj[:3])):
             extra.update({prefix + "q_proj": "colwise", prefix + "k_proj": "colwise",
                           prefix + "v_proj": "colwise", prefix + "o_proj": "rowwise"})
             continue
@@ -480,7 +481,7 @@ def _left_out(module: nn.Module, plan: dict[str, Any], size: int) -> dict[str, s
         if (last in ("shared_expert", "shared_experts", "shared_mlp")
                 and all(isinstance(k, nn.Linear) for k in mlp) and len(kids) <= 4
                 and not any(_covered(prefix + k, plan) for k in ("gate_proj", "up_proj", "down_proj"))
-                and mlp[2].in_features % size == 0):
+                and not uneven(mlp[2].in_features, size)):
             extra.update({prefix + "gate_proj": "colwise", prefix + "up_proj": "colwise",
                           prefix + "down_proj": "rowwise"})
     return extra

@@ -9,15 +9,14 @@ import optree
 import torch
 
 from . import _context, _crosscheck, _fingerprint, _world
-from . import _ops, _packed
+from . import _layout, _ops
 from ._errors import ShardingError
 from ._boundary import SumRules, VmaRules
 from ._precision import inexact
 from ._interop import dtensor_to_local
 from ._mesh import Mesh
 from ._precision import MixedPrecision, floating
-from ._reshard import GLOBAL_SHAPE
-from ._sharding import check_even_block
+from ._layout import GLOBAL_SHAPE, check_even_block
 from ._spec import P, normalize_spec
 from ._tree import keystr, match_specs
 from ._vma import Tracker
@@ -435,13 +434,13 @@ class _Body:
         """A nested body's output, back to whole along its axes for the outer body
         (a packed dimension gathered block by block, through its packed view)."""
         vma = tracker.get(y) if tracker is not None else None
-        view = _packed.view_spec(spec) if spec.packed else spec
-        y = _packed.view(y, spec) if spec.packed else y
+        view = _layout.view_spec(spec) if spec.packed else spec
+        y = _layout.view(y, spec) if spec.packed else y
         for d in range(len(view)):
             axes = view.dim_axes(d)
             if axes:
                 y = _ops.all_gather(y, self.mesh.axis_group(axes).key, d, True, True)
-        y = _packed.unview(y, spec) if spec.packed else y
+        y = _layout.unview(y, spec) if spec.packed else y
         if tracker is not None:
             tracker.set(y, vma - frozenset(self.axes))
         return y
@@ -460,15 +459,15 @@ class _Body:
         """This rank's block of ``x``, whole along our axes (a packed dimension: this
         rank's slice of each of its blocks, through its packed view)."""
         if spec.packed:
-            _packed.check(f"in_specs for {path}", x.shape, spec, self.mesh.shape)
-            view = _packed.view_spec(spec)
-            return _packed.unview(self._take_block(path, _packed.view(x, spec), view), spec)
+            _layout.check_packed(f"in_specs for {path}", x.shape, spec, self.mesh.shape)
+            view = _layout.view_spec(spec)
+            return _layout.unview(self._take_block(path, _layout.view(x, spec), view), spec)
         dims = []
         for d in range(len(spec)):
             axes = spec.dim_axes(d)
             if axes:
                 g = self.mesh.axis_group(axes)
-                if x.shape[d] % g.size:
+                if _layout.uneven(x.shape[d], g.size):
                     raise ShardingError(
                         f"in_specs for {path} (shape {tuple(x.shape)}): {spec!r} splits "
                         f"dimension {d} of size {x.shape[d]} over {axes} of size {g.size}, "

@@ -2,7 +2,7 @@
 padding helpers that make uneven sizes fit ``shard_map``.
 
 Sizes need not divide the axis sizes: blocks follow ``torch.chunk`` (see
-``_reshard.py`` for the layout model), so 10 rows over 4 ranks are 3, 3, 3, 1 rows.
+``_layout.py`` for the layout model), so 10 rows over 4 ranks are 3, 3, 3, 1 rows.
 ``shard_map`` itself needs even blocks; :func:`pad_to_multiple` and :func:`unpad`
 bridge the two.
 """
@@ -17,29 +17,12 @@ import torch
 from . import _context, _crosscheck, _fingerprint, _world
 from ._errors import ShardingError
 from ._mesh import Mesh
-from ._reshard import (GLOBAL_SHAPE, _RawOps, block, check_block, exchange_shapes, full_of,
-                       given_shapes, layout, leaf_specs, local_of, mark_uneven, run_plan)
+from ._layout import block, layout, local_of, mark_uneven, pad_dim, padded_shape
+from ._reshard import _RawOps, full_of, run_plan
+from ._reshard_shapes import check_block, given_shapes, leaf_specs, shapes_for
 from ._spec import P
 
-__all__ = ["shard", "unshard", "pad_to_multiple", "unpad", "check_even_block"]
-
-def check_even_block(x: torch.Tensor, spec: P, mesh: Mesh, path: str) -> None:
-    """Raises if ``x`` is a block that functp made from an uneven layout and ``spec``
-    splits a dimension of it unevenly: shard_map cannot know a global size from
-    uneven blocks. The same on every rank (every block of the layout is marked)."""
-    n = getattr(x, GLOBAL_SHAPE, None)
-    if n is None or len(n) != x.ndim:
-        return
-    for d, axes in enumerate(layout(spec, x.ndim)):
-        if axes and n[d] % mesh.axis_size(axes):
-            k = mesh.axis_size(axes)
-            raise ShardingError(
-                f"in_specs for {path} (block shape {tuple(x.shape)}, global shape "
-                f"{tuple(n)}): {spec!r} splits dimension {d} of size {n[d]} over {axes} of "
-                f"size {k} unevenly, and shard_map needs equal blocks on every rank (it "
-                f"cannot know a global size from uneven blocks); pad it to a multiple of "
-                f"{k} with functp.pad_to_multiple before sharding (functp.unpad the "
-                f"results), or choose sizes divisible by {k} (mesh {mesh})")
+__all__ = ["shard", "unshard", "pad_to_multiple", "unpad"]
 
 
 def local_block(x: torch.Tensor, spec: P, mesh: Mesh, path: str = "value") -> torch.Tensor:
@@ -75,19 +58,6 @@ def shard(tree: Any, mesh: Mesh, specs: Any, *, src_rank: int | None = None) -> 
         if isinstance(x, torch.Tensor) else x for p, x, s in items])
 
 
-def _shapes_for(tree, items, treespec, mesh: Mesh, shapes, what: str):
-    """Global shapes: given, or exchanged once if some leaf is split."""
-    if shapes is not None:
-        out = given_shapes(treespec, shapes, items, what)
-        for (p, x, s), n in zip(items, out):
-            if n is not None:
-                check_block(p, x, s, n, mesh, what)
-        return out
-    if any(s is not None and any(layout(s, x.ndim, mesh)) for _, x, s in items):
-        return exchange_shapes(items, mesh, what)
-    return [None if s is None else tuple(x.shape) for _, x, s in items]
-
-
 @torch.no_grad()
 def unshard(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
     """Local blocks -> full tensors on every rank (one all-gather per split leaf).
@@ -99,7 +69,7 @@ def unshard(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
     shard_map'd function unshard with the in_specs of the inputs they belong to.
     """
     items, treespec = leaf_specs(tree, mesh, specs, "tree")
-    n_list = _shapes_for(tree, items, treespec, mesh, shapes, "functp.unshard")
+    n_list = shapes_for(items, treespec, mesh, shapes, "functp.unshard")
     ops = _RawOps(mesh)
     out = []
     for (path, x, spec), n in zip(items, n_list):
@@ -107,11 +77,6 @@ def unshard(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
             x = full_of(x, n, spec, mesh, ops, f"functp.unshard: {path}")
         out.append(x)
     return optree.tree_unflatten(treespec, out)
-
-
-def _padded(n, lay, mesh: Mesh) -> tuple[int, ...]:
-    return tuple(-(-s // mesh.axis_size(a)) * mesh.axis_size(a) if a else s
-                 for s, a in zip(n, lay))
 
 
 def pad_to_multiple(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
@@ -172,8 +137,8 @@ def _repad(tree, mesh: Mesh, specs, shapes, to_padded: bool):
         for path, x, s in items:
             if isinstance(x, torch.Tensor):
                 lay = layout(s, x.ndim)
-                for d, n in enumerate(_padded(x.shape, lay, mesh)):
-                    x = _pad_dim(x, d, n)
+                for d, n in enumerate(padded_shape(x.shape, lay, mesh)):
+                    x = pad_dim(x, d, n)
             out.append(x)
         return optree.tree_unflatten(treespec, out)
     if _context.active():
@@ -189,7 +154,7 @@ def _repad(tree, mesh: Mesh, specs, shapes, to_padded: bool):
                 out.append(x)
                 continue
             lay = layout(s, x.ndim, mesh)
-            big = _padded(n, lay, mesh)
+            big = padded_shape(n, lay, mesh)
             check_block(path, x, s, n if to_padded else big, mesh, what)
             # one axis: the block of the padded tensor is the torch.chunk block plus
             # zero rows at its end; several axes nest, so those dimensions move data
@@ -197,25 +162,18 @@ def _repad(tree, mesh: Mesh, specs, shapes, to_padded: bool):
             for d, a in enumerate(lay):
                 if a and d not in nested:
                     want = block(big[d] if to_padded else n[d], a, mesh.shape, mesh.coordinate)[1]
-                    x = _pad_dim(x, d, want) if to_padded else x.narrow(d, 0, want)
+                    x = pad_dim(x, d, want) if to_padded else x.narrow(d, 0, want)
             if nested:
                 src, dst = (n, big) if to_padded else (big, n)
                 cur = tuple(() if d in nested else a for d, a in enumerate(lay))
                 x = run_plan(x, src, lay, (("gather", tuple((d, lay[d]) for d in nested)),),
                              mesh, ops)
                 for d in nested:
-                    x = _pad_dim(x, d, dst[d]) if to_padded else x.narrow(d, 0, dst[d])
+                    x = pad_dim(x, d, dst[d]) if to_padded else x.narrow(d, 0, dst[d])
                 x = run_plan(x, dst, cur, tuple(("slice", d, lay[d]) for d in nested), mesh, ops)
             x = x.clone(memory_format=torch.contiguous_format)
             out.append(x if to_padded else mark_uneven(x, n, lay, mesh))
     return optree.tree_unflatten(treespec, out)
-
-
-def _pad_dim(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
-    if x.shape[d] == n:
-        return x
-    pad = x.new_zeros(x.shape[:d] + (n - x.shape[d],) + x.shape[d + 1:])
-    return torch.cat([x, pad], d)
 
 
 def _broadcast_tree(tree, mesh: Mesh, src: int):

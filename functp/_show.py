@@ -10,7 +10,7 @@ import torch
 from . import _world
 from ._errors import ShardingError
 from ._mesh import Mesh
-from ._reshard import block, layout
+from ._layout import block, layout
 from ._spec import normalize_spec
 
 __all__ = ["print_ranks", "visualize_sharding"]

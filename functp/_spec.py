@@ -1,4 +1,5 @@
-"""Partition specs: ``P``, DTensor placement lists, and their checks against a mesh."""
+"""Partition specs: ``P``, DTensor placement lists, and their checks against a mesh
+(what a spec means for block shapes and placements is ``_layout``'s)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -101,38 +102,6 @@ def format_spec(spec: Any) -> str:
     return repr(spec)
 
 
-def placements_to_spec(placements: Sequence[Any], axis_names: Sequence[str], where: str) -> P:
-    """``[Shard(0), Replicate()]`` on mesh axes ``(dp, tp)`` -> ``P('dp')``.
-
-    Several mesh axes sharding one dimension are listed major to minor in mesh order,
-    which is DTensor's default (left-to-right) nesting.
-    """
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-
-    if len(placements) != len(axis_names):
-        raise ShardingError(
-            f"{where}: placements {format_spec(placements)} give {len(placements)} entries "
-            f"but the mesh has {len(axis_names)} axes {tuple(axis_names)}; give one "
-            f"placement per mesh axis, or use P(...)")
-    dims: dict[int, list[str]] = {}
-    for name, p in zip(axis_names, placements):
-        if isinstance(p, Partial):
-            raise ShardingError(
-                f"{where}: Partial is not a valid input spec (placements "
-                f"{format_spec(placements)}); reduce the value first, or pass its local "
-                f"contribution with a spec that mentions '{name}' and psum it in the body")
-        if type(p) is Shard:
-            if p.dim < 0:
-                raise ShardingError(f"{where}: Shard({p.dim}) needs a non-negative dim")
-            dims.setdefault(p.dim, []).append(name)
-        elif not isinstance(p, Replicate):
-            raise ShardingError(
-                f"{where}: placement {p} is not supported; use Shard(d), Replicate() or P(...)")
-    n = max(dims) + 1 if dims else 0
-    return P(*[None if d not in dims else dims[d][0] if len(dims[d]) == 1
-               else tuple(dims[d]) for d in range(n)])
-
-
 def normalize_spec(spec: Any, axis_names: Sequence[str], where: str,
                    shape: Sequence[int] | None = None) -> P:
     """Checks ``spec`` against the mesh (and a tensor shape, if given); returns a ``P``.
@@ -143,6 +112,7 @@ def normalize_spec(spec: Any, axis_names: Sequence[str], where: str,
     mesh_txt = f"mesh axes {tuple(axis_names)}"
     if not isinstance(spec, P):
         if is_spec(spec):
+            from ._layout import placements_to_spec   # (_layout builds on P: no cycle at import)
             spec = placements_to_spec(spec, axis_names, where + shp)
         else:
             hint = " (use P() for a replicated value)" if spec is None else ""

@@ -30,6 +30,7 @@ from ._collectives import (all_gather, all_gather_invariant, all_to_all, axis_in
                            axis_size, psum, psum_scatter, pvary)
 from ._errors import ShardingError
 from ._mesh import Mesh
+from ._layout import axis_placement, chunk, packed_slice, uneven
 from ._sharding import local_block
 from ._spec import P
 
@@ -127,8 +128,7 @@ def _layout(x: Layout | None, axis: str, where: str) -> Placement | None:
             raise ShardingError(f"{where}: only Partial('sum') layouts are supported, got {x}")
         return x
     if isinstance(x, P):
-        dims = [d for d in range(len(x)) if axis in x.dim_axes(d)]
-        return Shard(dims[0]) if dims else Replicate()
+        return axis_placement(x, axis)
     raise ShardingError(
         f"{where}: a layout must be Shard(d), Replicate() or Partial() (from "
         f"torch.distributed.tensor) or a P(...), got {x!r}")
@@ -157,13 +157,13 @@ def relayout(x: Any, src: Placement | None, dst: Placement | None, axis: str, *,
     elif isinstance(src, Replicate) and isinstance(dst, Shard):
         d = dst.dim % x.ndim
         n, i = axis_size(axis), axis_index(axis)
-        if x.shape[d] % n:
+        if uneven(x.shape[d], n):
             raise ShardingError(
                 f"cannot split dimension {d} of an activation of shape {tuple(x.shape)} "
                 f"over '{axis}' (size {n}): it does not divide; pad it to a multiple of {n}")
         # every rank keeps a different slice: mark the value varying first, so the
         # slices' cotangents are summed back into the replicated value's gradient
-        return pvary(x, axis).narrow(d, i * (x.shape[d] // n), x.shape[d] // n)
+        return pvary(x, axis).narrow(d, *chunk(x.shape[d], n, i))
     elif isinstance(src, Partial):
         if isinstance(dst, Replicate):
             return psum(x, axis)
@@ -204,7 +204,7 @@ def _local_attributes(module: nn.Module, names: tuple[str, ...], call: "Call",
     n = axis_size(call.axis)
     for a in names:
         full = getattr(module, a)
-        if full % n:
+        if uneven(full, n):
             raise ShardingError(
                 f"{where}: {type(module).__name__}.{a} = {full} does not split over the "
                 f"{n} ranks of {call.axis!r}; choose sizes divisible by {n}")
@@ -214,9 +214,7 @@ def _local_attributes(module: nn.Module, names: tuple[str, ...], call: "Call",
 
 def _packed_split(full: torch.Tensor, dim: int, blocks: int, n: int, i: int) -> torch.Tensor:
     """Rank ``i``'s slice of each of ``blocks`` equal blocks along ``dim``, concatenated."""
-    parts = full.chunk(blocks, dim)
-    return torch.cat([p.narrow(dim, i * (p.shape[dim] // n), p.shape[dim] // n)
-                      for p in parts], dim).contiguous()
+    return packed_slice(full, dim, blocks, n, i).contiguous()
 
 
 def _packed_merge(gathered: torch.Tensor, dim: int, blocks: int, n: int) -> torch.Tensor:
@@ -495,7 +493,7 @@ class ExpertRouter(Style):
     def prepare_output(self, module, args, kwargs, output, call):
         n, i = axis_size(call.axis), axis_index(call.axis)
         e = _num_experts(module, call)
-        if e % n:
+        if uneven(e, n):
             raise ShardingError(
                 f"style 'ep_router' on '{call.name}': {e} experts do not divide over "
                 f"'{call.axis}' (size {n}); use a number of experts divisible by {n}")
