@@ -29,8 +29,9 @@ import zlib
 
 import torch
 
-from . import _world
+from . import _compile, _world
 from ._errors import ShardingError, first_line
+from ._torch_compat import FakeTensor, c10d_functional as _c10d, current_graph_task_id
 
 __all__ = ["set_debug", "debug_enabled"]
 
@@ -41,7 +42,6 @@ _PKG = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _MAX_TEXT = 8192              # bytes of one rank's description in an error
 _seq: dict[str, int] = {}     # check group name -> fingerprints exchanged so far
-_c10d = torch.ops._c10d_functional
 # bumped by every set_debug call: a mesh whose ranks last agreed on the setting at
 # another generation agrees again at its next shard_map (see agree_mode)
 GENERATION = 0
@@ -89,7 +89,7 @@ def call_site() -> str:
 
 
 def _direction() -> str:
-    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    return "backward" if current_graph_task_id() != -1 else "forward"
 
 
 def _crc(s: str) -> int:
@@ -98,8 +98,7 @@ def _crc(s: str) -> int:
 
 
 def _skip(x: torch.Tensor | None) -> bool:
-    return torch.compiler.is_compiling() or (
-        x is not None and isinstance(x, torch._subclasses.FakeTensor))
+    return _compile.tracing() or (x is not None and isinstance(x, FakeTensor))
 
 
 def agreed(e: BaseException) -> BaseException:

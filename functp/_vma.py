@@ -18,14 +18,13 @@ from . import _ops
 from ._errors import ShardingError
 from ._mesh import Mesh
 from ._precision import floating
+from ._torch_compat import (FakeTensor, FunctionalTensor, get_unwrapped as _unwrap,
+                            is_batched as _is_batched, is_functional_tensor,
+                            is_functorch_wrapped as _is_wrapped, maybe_get_level as _level_of,
+                            peek_interpreter_stack as _peek, unwrap_functorch)
 
 EMPTY: frozenset = frozenset()
 _TAG = "_functp_vma"
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-_unwrap = torch._C._functorch.get_unwrapped
-_is_batched = torch._C._functorch.is_batchedtensor
-_level_of = torch._C._functorch.maybe_get_level        # -1: not a functorch wrapper
-_peek = torch._C._functorch.peek_interpreter_stack
 
 
 def _under_vmap(t: torch.Tensor) -> bool:
@@ -56,11 +55,8 @@ def _view_like(alias: torch.Tensor, t: torch.Tensor, views) -> torch.Tensor:
 def _real(t: torch.Tensor) -> bool:
     """Does ``t`` hold data, while torch.compile traces a body on fake tensors? Then
     the body did not make it or get it as an argument: it closes over it."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-    while _is_wrapped(t):
-        t = _unwrap(t)
-    return not isinstance(t, (FakeTensor, FunctionalTensor)) and not torch._is_functional_tensor(t)
+    t = unwrap_functorch(t)
+    return not isinstance(t, (FakeTensor, FunctionalTensor)) and not is_functional_tensor(t)
 
 
 def _closed_over(t: torch.Tensor):

@@ -19,10 +19,10 @@ import contextlib
 
 import optree
 import torch
-from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
 from . import _ops
+from ._torch_compat import BackwardCFunction
 from ._vma import _TAG, EMPTY, Tracker, _level_of
 
 _AUTOGRAD_GRAD = torch.autograd.grad
