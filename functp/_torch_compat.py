@@ -12,15 +12,22 @@ Each symbol is bound once, at import, to a module-level name: a call through it 
 what the call through ``torch._C...`` cost before (no wrapper on the hot path).
 ``torch._dynamo`` alone is imported on first use (0.3 s), by :func:`dynamo`.
 
-Checked against torch 2.13.0 (the system python: the test suite) and 2.14.1 (the
-venv at ``/opt/venv214``: ``tests/test_torch_compat.py``), and 2.15 by reading
-pytorch/pytorch's sources at its ``release/2.15`` branch head (every symbol of
-:data:`SYMBOLS` located by path and name; see the report of issue 24): all present.
+Checked (November 2026) against torch 2.13.0 (the system python: the test suite) and
+2.14.1 (``/opt/venv214``): ``tests/test_torch_compat.py`` resolves every entry. And
+against torch 2.15.0 by reading its wheel (``torch-2.15.0-cp311-manylinux_2_28``,
+not installed: the stored pytorch/pytorch sources stop at 2.11.0a0 and its snapshot is
+too large to fetch): each entry's defining line found in its ``.py``/``.pyi`` (the
+same lines as 2.13's), and the C++ names in ``libtorch_python.so``. Changed in 2.15:
+DCP's ``TensorProperties`` gained ``strides`` (its pickled state has 6 fields, 5
+still read); gloo's ``_Options`` fields ``_devices``/``_threads`` could not be seen
+statically (run this test on 2.15 before relying on ``functp.simulate`` there).
 
 Example::
 
     from functp._torch_compat import unwrap_functorch
-    unwrap_functorch(torch.func.grad(lambda x: (print(unwrap_functorch(x)), x.sum())[1])(t))
+    seen = []
+    torch.func.grad(lambda x: (seen.append(unwrap_functorch(x)), x.sum())[1])(torch.ones(2))
+    type(seen[0]) is torch.Tensor      # True: the plain tensor under grad's wrapper
 """
 from __future__ import annotations
 
