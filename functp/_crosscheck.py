@@ -31,7 +31,8 @@ import torch
 
 from . import _compile, _world
 from ._errors import ShardingError, first_line
-from ._torch_compat import FakeTensor, c10d_functional as _c10d, current_graph_task_id
+from ._torch_compat import (FakeTensor, c10d_functional as _c10d, current_graph_task_id,
+                            sequence_number)
 
 __all__ = ["set_debug", "debug_enabled"]
 
@@ -320,7 +321,7 @@ def mark(mesh, name: str, where: str, leaves: list) -> list:
 def failed(op: str, g, e: BaseException) -> ShardingError:
     """The error for a collective whose wait failed (a timeout, a peer gone)."""
     try:
-        seq = f"#{g.pg()._get_sequence_number_for_group()} "
+        seq = f"#{sequence_number(g.pg())} "
     except Exception:        # noqa: BLE001 - the number is a courtesy
         seq = ""
     return agreed(ShardingError(

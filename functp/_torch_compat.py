@@ -163,6 +163,8 @@ GlooOptions = _need("torch.distributed.ProcessGroupGloo._Options",
                     "functp.simulate's per-rank gloo groups")
 for _m in ("_register_backend", "_set_default_backend", "_set_group_name", "_get_backend"):
     _need(f"torch.distributed.ProcessGroup.{_m}", "functp.simulate's per-rank gloo groups")
+_need("torch.distributed.ProcessGroup._get_sequence_number_for_group",
+      "a collective's number in the check mode's errors")
 # torch 2.14 made it public (the private name warns there); 2.13 has only the private one
 _set_pg_timeout = getattr(dist, "set_timeout", None) or _need(
     "torch.distributed.distributed_c10d._set_pg_timeout", "a process group's timeout")
@@ -192,6 +194,11 @@ def cpu_group(store, rank: int, size: int, backend, name: str) -> dist.ProcessGr
 def set_group_timeout(name: str, timeout) -> None:
     """How long collectives of the c10d group ``name`` wait."""
     _set_pg_timeout(timeout, resolve_process_group(name))
+
+
+def sequence_number(pg: dist.ProcessGroup) -> int:
+    """How many collectives ``pg`` has issued (the check mode's error messages)."""
+    return pg._get_sequence_number_for_group()
 
 
 def backend_timeout(pg: dist.ProcessGroup, device: str):

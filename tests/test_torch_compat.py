@@ -13,7 +13,8 @@ from functp import _torch_compat
 PKG = pathlib.Path(_torch_compat.__file__).parent
 # a private name reached through torch: torch._C, torch.ops._c10d_functional,
 # dist.distributed_c10d._resolve_process_group, from torch.utils._pytree import ...
-PRIVATE = re.compile(r"\b(?:torch|dist|dcp)(?:\.[A-Za-z]\w*)*\._[A-Za-z]|\b_functorch\b")
+PRIVATE = re.compile(r"\b(?:torch|dist|dcp)(?:\.[A-Za-z]\w*)*\._[A-Za-z]|\b_functorch\b"
+                     r"|\)\._[A-Za-z]")     # a private method of a torch object: g.pg()._x()
 
 
 @pytest.mark.parametrize("path,why", _torch_compat.SYMBOLS,
@@ -44,7 +45,8 @@ def test_every_symbol_is_listed_once():
 def test_only_the_quarantine_reaches_torch_internals():
     for private in ("torch._C._functorch.get_unwrapped(x)", "from torch.utils._pytree import a",
                     "dist.distributed_c10d._resolve_process_group(n)", "_functorch.peek()",
-                    "torch.ops._c10d_functional.wait_tensor", "dist.ProcessGroupGloo._Options()"):
+                    "torch.ops._c10d_functional.wait_tensor", "dist.ProcessGroupGloo._Options()",
+                    "g.pg()._get_sequence_number_for_group()"):
         assert PRIVATE.search(private), private
     for public in ("torch.__file__", "torch.nn.functional.relu", "unwrap_functorch(x)",
                    "from torch.distributed.tensor import DTensor"):
