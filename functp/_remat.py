@@ -251,10 +251,10 @@ def _tracking(tracker):
     if tracker is None:
         yield
         return
-    from ._vma_mode import tracking
+    from ._vma_mode import UnionRule
     mode = tracker.mode
     try:
-        with tracking(tracker):
+        with UnionRule(tracker):
             yield
     finally:
         tracker.mode = mode

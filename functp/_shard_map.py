@@ -36,7 +36,7 @@ from ._sharding import check_even_block
 from ._spec import P, normalize_spec
 from ._tree import keystr, match_specs
 from ._vma import Tracker
-from ._vma_mode import tracking
+from ._vma_mode import UnionRule
 
 __all__ = ["shard_map"]
 
@@ -342,7 +342,7 @@ def _run_body(body: _Body, treespec, local: list, tracker, outer, manual: tuple,
             with tracker.resumed():
                 out = body.f(*optree.tree_unflatten(treespec, local))
         else:
-            with tracking(tracker):
+            with UnionRule(tracker):     # (it becomes tracker.mode)
                 out = body.f(*optree.tree_unflatten(treespec, local))
     if tracker is not None and tracker.mode is not None:
         tracker.mode.finish(out)   # a custom Function's output returned as it is
