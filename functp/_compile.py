@@ -62,9 +62,7 @@ refuse = torch.compiler.disable(_raise_refused, reason=REFUSED)
 def check_collective() -> None:
     """Before a simulated rank issues a collective: what cannot be simulated (a vma
     body traced as Python on fake tensors reaches here, not the fake kernels)."""
-    if _world.current_run() is None:
-        return
-    if tracing():
+    if tracing() and _world.current_run() is not None:
         raise ShardingError(REFUSED)
     _world.check_collective()
 

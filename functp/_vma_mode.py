@@ -10,8 +10,11 @@ Custom ``autograd.Function``s: under ``torch.func`` transforms the mode sees the
 one call (``custom_function_call``) and the rule applies as to any op. In eager mode
 ``Function.apply`` is invisible to modes; only the ops inside its forward are seen,
 with grad off. There, the pvarys the rule asks for are added as a hook on the
-Function's backward node, which psums the gradients of its less varying inputs.
-Nothing in torch is patched.
+Function's backward node, which psums the gradients of its less varying inputs
+(:class:`FunctionHooks`). Nothing in torch is patched.
+
+A body runs inside ``with UnionRule(tracker):`` (``_shard_map``, and ``_remat``'s
+recompute); the tags and pvarys are the tracker's (``_vma.py``).
 """
 from __future__ import annotations
 
