@@ -2,16 +2,13 @@
 
 The path a call takes, one function per stage, in this file's order:
 
-0. ``shard_map`` / ``_checked_arguments``: once, the arguments checked; a ``_Body``.
+0. ``shard_map``, ``_checked_arguments``: once: the arguments checked, a ``_Body`` made.
 1. ``_Body.__call__``: the check mode's agreement; a rank's error told to the others.
 2. ``_call``: at the top, or nested in another body (same mesh, other axes).
-3. ``_check_inputs``: in_specs matched to the arguments (cached per tree), a
-   DTensor's block taken, every block checked against its spec.
-4. ``_enter``: enter the manual axes: a nested body's blocks taken, the check
-   mode's entry checks, mixed precision's casts, the boundary rules' tags and aliases.
+3. ``_check_inputs``: in_specs matched to the arguments (cached), every block checked.
+4. ``_enter``: enter the manual axes: blocks taken, cast, tagged and aliased.
 5. ``_run_body``: the body, with the axes bound and vma tracked.
-6. ``_exit``: outputs matched to out_specs, the boundary rules' exit (a nested
-   body's outputs gathered back), the check mode's exit checks.
+6. ``_exit``: outputs checked against out_specs and assembled (gathered back if nested).
 
 ``_run`` runs stages 3-6; what torch.compile traces of them, and the refusal
 inside ``functp.simulate``, are decided in ``_compile``.
