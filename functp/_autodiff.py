@@ -18,18 +18,16 @@ from typing import Any, Callable
 import optree
 import torch
 
-from . import _context
+from . import _compile, _context
 from ._errors import ShardingError
+from ._torch_compat import layer_stack_depth as _depth
 
 __all__ = ["grad", "value_and_grad"]
-
-_depth = torch._C._functorch.get_dynamic_layer_stack_depth
-
 
 def _nested() -> bool:
     """Inside a torch.func transform, a shard_map body or a compiled region: the
     caller may differentiate or batch through us, so torch.func must run."""
-    return _depth() > 0 or _context.top() is not None or torch.compiler.is_compiling()
+    return _depth() > 0 or _context.top() is not None or _compile.tracing()
 
 
 def _argnums(argnums, n: int, name: str) -> tuple[int, ...]:

@@ -36,9 +36,6 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from . import _crosscheck, _safe_pickle, _world
@@ -51,6 +48,8 @@ from ._reshard_plan import plan
 from ._reshard_shapes import leaf_specs, shapes_for
 from ._sharding import _broadcast_pickled
 from ._spec import P
+from ._torch_compat import (CheckpointException, DefaultLoadPlanner, FileSystemReader, Metadata,
+                            StorageMeta, TensorStorageMetadata)
 from ._tree import keystr
 
 __all__ = ["save", "load", "full_state_dict"]

@@ -29,8 +29,10 @@ import zlib
 
 import torch
 
-from . import _world
+from . import _compile, _world
 from ._errors import ShardingError, first_line
+from ._torch_compat import (FakeTensor, c10d_functional as _c10d, current_graph_task_id,
+                            sequence_number)
 
 __all__ = ["set_debug", "debug_enabled"]
 
@@ -41,7 +43,6 @@ _PKG = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _MAX_TEXT = 8192              # bytes of one rank's description in an error
 _seq: dict[str, int] = {}     # check group name -> fingerprints exchanged so far
-_c10d = torch.ops._c10d_functional
 # bumped by every set_debug call: a mesh whose ranks last agreed on the setting at
 # another generation agrees again at its next shard_map (see agree_mode)
 GENERATION = 0
@@ -89,7 +90,7 @@ def call_site() -> str:
 
 
 def _direction() -> str:
-    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    return "backward" if current_graph_task_id() != -1 else "forward"
 
 
 def _crc(s: str) -> int:
@@ -98,8 +99,7 @@ def _crc(s: str) -> int:
 
 
 def _skip(x: torch.Tensor | None) -> bool:
-    return torch.compiler.is_compiling() or (
-        x is not None and isinstance(x, torch._subclasses.FakeTensor))
+    return _compile.tracing() or (x is not None and isinstance(x, FakeTensor))
 
 
 def agreed(e: BaseException) -> BaseException:
@@ -321,7 +321,7 @@ def mark(mesh, name: str, where: str, leaves: list) -> list:
 def failed(op: str, g, e: BaseException) -> ShardingError:
     """The error for a collective whose wait failed (a timeout, a peer gone)."""
     try:
-        seq = f"#{g.pg()._get_sequence_number_for_group()} "
+        seq = f"#{sequence_number(g.pg())} "
     except Exception:        # noqa: BLE001 - the number is a courtesy
         seq = ""
     return agreed(ShardingError(

@@ -22,20 +22,19 @@ from typing import Any, Callable, Sequence
 
 import optree
 import torch
-from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                           DynamicOutputShapeException, FakeTensorMode)
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from . import _comm_log, _crosscheck, _mesh, _world
 from ._errors import ShardingError
 from ._hardware import Hardware, collective_seconds, hardware_profile, op_seconds
+from ._torch_compat import (DataDependentOutputException, DynamicOutputShapeException,
+                            FakeTensorMode, MemRefType as _MemRefType, MemTracker,
+                            TorchDispatchMode, disable_current_modes as _disable_current_modes,
+                            get_unwrapped, is_batched, is_functorch_wrapped)
 
 __all__ = ["estimate", "Estimate", "RankEstimate", "StepTime"]
 
 _ids = itertools.count()
-_functorch = torch._C._functorch
 _PKG = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 # operators that move or relabel data but compute nothing: not "uncounted"
@@ -89,9 +88,9 @@ class _Tracker(MemTracker):
         for kind, tensors in ((_MemRefType.PARAM, module.parameters(recurse=False)),
                               (_MemRefType.BUFFER, module.buffers(recurse=False))):
             for t in tensors:
-                while _functorch.is_functorch_wrapped_tensor(t):
-                    t = _functorch.get_unwrapped(t)
-                if not _functorch.is_batchedtensor(t):
+                while is_functorch_wrapped(t):
+                    t = get_unwrapped(t)
+                if not is_batched(t):
                     self._update_and_maybe_create_winfos(t, kind)
 
     def _post_fw_hook(self, module, inputs, outputs) -> None:

@@ -17,8 +17,8 @@ import torch
 
 from . import _crosscheck
 from ._errors import ShardingError
+from ._torch_compat import DisableFuncTorch, unwrap_functorch
 
-_functorch = torch._C._functorch
 _RTOL = 1e-5
 _warned: set = set()          # (body, path) pairs already warned about
 
@@ -26,9 +26,7 @@ _warned: set = set()          # (body, path) pairs already warned about
 def _plain(x: torch.Tensor) -> torch.Tensor:
     # the value under functorch wrappers (torch.func.grad, vmap: a batched value is
     # compared with its batch dimension, the same on every rank)
-    while _functorch.is_functorch_wrapped_tensor(x) or _functorch.is_batchedtensor(x):
-        x = _functorch.get_unwrapped(x)
-    return x.detach()
+    return unwrap_functorch(x).detach()
 
 
 def _fingerprint(x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +43,7 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
 
 def _exchange(mesh, tensors: list[torch.Tensor], what: str) -> torch.Tensor:
     """Every rank's fingerprints: ``[mesh size, len(tensors), 4]`` in check-group order."""
-    with torch._C._DisableFuncTorch(), torch.no_grad():
+    with DisableFuncTorch(), torch.no_grad():
         mine = torch.stack([_fingerprint(x) for x in tensors]).reshape(-1)
         table = _crosscheck._gather(mine.to(mesh.check.device), mesh.check, what)
     return table.view(mesh.check.size, len(tensors), 4).cpu()

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import _crosscheck, _world
 from ._errors import ShardingError
+from ._torch_compat import backend_timeout, resolve_process_group
 
 __all__ = ["Mesh", "make_mesh", "AxisGroup"]
 
@@ -60,7 +61,7 @@ class AxisGroup:
         return i if self.order is None else self.order[i]
 
     def pg(self) -> dist.ProcessGroup:
-        return dist.distributed_c10d._resolve_process_group(self.group_name)
+        return resolve_process_group(self.group_name)
 
 
 # Every AxisGroup of every mesh, by key: functp's torch ops take a group as a string
@@ -238,7 +239,7 @@ def _world_timeout() -> datetime.timedelta:
     world = dist.group.WORLD
     for dev in ("cpu", "cuda"):
         try:
-            return world._get_backend(torch.device(dev)).options._timeout
+            return backend_timeout(world, dev)
         except Exception:        # noqa: BLE001 - no such backend, or no options on it
             continue
     return DEFAULT_TIMEOUT

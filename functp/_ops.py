@@ -32,24 +32,21 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.autograd.function import _SingleLevelFunction
 
-from . import _primitives as prim, _world
-from ._errors import ShardingError
+from . import _compile, _primitives as prim
 from ._mesh import group_of
+from ._torch_compat import (BelowAutograd as _below_autograd, forward_ad as _fwd_ad,
+                            get_unwrapped as _unwrap_one, is_fwd_grad_enabled,
+                            layer_stack_depth as _stack_depth, peek_interpreter_stack as _peek,
+                            set_fwd_grad_enabled, set_grad_enabled,
+                            set_single_level_allowed as _set_single_allowed,
+                            single_level_allowed as _single_allowed,
+                            SingleLevelFunction as _SingleLevelFunction)
 
 __all__ = ["psum", "pextremum", "pvary", "all_gather", "psum_scatter", "all_to_all",
            "ppermute", "take_block", "scale_grad"]
 
 _lib = torch.library.Library("functp", "DEF")
-_functorch = torch._C._functorch
-_peek = _functorch.peek_interpreter_stack
-_single_allowed = _functorch.get_single_level_autograd_function_allowed
-_set_single_allowed = _functorch.set_single_level_autograd_function_allowed
-_fwd_ad = torch.autograd.forward_ad
-_below_autograd = torch._C._AutoDispatchBelowAutograd
-_stack_depth = _functorch.get_dynamic_layer_stack_depth
-_unwrap_one = _functorch.get_unwrapped
 
 
 def _needs_autograd(args) -> bool:
@@ -95,15 +92,15 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
         # functorch unwraps them, lets the lower levels record their own graphs, and
         # wraps the result for this level (grad on: Function.apply turned it off, and
         # the lower levels must see the user's grad mode, not ours)
-        prev, prev_fwd = torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()
-        torch._C._set_grad_enabled(True)
-        torch._C._set_fwd_grad_enabled(True)
+        prev, prev_fwd = torch.is_grad_enabled(), is_fwd_grad_enabled()
+        set_grad_enabled(True)
+        set_fwd_grad_enabled(True)
         try:
             with _below_autograd():
                 out = op(*args)
         finally:
-            torch._C._set_grad_enabled(prev)
-            torch._C._set_fwd_grad_enabled(prev_fwd)
+            set_grad_enabled(prev)
+            set_fwd_grad_enabled(prev_fwd)
         return tuple(out) if returns_list else out
 
     def rule_setup_context(ctx, inputs, output):
@@ -143,10 +140,7 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
         return list(out) if returns_list else out
 
     def fake_kernel(*args):
-        if _world.current_run() is not None:
-            # a compiled graph waits on its collectives itself: no simulated rank
-            # could hand the turn to the next one, and all would wait forever
-            raise ShardingError(_world.COMPILE_REFUSED)
+        _compile.check_fake()     # (refused inside functp.simulate)
         return fake(*args)
 
     _lib.impl(name, raw, "CompositeExplicitAutograd")   # (a Tensor[] op's raw returns a list)
@@ -292,7 +286,7 @@ pvary = _define(
 
 def _bucket_raw(xs, group, sum_mode):
     flat = torch.cat([x.reshape(-1) for x in xs])
-    if torch.compiler.is_compiling():   # (functionalization has no rule for all_reduce_;
+    if _compile.tracing():   # (functionalization has no rule for all_reduce_;
         return prim.all_reduce(flat, group_of(group), "sum")   # the compiler plans buffers)
     return prim.all_reduce_inplace(flat, group_of(group))
 

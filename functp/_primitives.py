@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _comm_log, _crosscheck, _world
+from . import _comm_log, _compile, _crosscheck, _world
 from ._mesh import AxisGroup
-
-_ops = torch.ops._c10d_functional
+from ._torch_compat import c10d_functional as _ops
 
 
 def _record(op: str, g: AxisGroup, x: torch.Tensor, how: str = "",
@@ -21,10 +20,10 @@ def _record(op: str, g: AxisGroup, x: torch.Tensor, how: str = "",
     """Before every collective: the check mode's fingerprint exchange, and comm_log.
     ``ragged``: the ranks' row counts differ by design; only the row shape is compared."""
     if _world.SIMULATING:
-        _world.check_collective()
+        _compile.check_collective()
     if _crosscheck.ENABLED:
         _crosscheck.collective(op + how, g, x[:0] if ragged else x)
-    if _comm_log._local.active and not torch.compiler.is_compiling():
+    if _comm_log._local.active and not _compile.tracing():
         _comm_log.record(op, g.axes, x.numel() * x.element_size())
 
 

@@ -23,10 +23,11 @@ from typing import Callable
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _context
 from ._errors import ShardingError
+from ._torch_compat import (DisableFuncTorch, TorchDispatchMode, layer_stack_depth,
+                            unwrap_functorch as _lowest)
 
 __all__ = ["checkpoint", "remat", "checkpoint_name", "remat_policies"]
 
@@ -75,13 +76,6 @@ def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
     if _local.recording and _local.recording[-1] is not None:
         _local.recording[-1].names[id(_lowest(x))] = name
     return x
-
-
-def _lowest(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under torch.func's wrappers: what dispatch modes see."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    return t
 
 
 def _sig(args) -> tuple:
@@ -197,7 +191,7 @@ class _Recompute(torch.autograd.Function):
             # level the recompute and its vjp would be recorded and kept until the
             # step ends (no memory saved). With that one level and nothing above it,
             # nobody differentiates this backward: record nothing there.
-            quiet = (torch.no_grad() if torch._C._functorch.get_dynamic_layer_stack_depth() == 1
+            quiet = (torch.no_grad() if layer_stack_depth() == 1
                      else contextlib.nullcontext())
             _local.recomputing += 1
             try:
@@ -222,7 +216,7 @@ def _rng_state() -> list:
     ``random`` and numpy's global generator (once numpy is imported); the user's
     ``torch.Generator`` objects are added by the first run (:class:`_Generators`).
     Not replayed: numpy ``Generator`` and ``random.Random`` instances, the clock."""
-    with torch._C._DisableFuncTorch():      # plain tensors, also under torch.func
+    with DisableFuncTorch():      # plain tensors, also under torch.func
         out = [(torch.get_rng_state, torch.set_rng_state, torch.get_rng_state()),
                (random.getstate, random.setstate, random.getstate())]
         if torch.cuda.is_initialized():
@@ -238,14 +232,14 @@ def _rng_state() -> list:
 def _rng(states: list):
     """The random sources as the first run found them (dropout masks and the user's
     draws repeat), and as they were again afterwards."""
-    with torch._C._DisableFuncTorch():
+    with DisableFuncTorch():
         now = [get() for get, _, _ in states]
         for _, put, state in states:
             put(state)
     try:
         yield
     finally:
-        with torch._C._DisableFuncTorch():
+        with DisableFuncTorch():
             for (_, put, _), state in zip(states, now):
                 put(state)
 
@@ -257,10 +251,10 @@ def _tracking(tracker):
     if tracker is None:
         yield
         return
-    from ._vma_mode import tracking
+    from ._vma_mode import UnionRule
     mode = tracker.mode
     try:
-        with tracking(tracker):
+        with UnionRule(tracker):
             yield
     finally:
         tracker.mode = mode

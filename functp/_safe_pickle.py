@@ -87,7 +87,7 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
     """DCP's ``.metadata``: its dataclasses (built field by field, no code of theirs runs
     but ``TensorProperties.__setstate__``, which only assigns), the memory-format
     enum (by value), and the ``checkpoint_id`` path a save records."""
-    from torch.distributed.checkpoint import filesystem, metadata as md
+    from ._torch_compat import dcp_filesystem as filesystem, dcp_metadata as md
     enc = md._MEM_FORMAT_ENCODING
     out = _torch_globals()
     for cls in (md.Metadata, md.MetadataIndex, md.TensorStorageMetadata,
@@ -173,7 +173,7 @@ def _is_count(x: Any) -> bool:
 def _check_metadata(meta: Any) -> None:
     """The fields DCP's reader and functp use have the types DCP gives them, so a
     crafted file fails here with its field named, not later inside DCP."""
-    from torch.distributed.checkpoint import filesystem, metadata as md
+    from ._torch_compat import dcp_filesystem as filesystem, dcp_metadata as md
     _expect(isinstance(meta, md.Metadata), f"it holds a {type(meta).__name__}, not a Metadata")
     sdm = getattr(meta, "state_dict_metadata", None)
     _expect(isinstance(sdm, dict), "state_dict_metadata")

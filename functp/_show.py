@@ -12,11 +12,9 @@ from ._errors import ShardingError
 from ._mesh import Mesh
 from ._layout import block, layout
 from ._spec import normalize_spec
+from ._torch_compat import DisableFuncTorch, unwrap_functorch
 
 __all__ = ["print_ranks", "visualize_sharding"]
-
-_functorch = torch._C._functorch
-
 
 def _plain(x: Any) -> Any:
     """A tensor as its value: functorch wrappers (``torch.func.grad``) and autograd
@@ -24,15 +22,13 @@ def _plain(x: Any) -> Any:
     (or ``detach`` would wrap the result again)."""
     if not isinstance(x, torch.Tensor):
         return x
-    while _functorch.is_functorch_wrapped_tensor(x) or _functorch.is_batchedtensor(x):
-        x = _functorch.get_unwrapped(x)
-    return x.detach()
+    return unwrap_functorch(x).detach()
 
 
 def _format(v: Any) -> str:
     if isinstance(v, str):
         return v
-    with torch._C._DisableFuncTorch():
+    with DisableFuncTorch():
         return repr(optree.tree_map(_plain, v))
 
 

@@ -86,43 +86,15 @@ def simulate(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 6
     errors: dict[int, tuple[float, BaseException]] = {}
     finished = [False] * nprocs
     orphaned: list[int] = []       # ranks closed because others waited on them
-
-    def rank_main(r: int) -> None:
-        try:
-            run.hold(r)
-            try:
-                _world.enter(run, r)
-                results[r] = fn(*args, **kwargs)
-            finally:
-                _world.leave()
-                run.release(r)
-        except BaseException as e:  # noqa: BLE001 - every rank's error goes to the caller
-            errors[r] = (time.monotonic(), _no_default_group(e) or e)
-        if r in errors:
-            run.close(r)            # peers blocked on this rank fail at once
-        finished[r] = True
-
-    with _lock:
-        _running[0] += 1
-        _world.SIMULATING = True
-        previous = _crosscheck.set_debug(check) if check is not None else None
+    threads = [threading.Thread(target=_rank_main, daemon=True, name=f"functp-rank-{r}",
+                                args=(run, r, fn, args, kwargs, results, errors, finished))
+               for r in range(nprocs)]
+    previous = _begin(check)
     caller = _world.process_state()
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True,
-                                name=f"functp-rank-{r}") for r in range(nprocs)]
     try:
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            threads[[t.is_alive() for t in threads].index(True)].join(0.05)
-            _unblock_orphans(run, finished, orphaned)
-            if _stop_stuck(run, finished, errors, float(timeout)):
-                break               # the stuck rank does not run Python: left behind
+        _wait_for_ranks(run, threads, finished, errors, orphaned, float(timeout))
     finally:
-        with _lock:
-            _running[0] -= 1
-            _world.SIMULATING = _running[0] > 0
-            if previous is not None:
-                _crosscheck.set_debug(previous)
+        _end(previous)
         if errors or orphaned or any(t.is_alive() for t in threads):
             _discard(run)
         else:
@@ -135,6 +107,53 @@ def simulate(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 6
     if errors:
         _raise_first(errors, orphaned, nprocs)
     return results
+
+
+def _rank_main(run: _world.Run, r: int, fn, args, kwargs, results: list, errors: dict,
+               finished: list) -> None:
+    """Rank ``r``'s thread: ``fn`` with the baton held, its result or error recorded."""
+    try:
+        run.hold(r)
+        try:
+            _world.enter(run, r)
+            results[r] = fn(*args, **kwargs)
+        finally:
+            _world.leave()
+            run.release(r)
+    except BaseException as e:  # noqa: BLE001 - every rank's error goes to the caller
+        errors[r] = (time.monotonic(), _no_default_group(e) or e)
+    if r in errors:
+        run.close(r)            # peers blocked on this rank fail at once
+    finished[r] = True
+
+
+def _begin(check: bool | None):
+    """A simulation starts (in any thread): the check mode as asked; the previous one."""
+    with _lock:
+        _running[0] += 1
+        _world.SIMULATING = True
+        return _crosscheck.set_debug(check) if check is not None else None
+
+
+def _end(previous) -> None:
+    with _lock:
+        _running[0] -= 1
+        _world.SIMULATING = _running[0] > 0
+        if previous is not None:
+            _crosscheck.set_debug(previous)
+
+
+def _wait_for_ranks(run: _world.Run, threads: list, finished: list, errors: dict,
+                    orphaned: list, timeout: float) -> None:
+    """Starts the ranks and waits for them, unblocking orphans and stopping a stuck
+    rank (which does not run Python then: left behind)."""
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        threads[[t.is_alive() for t in threads].index(True)].join(0.05)
+        _unblock_orphans(run, finished, orphaned)
+        if _stop_stuck(run, finished, errors, timeout):
+            break
 
 
 def _discard(run: _world.Run) -> None:

@@ -1,8 +1,9 @@
 """The vma store: which mesh axes each value in a shard_map body varies over.
 
-A :class:`Tracker` keeps one tag per tensor made while a body runs with
-``check_vma=True`` and makes the ``pvary``s that the union rule asks for (cached: one
-per tensor and axis set). ``_vma_mode.py`` applies the rule to every torch call;
+While a body runs with ``check_vma=True``, :class:`Tags` keeps one tag per tensor,
+:class:`EntryAliases` the aliases of its replicated inputs, and :class:`Tracker`
+(the tags, the aliases and a cache) makes the ``pvary``s that the union rule asks
+for: one per tensor and axis set. ``_vma_mode.py`` applies the rule to every torch call;
 collectives set their result's axes themselves (``_collectives.py``).
 
 Values that no op produced here (constants closed over, fresh tensors) are
@@ -18,14 +19,13 @@ from . import _ops
 from ._errors import ShardingError
 from ._mesh import Mesh
 from ._precision import floating
+from ._torch_compat import (FakeTensor, FunctionalTensor, get_unwrapped as _unwrap,
+                            is_batched as _is_batched, is_functional_tensor,
+                            is_functorch_wrapped as _is_wrapped, maybe_get_level as _level_of,
+                            peek_interpreter_stack as _peek, unwrap_functorch)
 
 EMPTY: frozenset = frozenset()
 _TAG = "_functp_vma"
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-_unwrap = torch._C._functorch.get_unwrapped
-_is_batched = torch._C._functorch.is_batchedtensor
-_level_of = torch._C._functorch.maybe_get_level        # -1: not a functorch wrapper
-_peek = torch._C._functorch.peek_interpreter_stack
 
 
 def _under_vmap(t: torch.Tensor) -> bool:
@@ -56,11 +56,8 @@ def _view_like(alias: torch.Tensor, t: torch.Tensor, views) -> torch.Tensor:
 def _real(t: torch.Tensor) -> bool:
     """Does ``t`` hold data, while torch.compile traces a body on fake tensors? Then
     the body did not make it or get it as an argument: it closes over it."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-    while _is_wrapped(t):
-        t = _unwrap(t)
-    return not isinstance(t, (FakeTensor, FunctionalTensor)) and not torch._is_functional_tensor(t)
+    t = unwrap_functorch(t)
+    return not isinstance(t, (FakeTensor, FunctionalTensor)) and not is_functional_tensor(t)
 
 
 def _closed_over(t: torch.Tensor):
@@ -73,93 +70,24 @@ def _closed_over(t: torch.Tensor):
         f"with an in_spec, or detach it if it needs no gradient")
 
 
-class Tracker:
-    """The vma of every tensor made while one shard_map body runs."""
+class Tags:
+    """The vma of every tensor made while one body runs: a tag ``(token, axes)`` in the
+    tensor's own ``__dict__`` (a dict keyed by tensor costs a weak reference per
+    lookup); the token ties a tag to this run, so a stale tag reads as invariant.
+    :class:`Tracker` sets ``token``, ``level`` and ``compiled`` (one ``__init__`` per
+    body run)."""
 
     _runs = 0
+    token: int                # this run's
+    level: int                # the torch.func level the body's own tensors live at
+    compiled: bool            # traced for torch.compile: closed-over tensors are constants
 
-    def __init__(self, mesh: Mesh, compiled: bool = False):
-        self.mesh = mesh
-        self.compiled = compiled  # traced for torch.compile: closed-over tensors are constants
-        self.mode = None          # the UnionRule applying the rule with these tags
-        self._groups: dict[frozenset, object] = {}
-        # tags live on the tensors themselves (a dict keyed by tensor costs a weak
-        # reference per lookup); the token ties a tag to this body's run
-        Tracker._runs += 1
-        self._token = Tracker._runs
-        # Keyed by id() and holding the tensor, so the id stays valid for the run
-        # (these tensors are in the autograd graph anyway); a weak-keyed dict costs
-        # Python calls on every lookup.
-        self._pvaried: dict[int, tuple] = {}    # id -> (tensor, {axes: pvary'd tensor})
-        self._paused = 0
-        self._entry: list[torch.Tensor] = []    # the body's replicated inputs
-        self._aliases: list[dict] = []          # per input: {axes: alias}
-        # id of an input or a view of it -> (it, index, the view ops that made it from
-        # the input: (func, args, kwargs) each, or None if they cannot be replayed)
-        self._alias_of: dict[int, tuple] = {}
-        self.entry_views = False                # is some aliased input itself a view?
-        interp = _peek()       # the torch.func level the body's own tensors live at
-        self.level = interp.level() if interp is not None else -1
-
-    def enter(self, local: list, vmas: list, groups: list, aliased: list) -> None:
-        """Tags the inputs of a body: input ``i`` varies over ``vmas[i]`` (None: not a
-        tensor). For each ``(group key, axes, inputs)`` of ``groups``, those inputs
-        get an alias varying over ``axes`` too, used wherever they meet a value
-        varying over them; the aliases come from one ``functp::pvary`` whose backward
-        sums their cotangents in one bucketed all-reduce after the whole backward.
-        ``aliased`` lists the inputs with aliases. (``_boundary.VmaRules.plan``
-        computes the three lists.)
-        """
-        token = self._token
-        for x, vma in zip(local, vmas):
-            if vma is not None:       # an input lives at the body's level: tag it only
-                x.__dict__[_TAG] = (token, vma)
-        if not aliased:
-            return
-        first = len(self._entry)       # a nested body adds to the enclosing one's
-        slot = {}
-        for j, i in enumerate(aliased, start=first):
-            slot[i] = j
-            self._alias_of[id(local[i])] = (local[i], j, ())
-        self._entry.extend([local[i] for i in aliased])
-        self._aliases.extend([{} for _ in aliased])
-        for key, axes, idx in groups:
-            for i, out in zip(idx, _ops.pvary([local[i] for i in idx], key, False)):
-                self._aliases[slot[i]][axes] = out
-                out.__dict__[_TAG] = (token, vmas[i] | axes)
-        self.entry_views = any([x._base is not None for x in self._entry])
-
-    def cast_inputs(self, local: list, dtype: torch.dtype) -> None:
-        """Replaces the entered floating inputs by casts to ``dtype`` (mixed
-        precision), tagged as they were; an aliased input's aliases are cast too, so
-        the body meets only ``dtype`` while the aliases' pvary (and the gradient
-        reduction it transposes to) stays in the entry dtype. Runs before the body,
-        outside the tracking mode."""
-        for i, x in enumerate(local):
-            if not floating(x) or x.dtype == dtype:
-                continue
-            y = x.to(dtype)
-            if _TAG in x.__dict__:
-                y.__dict__[_TAG] = x.__dict__[_TAG]
-            hit = self._alias_of.pop(id(x), None)
-            if hit is not None:
-                j = hit[1]
-                self._alias_of[id(y)] = (y, j, ())
-                self._entry[j] = y
-                aliases = self._aliases[j]
-                for axes, a in list(aliases.items()):
-                    b = aliases[axes] = a.to(dtype)
-                    b.__dict__[_TAG] = a.__dict__[_TAG]
-            local[i] = y
-        self.entry_views = any([x._base is not None for x in self._entry])
-
-    # -- queries --------------------------------------------------------------
     def get(self, t: torch.Tensor) -> frozenset:
         """The axes ``t`` varies over (untagged: invariant). Written without helper
         calls: it runs for most tensor arguments of most ops."""
         d = t.__dict__
         tag = d[_TAG] if _TAG in d else None
-        if tag is not None and tag[0] == self._token:
+        if tag is not None and tag[0] == self.token:
             v = tag[1]
         elif _level_of(t) > self.level:
             # made by a torch.func transform inside the body (in C++: no torch
@@ -174,12 +102,12 @@ class Tracker:
             return v
         d = base.__dict__       # a view varies like its base, which may have changed
         b = d[_TAG] if _TAG in d else None
-        if b is None or b[0] != self._token or not b[1] or b[1] is v:
+        if b is None or b[0] != self.token or not b[1] or b[1] is v:
             return v
         return v | b[1]
 
     def set(self, t: torch.Tensor, vma: frozenset) -> None:
-        tag = (self._token, vma)
+        tag = (self.token, vma)
         t.__dict__[_TAG] = tag
         # a tensor made by a torch.func transform inside the body: tag what it wraps
         # too, down to the body's own level (what the transform unwraps to)
@@ -194,6 +122,123 @@ class Tracker:
             d = t.__dict__        # set() tags an input itself only (its own level)
             if _TAG in d:
                 del d[_TAG]
+
+
+class EntryAliases:
+    """A body's floating replicated inputs and their aliases: for each axis subset an
+    input must meet values varying over, an alias of it from one ``functp::pvary`` of
+    all such inputs (its backward sums their cotangents in one bucketed all-reduce
+    after the whole backward), and the views of the inputs, to view an alias alike."""
+
+    def __init__(self, tags: Tags):
+        self.tags = tags
+        self.entry: list[torch.Tensor] = []    # the aliased inputs
+        self.aliases: list[dict] = []          # per input: {axes: alias}
+        # id of an input or a view of it -> (it, index, the view ops that made it from
+        # the input: (func, args, kwargs) each, or None if they cannot be replayed)
+        self.of: dict[int, tuple] = {}
+        self.entry_views = False               # is some aliased input itself a view?
+
+    def add(self, local: list, vmas: list, groups: list, aliased: list) -> None:
+        """Aliases ``local[i]`` for ``i`` in ``aliased``: for each ``(group key, axes,
+        inputs)`` of ``groups``, those inputs get an alias varying over ``axes`` too.
+        (A nested body's inputs add to the enclosing body's.)"""
+        first = len(self.entry)
+        slot = {}
+        for j, i in enumerate(aliased, start=first):
+            slot[i] = j
+            self.of[id(local[i])] = (local[i], j, ())
+        self.entry.extend([local[i] for i in aliased])
+        self.aliases.extend([{} for _ in aliased])
+        token = self.tags.token
+        for key, axes, idx in groups:
+            for i, out in zip(idx, _ops.pvary([local[i] for i in idx], key, False)):
+                self.aliases[slot[i]][axes] = out
+                out.__dict__[_TAG] = (token, vmas[i] | axes)
+        self.entry_views = any([x._base is not None for x in self.entry])
+
+    def cast(self, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> None:
+        """``y``, ``x`` cast to ``dtype``, replaces ``x`` (if aliased); its aliases are
+        cast too, so the body meets only ``dtype`` while their pvary (and the gradient
+        reduction it transposes to) stays in the entry dtype."""
+        hit = self.of.pop(id(x), None)
+        if hit is None:
+            return
+        j = hit[1]
+        self.of[id(y)] = (y, j, ())
+        self.entry[j] = y
+        aliases = self.aliases[j]
+        for axes, a in list(aliases.items()):
+            b = aliases[axes] = a.to(dtype)
+            b.__dict__[_TAG] = a.__dict__[_TAG]
+        self.entry_views = any([x._base is not None for x in self.entry])
+
+    def follow_view(self, out: torch.Tensor, func, args, kwargs, is_inplace) -> None:
+        """A view of an input (or of a view of one) still counts as that input, with
+        the view ops that made it (replayable: a view op, not in place, taking the
+        input first); a view of one of its *aliases* does not, although the aliases
+        are views of the input too. (Callers check that ``out`` is a view.)"""
+        base = out._base
+        if id(base) not in self.of and not self.entry_views:
+            return         # not a view of an input: decided in one call
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                hit = self.of.get(id(a))
+                if hit is not None and base is (a if a._base is None else a._base):
+                    views = (hit[2] + ((func, args, kwargs),)
+                             if hit[2] is not None and a is args[0] and not is_inplace(func)
+                             else None)
+                    self.of[id(out)] = (out, hit[1], views)
+                    return
+
+
+class Tracker(Tags):
+    """One body run's vma: the tags (:class:`Tags`), its inputs' aliases
+    (:class:`EntryAliases`, None until a body has some), and the pvarys the union
+    rule asks for (cached), none while paused (functp's own ops run)."""
+
+    def __init__(self, mesh: Mesh, compiled: bool = False):
+        self.mesh = mesh
+        self.compiled = compiled
+        self.mode = None          # the UnionRule applying the rule with these tags
+        self.aliases: EntryAliases | None = None
+        self._groups: dict[frozenset, object] = {}
+        Tags._runs += 1
+        self.token = Tags._runs
+        # Keyed by id() and holding the tensor, so the id stays valid for the run
+        # (these tensors are in the autograd graph anyway); a weak-keyed dict costs
+        # Python calls on every lookup.
+        self._pvaried: dict[int, tuple] = {}    # id -> (tensor, {axes: pvary'd tensor})
+        self._paused = 0
+        interp = _peek()       # the torch.func level the body's own tensors live at
+        self.level = interp.level() if interp is not None else -1
+
+    def enter(self, local: list, vmas: list, groups: list, aliased: list) -> None:
+        """Tags the inputs of a body: input ``i`` varies over ``vmas[i]`` (None: not a
+        tensor); the inputs ``aliased`` get aliases over the axes of ``groups`` (see
+        :meth:`EntryAliases.add`; ``_boundary.VmaRules.plan`` computes the lists)."""
+        token = self.token
+        for x, vma in zip(local, vmas):
+            if vma is not None:       # an input lives at the body's level: tag it only
+                x.__dict__[_TAG] = (token, vma)
+        if aliased:
+            if self.aliases is None:
+                self.aliases = EntryAliases(self)
+            self.aliases.add(local, vmas, groups, aliased)
+
+    def cast_inputs(self, local: list, dtype: torch.dtype) -> None:
+        """Replaces the entered floating inputs by casts to ``dtype`` (mixed
+        precision), tagged as they were, their aliases cast too. Runs before the
+        body, outside the tracking mode."""
+        for i, x in enumerate(local):
+            if not floating(x) or x.dtype == dtype:
+                continue
+            y = x.to(dtype)
+            if _TAG in x.__dict__:
+                y.__dict__[_TAG] = x.__dict__[_TAG]
+            if self.aliases is not None:
+                self.aliases.cast(x, y, dtype)
+            local[i] = y
 
     @contextlib.contextmanager
     def paused(self):
@@ -213,8 +258,7 @@ class Tracker:
         finally:
             self._paused = paused
 
-    # -- pvary ------------------------------------------------------------------
-    def _group(self, axes: frozenset):
+    def group(self, axes: frozenset):
         """The group over a set of axes, in mesh order (cached by the set)."""
         g = self._groups.get(axes)
         if g is None:
@@ -224,7 +268,8 @@ class Tracker:
 
     def pvary(self, t: torch.Tensor, axes) -> torch.Tensor:
         """``t`` marked as varying over ``axes`` too (cached: one pvary per tensor and
-        axis set, so a weight used twice gets one gradient all-reduce)."""
+        axis set, so a weight used twice gets one gradient all-reduce); an input's
+        alias where it has one."""
         v = self.get(t)
         missing = frozenset(axes) - v
         if not missing:
@@ -232,21 +277,19 @@ class Tracker:
         cached = self._pvaried.get(id(t))
         if cached is not None and missing in cached[1]:
             return cached[1][missing]
-        alias = self._alias_of.get(id(t))
+        al = self.aliases
+        hit = al.of.get(id(t)) if al is not None else None
         self._paused += 1
         try:
-            if (alias is not None and missing in self._aliases[alias[1]]
-                    and not _under_vmap(t)):
+            if hit is not None and missing in al.aliases[hit[1]] and not _under_vmap(t):
                 # an input (or a view of it): use its alias for these axes, viewed the
                 # same way, so its gradient joins the input's bucketed all-reduce
-                _, j, views = alias
-                out = self._aliases[j][missing]
-                if t is self._entry[j]:
-                    pass
-                else:
+                _, j, views = hit
+                out = al.aliases[j][missing]
+                if t is not al.entry[j]:
                     out = _view_like(out, t, views)
             elif t.is_floating_point() or t.is_complex():
-                out = _ops.pvary([t], self._group(missing).key, False)[0]
+                out = _ops.pvary([t], self.group(missing).key, False)[0]
             else:   # no gradient to sum: a change of type only
                 out = t.view_as(t) if t.dim() else t.clone()
         finally:
@@ -263,5 +306,5 @@ class Tracker:
         missing = frozenset(axes) - self.get(root)
         if missing and (root.is_floating_point() or root.is_complex()):
             with self.paused():
-                _ops.PvaryInplace.apply(root, self._group(missing).key)
+                _ops.PvaryInplace.apply(root, self.group(missing).key)
         self.set(root, self.get(root) | missing)

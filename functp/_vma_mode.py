@@ -10,19 +10,20 @@ Custom ``autograd.Function``s: under ``torch.func`` transforms the mode sees the
 one call (``custom_function_call``) and the rule applies as to any op. In eager mode
 ``Function.apply`` is invisible to modes; only the ops inside its forward are seen,
 with grad off. There, the pvarys the rule asks for are added as a hook on the
-Function's backward node, which psums the gradients of its less varying inputs.
-Nothing in torch is patched.
+Function's backward node, which psums the gradients of its less varying inputs
+(:class:`FunctionHooks`). Nothing in torch is patched.
+
+A body runs inside ``with UnionRule(tracker):`` (``_shard_map``, and ``_remat``'s
+recompute); the tags and pvarys are the tracker's (``_vma.py``).
 """
 from __future__ import annotations
 
-import contextlib
-
 import optree
 import torch
-from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
 from . import _ops
+from ._torch_compat import BackwardCFunction
 from ._vma import _TAG, EMPTY, Tracker, _level_of
 
 _AUTOGRAD_GRAD = torch.autograd.grad
@@ -86,14 +87,15 @@ def _replace(x, new: dict[int, torch.Tensor]):
 
 
 class UnionRule(TorchFunctionMode):
-    """Applies the union rule to every torch call, with ``tracker``'s tags."""
+    """Applies the union rule to every torch call, with ``tracker``'s tags; its
+    ``with`` block is the body's run (``tracker.mode`` is this rule)."""
 
     def __init__(self, tracker: Tracker):
         super().__init__()
         self.tr = tracker
+        tracker.mode = self
         self._nograd_mixed = False    # a no-grad op mixed vmas (a custom Function?)
-        self._nograd_inputs: list = []   # its inputs that need gradients, with their vma
-        self._hooked: set[int] = set()
+        self.hooks: FunctionHooks | None = None     # made at the first such op
 
     def _unify(self, args, kwargs, inplace: bool):
         """Implicit pvary of the less varying inputs; returns (args, kwargs, union)."""
@@ -110,8 +112,10 @@ class UnionRule(TorchFunctionMode):
             # be the forward of a custom Function, whose inputs do get gradients
             need = [(t, v) for t, v in zip(ts, vmas) if t.requires_grad]
             if need:
+                if self.hooks is None:
+                    self.hooks = FunctionHooks(self.tr)
                 self._nograd_mixed = True
-                self._nograd_inputs.extend(need)
+                self.hooks.inputs.extend(need)
             return args, kwargs, union
         if inplace and isinstance(args[0], torch.Tensor):
             self.tr.pvary_inplace(args[0], union)
@@ -137,7 +141,7 @@ class UnionRule(TorchFunctionMode):
             return self._general(func, args, kwargs or {})
         # The fast path, for most ops: positional arguments, tags read from the
         # tensors' __dict__ (no Python call), nothing to do when the inputs agree.
-        token = tr._token
+        token = tr.token
         union = None
         for a in args:
             cls = a.__class__
@@ -170,8 +174,8 @@ class UnionRule(TorchFunctionMode):
             # (an invariant needs no tags there: untagged means invariant)
             if union and _level_of(out) > tr.level:
                 tr.set(out, union)
-            if out._base is not None and tr._alias_of:
-                self._follow_views(out, func, args)
+            if out._base is not None and tr.aliases is not None:
+                tr.aliases.follow_view(out, func, args, None, _is_inplace)
         elif union:
             self._tag(out, union)        # a tuple of tensors, or a tensor class not seen yet
         return out
@@ -190,8 +194,8 @@ class UnionRule(TorchFunctionMode):
                 for a, v in zip(args, vmas)]
         out = func(*args)
         self._tag(out, union)
-        if tr._alias_of and isinstance(out, torch.Tensor) and out._base is not None:
-            self._follow_views(out, func, args)
+        if tr.aliases is not None and isinstance(out, torch.Tensor) and out._base is not None:
+            tr.aliases.follow_view(out, func, args, None, _is_inplace)
         return out
 
     def _general(self, func, args, kwargs):
@@ -204,8 +208,8 @@ class UnionRule(TorchFunctionMode):
         inplace = _is_inplace(func)
         args, kwargs, union = self._unify(args, kwargs, inplace)
         out = func(*args, **kwargs)
-        if tr._alias_of and isinstance(out, torch.Tensor) and out._base is not None:
-            self._follow_views(out, func, args, kwargs)
+        if tr.aliases is not None and isinstance(out, torch.Tensor) and out._base is not None:
+            tr.aliases.follow_view(out, func, args, kwargs, _is_inplace)
         if union or inplace:
             self._tag(out, union)
             if inplace and isinstance(args[0], torch.Tensor) and args[0]._base is not None:
@@ -213,28 +217,6 @@ class UnionRule(TorchFunctionMode):
         if kwargs and "out" in kwargs:
             self._tag(kwargs["out"], union)
         return out
-
-    def _follow_views(self, out: torch.Tensor, func, args, kwargs=None) -> None:
-        """A view of a replicated input (or of a view of one) still counts as that
-        input (see pvary), with the view ops that made it, to make the same view of
-        the input's alias; a view of one of its *aliases* does not, although the
-        aliases are views of the input too. (Callers check that ``out`` is a view and
-        that the body has aliased inputs.)"""
-        alias_of = self.tr._alias_of
-        base = out._base
-        if id(base) not in alias_of and not self.tr.entry_views:
-            return         # not a view of an input: decided in one call
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                hit = alias_of.get(id(a))
-                if hit is not None and base is (a if a._base is None else a._base):
-                    # replayable: a view op (not in place) taking the input first
-                    views = (hit[2] + ((func, args, kwargs),)
-                             if hit[2] is not None and a is args[0]
-                             and (func in _OUTOFPLACE_FUNCS or not _is_inplace(func))
-                             else None)
-                    alias_of[id(out)] = (out, hit[1], views)
-                    return
 
     def _autograd_grad(self, func, args, kwargs):
         # a gradient varies like the input it is taken with respect to (the implicit
@@ -247,30 +229,48 @@ class UnionRule(TorchFunctionMode):
                 self.tr.set(g, self.tr.get(x))
         return out
 
-    # -- custom autograd Functions in eager mode ---------------------------------------
+    # -- custom autograd Functions in eager mode (FunctionHooks) ------------------------
     def hook_functions(self, ts) -> None:
         """For each of ``ts`` made by a custom Function (eager mode) whose inputs vary
         over fewer axes than their union: psum those inputs' gradients, as the
         implicit pvarys would have."""
-        for t in ts:
-            node = t.grad_fn
-            if isinstance(node, BackwardCFunction) and id(node) not in self._hooked:
-                self._hooked.add(id(node))
-                self._hook(node, t)
+        self.hooks.hook_outputs(ts)
         self.discard_nograd()
 
     def discard_nograd(self) -> None:
         """Forgets the mixed no-grad ops seen so far (hooked, or known not to be a
         custom Function's forward: functp.checkpoint's first run)."""
         self._nograd_mixed = False
-        self._nograd_inputs.clear()
+        if self.hooks is not None:
+            self.hooks.inputs.clear()
 
     def finish(self, out) -> None:
         """At the body's end: hooks for a custom Function whose output is returned."""
         if self._nograd_mixed:
             self.hook_functions([t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)])
 
-    def _hook(self, node, out: torch.Tensor) -> None:
+
+class FunctionHooks:
+    """Custom autograd Functions in eager mode, where ``Function.apply`` is invisible
+    to modes: the no-grad ops of a forward that mixed vmas are recorded (``inputs``),
+    and the Function's backward node gets a hook that psums the gradients of its less
+    varying inputs, as the implicit pvarys would have."""
+
+    def __init__(self, tracker: Tracker):
+        self.tr = tracker
+        self.inputs: list = []     # (tensor, vma) of such ops' inputs that need gradients
+        self._hooked: set[int] = set()
+
+    def hook_outputs(self, ts) -> None:
+        """Hooks the backward node of each of ``ts`` made by a custom Function."""
+        for t in ts:
+            node = t.grad_fn
+            if isinstance(node, BackwardCFunction) and id(node) not in self._hooked:
+                self._hooked.add(id(node))
+                self.hook(node, t)
+
+    def hook(self, node, out: torch.Tensor) -> None:
+        """Psums the gradients ``node`` passes to inputs less varying than ``out``."""
         vmas = []
         for edge, nr in node.next_functions:
             v = None
@@ -279,7 +279,7 @@ class UnionRule(TorchFunctionMode):
                 v = self.tr.get(var) if var is not None else self._vma_of_edge(edge, nr)
             vmas.append(v)
         union = self.tr.get(out).union(*[v for v in vmas if v])
-        groups = {i: self.tr._group(union - v).key for i, v in enumerate(vmas)
+        groups = {i: self.tr.group(union - v).key for i, v in enumerate(vmas)
                   if v is not None and union - v}
         if not groups:
             return
@@ -293,16 +293,7 @@ class UnionRule(TorchFunctionMode):
     def _vma_of_edge(self, edge, nr: int) -> frozenset | None:
         """The vma of the non-leaf tensor behind an autograd edge: one of the inputs
         the no-grad ops saw (None: not one of them, so not less varying)."""
-        for t, v in self._nograd_inputs:
+        for t, v in self.inputs:
             if t.grad_fn is edge and t.output_nr == nr:
                 return v
         return None
-
-
-@contextlib.contextmanager
-def tracking(tracker: Tracker):
-    """Runs a body with the union rule applied to every torch call."""
-    mode = UnionRule(tracker)
-    tracker.mode = mode
-    with mode:
-        yield tracker

@@ -24,11 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
-
 from ._errors import ShardingError
-
-_c10d = torch.ops._c10d_functional
+from ._torch_compat import (c10d_functional as _c10d, cpu_group, forward_ad,
+                            gloo_backend, set_group_timeout, unregister_process_group)
 
 # True while some simulate() runs: the one test the hot path pays for waits
 SIMULATING = False
@@ -108,7 +106,7 @@ class Run:
         closed by peer") instead of waiting out the timeout."""
         with self.lock:
             for name in self.names[rank]:
-                _unregister_process_group(name)
+                unregister_process_group(name)
             self.names[rank] = []
             self.groups[rank] = []
 
@@ -217,48 +215,27 @@ def new_group(members: tuple[int, ...], tag: str) -> str:
         run.device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
     run.release(me)            # the other members must run to join the group
     try:
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [run.device]
-        opts._threads = 1
-        opts._timeout = run.timeout
-        backend = dist.ProcessGroupGloo(prefix, grank, len(members), opts)
+        backend = gloo_backend(prefix, grank, len(members), run.device, run.timeout)
     finally:
         run.hold(me)
-    pg = dist.ProcessGroup(prefix, grank, len(members))
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    pg._set_group_name(name)
-    _register_process_group(name, pg)
+    pg = cpu_group(prefix, grank, len(members), backend, name)
     with run.lock:
         run.names[me].append(name)
         run.groups[me].append(pg)
     return name
 
 
-# torch 2.14 made it public (the private name warns there); 2.13 has only the private one
-_set_pg_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
-
-
 def set_timeout(name: str, timeout: datetime.timedelta) -> None:
     """Sets how long collectives of the c10d group ``name`` (simulated or not) wait."""
-    _set_pg_timeout(timeout, dist.distributed_c10d._resolve_process_group(name))
-
-
-COMPILE_REFUSED = (
-    "torch.compile inside functp.simulate is not supported: simulated ranks take turns "
-    "at each collective's wait, and a compiled graph waits inside; run the compiled "
-    "step under torchrun")
+    set_group_timeout(name, timeout)
 
 
 def check_collective() -> None:
-    """Before a simulated rank issues a collective: what cannot be simulated."""
+    """Before a simulated rank issues a collective: what cannot be simulated, besides
+    torch.compile (``_compile.check_collective`` refuses that, then calls this)."""
     if _local.run is None:
         return
-    if torch.compiler.is_compiling():
-        # (a vma body is traced as Python, on fake tensors, by torch.compile: its
-        # collectives reach here rather than their fake kernels)
-        raise ShardingError(COMPILE_REFUSED)
-    if torch.autograd.forward_ad._current_level >= 0:
+    if forward_ad._current_level >= 0:
         # torch keeps one forward-AD level per process: ranks taking turns inside
         # their jvps would enter and leave it out of order and corrupt each other's
         raise ShardingError(

@@ -356,3 +356,20 @@ def _bucketing_body():
 def test_inductor_buckets_functp_all_reduces(run):
     for waits in run(2, _bucketing_body, timeout=600):
         assert waits == {"none": 3, "all": 1}, waits
+
+
+# -- one module decides ----------------------------------------------------------------------
+
+def test_only_functp_compile_asks_whether_torch_compile_traces():
+    """What Dynamo traces, what it must not, and the refusal inside simulate are decided
+    in functp/_compile.py alone (the quarantine of torch internals imports Dynamo)."""
+    import pathlib
+    import re
+    pkg = pathlib.Path(functp.__file__).parent
+    asks = re.compile(r"torch\.compiler\.|_dynamo|is_(dynamo_)?compiling|COMPILE_REFUSED")
+    assert asks.search("torch.compiler.is_compiling()") and asks.search("from torch._dynamo")
+    found = [f"{f.name}:{n}: {line.strip()}" for f in sorted(pkg.rglob("*.py"))
+             if f.name not in ("_compile.py", "_torch_compat.py")
+             for n, line in enumerate(f.read_text().splitlines(), 1)
+             if asks.search(line.split("#", 1)[0])]
+    assert not found, "ask functp._compile instead:\n" + "\n".join(found)

@@ -291,3 +291,22 @@ def _timeout_of_mesh(seconds):
 def test_a_timeout_set_by_a_program_ends_with_it():
     assert functp.simulate(_timeout_of_mesh, 2, 5) == [5.0, 5.0]
     assert functp.simulate(_timeout_of_mesh, 2, None, timeout=30) == [30.0, 30.0]
+
+
+def _tags_after_a_raise():
+    mesh = functp.make_mesh((2,), ("x",))
+    x, w = torch.ones(4), torch.ones(3, requires_grad=True)
+
+    def body(a, b):
+        functp.psum(a.sum() * b, "x")
+        raise ValueError("the body's own error")
+
+    f = functp.shard_map(body, mesh, in_specs=(P("x"), P()), out_specs=P())
+    with pytest.raises(ValueError, match="the body's own error"):
+        f(x, w)
+    return sorted(k for t in (x, w) for k in t.__dict__ if k.startswith("_functp"))
+
+
+def test_a_body_that_raises_leaves_no_vma_tag_on_its_inputs():
+    # (a tag left in an input's __dict__ would be kept by torch.save)
+    assert functp.simulate(_tags_after_a_raise, 2) == [[], []]

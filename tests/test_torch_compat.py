@@ -1,0 +1,79 @@
+"""The torch internals functp uses: each one present in this torch, each imported only
+by ``functp/_torch_compat.py``, and a missing one reported by name, use and version."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+from functp import _torch_compat
+
+PKG = pathlib.Path(_torch_compat.__file__).parent
+# a private name reached through torch: torch._C, torch.ops._c10d_functional,
+# dist.distributed_c10d._resolve_process_group, from torch.utils._pytree import ...
+PRIVATE = re.compile(r"\b(?:torch|dist|dcp)(?:\.[A-Za-z]\w*)*\._[A-Za-z]|\b_functorch\b"
+                     r"|\)\._[A-Za-z]")     # a private method of a torch object: g.pg()._x()
+
+
+@pytest.mark.parametrize("path,why", _torch_compat.SYMBOLS,
+                         ids=[p for p, _ in _torch_compat.SYMBOLS])
+def test_symbol_exists(path, why):
+    try:
+        obj = _torch_compat.resolve(path, why)
+    except ImportError as e:
+        pytest.fail(str(e))
+    assert obj is not None, path
+
+
+def test_a_missing_symbol_is_named_with_its_use_and_torch_version():
+    with pytest.raises(_torch_compat.TorchIncompatible) as e:
+        _torch_compat.resolve("torch._C._functorch.no_such_function", "a test")
+    assert str(e.value) == (f"functp needs torch._C._functorch.no_such_function (used for "
+                            f"a test); torch {torch.__version__} lacks it")
+    with pytest.raises(ImportError, match="torch.no_such_module.x"):
+        _torch_compat.resolve("torch.no_such_module.x", "a test")
+
+
+def test_every_symbol_is_listed_once():
+    paths = [p for p, _ in _torch_compat.SYMBOLS]
+    assert len(paths) == len(set(paths))
+    assert all(why for _, why in _torch_compat.SYMBOLS)
+
+
+def test_only_the_quarantine_reaches_torch_internals():
+    for private in ("torch._C._functorch.get_unwrapped(x)", "from torch.utils._pytree import a",
+                    "dist.distributed_c10d._resolve_process_group(n)", "_functorch.peek()",
+                    "torch.ops._c10d_functional.wait_tensor",
+                    "dist.ProcessGroupGloo._Options()", "g.pg()._get_sequence_number_for_group()"):
+        assert PRIVATE.search(private), private
+    for public in ("torch.__file__", "torch.nn.functional.relu", "unwrap_functorch(x)",
+                   "from torch.distributed.tensor import DTensor"):
+        assert not PRIVATE.search(public), public
+    found = []
+    for f in sorted(PKG.rglob("*.py")):
+        if f.name == "_torch_compat.py":
+            continue
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if PRIVATE.search(code):
+                found.append(f"{f.relative_to(PKG)}:{n}: {line.strip()}")
+    assert not found, ("import these torch internals in functp/_torch_compat.py (listed in "
+                       "SYMBOLS) instead:\n" + "\n".join(found))
+
+
+def test_unwrap_functorch_sees_through_grad_and_vmap():
+    seen = []
+
+    def f(x):
+        seen.append(_torch_compat.unwrap_functorch(x))
+        return x.sum()
+
+    x = torch.arange(6.0).reshape(2, 3)
+    torch.func.grad(f)(x)
+    torch.vmap(f)(x)
+    for t in seen:
+        assert type(t) is torch.Tensor and not _torch_compat.is_functorch_wrapped(t)
+    assert seen[0].shape == (2, 3) and seen[1].shape == (2, 3)   # vmap's batch dim kept
+    assert torch.equal(seen[0], x) and torch.equal(seen[1], x)
