@@ -619,8 +619,8 @@ ppermute = _define(
 
 def _tb_raw(x, dims, groups):
     """This rank's block of a value whole along ``groups[i]``'s axes at ``dims[i]``
-    (entering a nested shard_map): forward ``x: I[a] -> xᵢ: V[a]``, backward
-    ``ct: V[a] -> all_gather(ct): I[a]``."""
+    (entering a nested shard_map): forward ``x -> xᵢ`` (no communication), backward
+    ``ctᵢ -> all_gather(ct)``, the blocks' cotangents gathered back to whole."""
     for d, key in zip(dims, groups):
         g = group_of(key)
         b = x.shape[d] // g.size
