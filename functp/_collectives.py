@@ -1,10 +1,11 @@
 """The collectives a shard_map body calls, with JAX's names and arguments.
 
 This is the public layer: it resolves axis names to groups in the enclosing body,
-checks arguments, applies the vma rules (which axes the result varies over; an
-implicit ``pvary`` where the input varies over fewer axes than the collective
-needs), and calls the registered ops of ``_ops.py``, which carry the communication
-and its derivatives.
+checks arguments, and calls the registered ops of ``_ops.py``, where each op's
+section holds its forward, transpose, vma rule and batching rule (and a drawing of
+them). ``_collective`` applies the op's vma rule: which axes the result varies
+over, and an implicit ``pvary`` where the input varies over fewer axes than the
+collective needs.
 """
 from __future__ import annotations
 
@@ -59,13 +60,11 @@ def _need_tensor(x, what: str) -> torch.Tensor:
 
 
 def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
-                op: Callable, *args, reduces: bool, needs_varying: bool = False):
-    """Applies registered op ``op`` to ``t`` over ``g`` and sets the result's vma.
-
-    With vma tracking, the input must vary over the collective's axes: a reduction
-    (``needs_varying``) of a value invariant over them raises, the other collectives
-    pvary it implicitly, as any op does. The result varies over the input's axes,
-    minus the collective's axes when it ``reduces`` them.
+                op: Callable, rule: _ops.VmaRule, *args):
+    """Applies registered op ``op`` to ``t`` over ``g`` and, with vma tracking, its
+    vma ``rule``: an input invariant over some of the collective's axes is refused
+    (``rule.needs_varying``: a reduction of copies) or pvary'd over them, as any op
+    does; the result's axes are ``rule.result`` of the input's.
     """
     tr = fr.tracker
     if tr is None:
@@ -75,13 +74,13 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
         v = tr.get(t)
         missing = g.axis_set - v
         if missing:
-            if needs_varying:
+            if rule.needs_varying:
                 raise ShardingError(_invariant_reduction_message(
                     what, g, tuple(a for a in g.axes if a in missing), t))
             t = tr.pvary(t, missing)
             v = v | missing
         out = op(t, g.key, *args)
-        tr.set(out, v - g.axis_set if reduces else v)
+        tr.set(out, rule.result(v, g.axis_set))
     finally:
         tr._paused -= 1
     return out
@@ -115,8 +114,8 @@ def psum(x: Any, axis_name: AxisName) -> Any:
         functp.psum(x, "dp")        # tensor([4., 6.]) on both ranks
     """
     fr, g = _group(axis_name, "psum")
-    return _map(lambda t: _collective(fr, g, "psum", t, _ops.psum, False, fr.tracker is None,
-                                      reduces=True, needs_varying=True)
+    return _map(lambda t: _collective(fr, g, "psum", t, _ops.psum, _ops.PSUM_VMA, False,
+                                      fr.tracker is None)
                 if isinstance(t, torch.Tensor) else t * g.size, x)
 
 
@@ -134,8 +133,8 @@ def pmean(x: Any, axis_name: AxisName) -> Any:
         functp.pmean(loss, "dp")    # the mean over the whole batch, on both ranks
     """
     fr, g = _group(axis_name, "pmean")
-    return _map(lambda t: _collective(fr, g, "pmean", t, _ops.psum, True, fr.tracker is None,
-                                      reduces=True)
+    return _map(lambda t: _collective(fr, g, "pmean", t, _ops.psum, _ops.PMEAN_VMA, True,
+                                      fr.tracker is None)
                 if isinstance(t, torch.Tensor) else t, x)
 
 
@@ -153,7 +152,7 @@ def pmax(x: Any, axis_name: AxisName) -> Any:
     """
     fr, g = _group(axis_name, "pmax")
     return _map(lambda t: _collective(fr, g, "pmax", _need_tensor(t, "pmax"), _ops.pextremum,
-                                      "max", fr.tracker is None, reduces=True), x)
+                                      _ops.PEXTREMUM_VMA, "max", fr.tracker is None), x)
 
 
 def pmin(x: Any, axis_name: AxisName) -> Any:
@@ -167,7 +166,7 @@ def pmin(x: Any, axis_name: AxisName) -> Any:
     """
     fr, g = _group(axis_name, "pmin")
     return _map(lambda t: _collective(fr, g, "pmin", _need_tensor(t, "pmin"), _ops.pextremum,
-                                      "min", fr.tracker is None, reduces=True), x)
+                                      _ops.PEXTREMUM_VMA, "min", fr.tracker is None), x)
 
 
 def pvary(x: Any, axis_name: AxisName) -> Any:
@@ -247,8 +246,8 @@ def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = Fals
     def one(t):
         t = _need_tensor(t, "all_gather")
         d = _dim(axis, t.ndim + (0 if tiled else 1), "all_gather", "axis", t.shape)
-        return _collective(fr, g, "all_gather", t, _ops.all_gather, d, tiled, False,
-                           reduces=False)
+        return _collective(fr, g, "all_gather", t, _ops.all_gather, _ops.ALL_GATHER_VMA, d,
+                           tiled, False)
     return _map(one, x)
 
 
@@ -270,8 +269,8 @@ def all_gather_invariant(x: Any, axis_name: AxisName, *, axis: int = 0,
     def one(t):
         t = _need_tensor(t, "all_gather_invariant")
         d = _dim(axis, t.ndim + (0 if tiled else 1), "all_gather_invariant", "axis", t.shape)
-        return _collective(fr, g, "all_gather_invariant", t, _ops.all_gather, d, tiled,
-                           fr.tracker is not None, reduces=True)
+        return _collective(fr, g, "all_gather_invariant", t, _ops.all_gather,
+                           _ops.ALL_GATHER_INVARIANT_VMA, d, tiled, fr.tracker is not None)
     return _map(one, x)
 
 
@@ -297,8 +296,8 @@ def psum_scatter(x: Any, axis_name: AxisName, *, scatter_dimension: int = 0,
         t = _need_tensor(t, "psum_scatter")
         d = _dim(scatter_dimension, t.ndim, "psum_scatter", "scatter_dimension", t.shape)
         _check_split(t, d, g, tiled, "psum_scatter", "scatter_dimension")
-        return _collective(fr, g, "psum_scatter", t, _ops.psum_scatter, d, tiled,
-                           reduces=False, needs_varying=True)
+        return _collective(fr, g, "psum_scatter", t, _ops.psum_scatter,
+                           _ops.PSUM_SCATTER_VMA, d, tiled)
     return _map(one, x)
 
 
@@ -325,8 +324,8 @@ def all_to_all(x: Any, axis_name: AxisName, split_axis: int, concat_axis: int, *
         s = _dim(split_axis, t.ndim, "all_to_all", "split_axis", t.shape)
         c = _dim(concat_axis, t.ndim, "all_to_all", "concat_axis", t.shape)
         _check_split(t, s, g, tiled, "all_to_all", "split_axis")
-        return _collective(fr, g, "all_to_all", t, _ops.all_to_all, s, c, tiled,
-                           reduces=False)
+        return _collective(fr, g, "all_to_all", t, _ops.all_to_all, _ops.ALL_TO_ALL_VMA,
+                           s, c, tiled)
     return _map(one, x)
 
 
@@ -358,7 +357,7 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
             f"0..{g.size - 1} (the size of {g.axes})")
     flat = [i for pair in perm for i in pair]
     return _map(lambda t: _collective(fr, g, "ppermute", _need_tensor(t, "ppermute"),
-                                      _ops.ppermute, flat, reduces=False), x)
+                                      _ops.ppermute, _ops.PPERMUTE_VMA, flat), x)
 
 
 def axis_index(axis_name: AxisName) -> int:

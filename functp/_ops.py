@@ -1,24 +1,30 @@
 """functp's differentiable collectives as registered torch operators (``functp::*``).
 
-Each op has four pieces, all registered through ``torch.library``:
+One banner section per collective holds all of its rules, found together:
 
-- a ``CompositeExplicitAutograd`` kernel: the raw collective (``_primitives``);
-- a fake kernel (shapes only), so ``torch.compile`` traces it into one graph;
-- a batching rule (``register_vmap``): torch's generated rule would skip the
-  communication;
-- an ``Autograd`` kernel: a pre-built single-level ``autograd.Function`` applied
-  through the C++ ``Function.apply``.
+- its **forward**: the raw kernel (``CompositeExplicitAutograd``, over
+  ``_primitives``) and a fake kernel (shapes only), so ``torch.compile`` traces it
+  into one graph;
+- its **transpose**: ``backward`` (and ``jvp``), which call these ops again, so every
+  nesting depth (grad of grad, jvp of grad, vmap of grad, jacrev) is differentiated
+  by the same rules;
+- its **vma rule** (a :class:`VmaRule`): what its input must vary over and what its
+  result varies over; ``_collectives.py`` (the public functions) applies it;
+- its **batching rule** (``register_vmap``): torch's generated one would skip the
+  communication.
 
-The last piece is what makes the ops cheap under ``torch.func``. A Python
+The forward's docstring draws forward and backward, in DESIGN.md's terms: ``V[a]``
+is a value varying over the mesh axes ``a`` (each rank along them holds its own),
+``I[a]`` one invariant over them (every rank holds the same, and it counts once).
+
+The Autograd kernel is what makes the ops cheap under ``torch.func``. A Python
 ``autograd.Function`` called under a transform goes through functorch's
 ``custom_function_call``, which builds a new class per call and flattens pytrees
 (~2,000 Python calls per psum under ``torch.func.grad``). Here the op reaches the
 Autograd kernel at the transform's own level, the kernel applies a fixed
 single-level Function whose forward re-dispatches the op *below* autograd on the
 still-wrapped tensors — as a native autograd kernel does — and functorch itself
-unwraps, runs the lower levels (recording their graphs) and rewraps. Backward
-formulas call these ops again, so every nesting depth (grad of grad, jvp of grad,
-vmap of grad, jacrev) is differentiated by the same rules.
+unwraps, runs the lower levels (recording their graphs) and rewraps.
 
 ``group`` arguments are ``AxisGroup.key`` strings (an op schema has no place for a
 Python object); ``_mesh.group_of`` resolves them.
@@ -29,7 +35,7 @@ cotangent of an invariant value is already the full cotangent (psumᵀ = pvary).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -44,7 +50,7 @@ from ._torch_compat import (BelowAutograd as _below_autograd, forward_ad as _fwd
                             SingleLevelFunction as _SingleLevelFunction)
 
 __all__ = ["psum", "pextremum", "pvary", "all_gather", "psum_scatter", "all_to_all",
-           "ppermute", "take_block", "scale_grad"]
+           "ppermute", "take_block", "scale_grad", "VmaRule"]
 
 _lib = torch.library.Library("functp", "DEF")
 
@@ -62,21 +68,11 @@ def _needs_autograd(args) -> bool:
     return x.requires_grad
 
 
-def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callable,
-            backward: Callable, jvp: Callable, vmap: Callable):
-    """Registers ``functp::<schema>`` and returns its OpOverload.
-
-    ``raw(*args)`` computes the result; ``setup_context(ctx, args, output)``,
-    ``backward(ctx, *cts)`` (one gradient per argument) and ``jvp(ctx, *tangents)``
-    follow ``autograd.Function``'s new-style contract; ``vmap(info, in_dims, *args)``
-    returns ``(output, out_dims)``.
-    """
-    name = schema.split("(", 1)[0]
-    _lib.define(schema)
-    op = getattr(torch.ops.functp, name).default
-    listy = schema.split("(", 1)[1].startswith("Tensor[] ")    # takes a list of tensors
-    returns_list = schema.rstrip().endswith("Tensor[]")
-
+def _autograd_rule(name: str, op, raw: Callable, listy: bool, returns_list: bool,
+                   setup_context: Callable, backward: Callable, jvp: Callable) -> type:
+    """The single-level ``autograd.Function`` that ``_define``'s Autograd kernel
+    applies: its forward computes the op (or re-dispatches it below autograd at one
+    torch.func level), the rest is the op's own rules, unflattened."""
     # Function.apply sees only top-level tensors: a Tensor[] first argument travels
     # flattened after the other arguments, as (interp, others, *tensors)
     def unflat(args):
@@ -113,14 +109,34 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
     def rule_jvp(ctx, *tangents):      # tangents of non-tensors are None
         return jvp(ctx, list(tangents[2:])) if listy else jvp(ctx, *tangents[1:])
 
-    rule = type(name, (_SingleLevelFunction,), {
+    return type(name, (_SingleLevelFunction,), {
         "forward": staticmethod(forward),
         "setup_context": staticmethod(rule_setup_context),
         "backward": staticmethod(rule_backward),
         "jvp": staticmethod(rule_jvp),
         "__module__": __name__,
         "__qualname__": f"functp::{name}",
+        "__doc__": raw.__doc__,
     })
+
+
+def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callable,
+            backward: Callable, jvp: Callable, vmap: Callable):
+    """Registers ``functp::<schema>`` and returns its OpOverload.
+
+    ``raw(*args)`` computes the result; ``setup_context(ctx, args, output)``,
+    ``backward(ctx, *cts)`` (one gradient per argument) and ``jvp(ctx, *tangents)``
+    follow ``autograd.Function``'s new-style contract; ``vmap(info, in_dims, *args)``
+    returns ``(output, out_dims)``. ``raw``'s docstring, which draws the op's forward
+    and backward, becomes the op's.
+    """
+    name = schema.split("(", 1)[0]
+    _lib.define(schema)
+    op = getattr(torch.ops.functp, name).default
+    listy = schema.split("(", 1)[1].startswith("Tensor[] ")    # takes a list of tensors
+    returns_list = schema.rstrip().endswith("Tensor[]")
+
+    rule = _autograd_rule(name, op, raw, listy, returns_list, setup_context, backward, jvp)
 
     def autograd_kernel(*args):
         interp = _peek()
@@ -147,6 +163,8 @@ def _define(schema: str, raw: Callable, fake: Callable, *, setup_context: Callab
     _lib.impl(name, autograd_kernel, "Autograd")
     torch.library.register_fake(f"functp::{name}", fake_kernel, lib=_lib)
     torch.library.register_vmap(f"functp::{name}", vmap, lib=_lib)
+    # the forward's docstring draws the op (help(torch.ops.functp.psum))
+    op.__doc__ = getattr(torch.ops.functp, name).__doc__ = raw.__doc__
     return op
 
 
@@ -180,9 +198,36 @@ def _none(n: int) -> tuple:
     return (None,) * n
 
 
+class VmaRule(NamedTuple):
+    """A collective's vma rule over the mesh axes ``a`` it runs on (DESIGN.md's table).
+
+    ``needs_varying``: its input must vary over ``a``; a value invariant over some of
+    them is refused (a sum of identical copies is ``|a|`` times the value, which is
+    seldom meant). Otherwise such an input is first ``pvary``'d over the missing axes,
+    as any op's input is (the union rule). ``reduces``: the result is invariant over
+    ``a`` (``vma(x) − a``); otherwise it varies over them (``vma(x) ∪ a``).
+    """
+    needs_varying: bool
+    reduces: bool
+
+    def result(self, vma: frozenset, axes: frozenset) -> frozenset:
+        """The result's vma, for an input varying over ``vma`` (``axes`` included)."""
+        return vma - axes if self.reduces else vma | axes
+
+
 # -- psum / pmean ----------------------------------------------------------------------
 
 def _psum_raw(x, group, mean, sum_mode):
+    """``psum`` (and ``pmean``: ``mean``) over the axes ``a`` of ``group``::
+
+        forward    x: V[a]   ->  Σₐ x: I[a]                pmean: Σₐ x / |a|
+        backward   ct: I[a]  ->  pvary(ct): V[a]           pmean: pvary(ct) / |a|
+        sum mode   ct: each rank's share  ->  psum(ct)     pmean: psum(ct) / |a|
+
+    vma: ``vma(x) − a``; psum refuses an ``x`` invariant over ``a``, pmean pvarys
+    it (the mean of copies is the copy). Batching: elementwise, the batch dimension
+    stays where it is.
+    """
     g = group_of(group)
     y = prim.all_reduce(x, g, "sum")
     return y / g.size if mean else y
@@ -199,6 +244,9 @@ def _psum_bwd(ctx, ct):
     return (ct / group_of(ctx.group).size if ctx.mean else ct), *_none(3)
 
 
+PSUM_VMA = VmaRule(needs_varying=True, reduces=True)
+PMEAN_VMA = VmaRule(needs_varying=False, reduces=True)
+
 psum = _define(
     "psum(Tensor x, str group, bool mean, bool sum_mode) -> Tensor", _psum_raw,
     lambda x, group, mean, sum_mode: torch.empty_like(x),
@@ -208,6 +256,21 @@ psum = _define(
 
 
 # -- pmax / pmin -------------------------------------------------------------------------
+
+def _pext_raw(x, group, op, sum_mode):
+    """``pmax`` / ``pmin`` (``op``) over the axes ``a`` of ``group``::
+
+        forward    x: V[a]   ->  y = maxₐ x: I[a]
+        backward   ct: I[a]  ->  pvary(ct) · [x == y] / #ties: V[a]
+        sum mode   ct: each rank's share  ->  psum(ct) · [x == y] / #ties
+        jvp        ẋ         ->  Σₐ ẋ · [x == y] / #ties
+
+    The gradient goes to the ranks holding the extremum, split evenly among ties
+    (JAX has no rule here). vma: ``vma(x) − a`` (an invariant ``x`` is pvary'd: the
+    max of copies is the copy). Batching: elementwise.
+    """
+    return prim.all_reduce(x, group_of(group), op)
+
 
 def _pext_ctx(ctx, args, output):
     x, ctx.group, ctx.op, ctx.sum_mode = args
@@ -233,15 +296,30 @@ def _pext_jvp(ctx, t, *_):
     return both[0] / both[1]
 
 
+PEXTREMUM_VMA = VmaRule(needs_varying=False, reduces=True)
+
 pextremum = _define(
-    "pextremum(Tensor x, str group, str op, bool sum_mode) -> Tensor",
-    lambda x, group, op, sum_mode: prim.all_reduce(x, group_of(group), op),
+    "pextremum(Tensor x, str group, str op, bool sum_mode) -> Tensor", _pext_raw,
     lambda x, *_: torch.empty_like(x),
     setup_context=_pext_ctx, backward=_pext_bwd, jvp=_pext_jvp,
     vmap=lambda info, dims, x, *a: (pextremum(x, *a), dims[0]))
 
 
 # -- pvary ---------------------------------------------------------------------------------
+
+def _pvary_raw(xs, group, sum_mode):
+    """``pvary`` (``pcast(..., to="varying")``) of each of ``xs`` over the axes ``a``::
+
+        forward    x: I[a]   ->  x: V[a]          (the identity)
+        backward   ct: V[a]  ->  psum(ct): I[a]   (one all-reduce per dtype for all xs)
+
+    The same in both modes; with sum rules (the shard_map boundary's pvary of a
+    replicated input), the summed gradient counts once when it is differentiated
+    again. vma: ``vma(x) ∪ a``: ``_vma.Tracker.pvary`` makes these (the union rule's
+    implicit pvary) and tags them. Batching: each x keeps its batch dimension.
+    """
+    return [x.view_as(x) for x in xs]
+
 
 def _pvary_ctx(ctx, args, output):
     _, ctx.group, ctx.sum_mode = args
@@ -272,8 +350,7 @@ def _pvary_vmap(info, dims, xs, group, sum_mode):
 
 
 pvary = _define(
-    "pvary(Tensor[] xs, str group, bool sum_mode) -> Tensor[]",
-    lambda xs, group, sum_mode: [x.view_as(x) for x in xs],
+    "pvary(Tensor[] xs, str group, bool sum_mode) -> Tensor[]", _pvary_raw,
     lambda xs, group, sum_mode: [torch.empty_like(x) for x in xs],
     setup_context=_pvary_ctx, backward=_pvary_bwd,
     jvp=lambda ctx, ts, *_: tuple(t.view_as(t) for t in ts), vmap=_pvary_vmap)
@@ -285,6 +362,8 @@ pvary = _define(
 # holds two of them at the backward's peak), whatever differentiates it.
 
 def _bucket_raw(xs, group, sum_mode):
+    """``psum(cat(xs))`` over the axes ``a``, flat, reduced in place (a gradient bucket):
+    forward ``xs: V[a] -> Σₐ cat(xs): I[a]``, backward as ``psum``'s, split back."""
     flat = torch.cat([x.reshape(-1) for x in xs])
     if _compile.tracing():   # (functionalization has no rule for all_reduce_;
         return prim.all_reduce(flat, group_of(group), "sum")   # the compiler plans buffers)
@@ -351,6 +430,20 @@ def _gathered_shape(x, g, dim, tiled):
 
 
 def _ag_raw(x, group, dim, tiled, invariant_T):
+    """``all_gather`` and ``all_gather_invariant`` (``invariant_T``) over the axes
+    ``a``, rank ``i`` holding ``xᵢ``, the blocks stacked at ``dim`` (``tiled``:
+    concatenated along it)::
+
+        all_gather            xᵢ: V[a]   ->  [x₀ … xₙ₋₁]: V[a]
+          backward            ct: V[a]   ->  psum_scatter(ct): V[a]
+        all_gather_invariant  xᵢ: V[a]   ->  [x₀ … xₙ₋₁]: I[a]
+          backward            ct: I[a]   ->  ctᵢ: V[a]   (this rank's block; no communication)
+        sum mode              both: backward psum_scatter(ct)
+
+    vma: ``vma(x) ∪ a`` for all_gather, ``vma(x) − a`` for all_gather_invariant (an
+    ``x`` invariant over ``a`` is pvary'd first). Batching: the batch dimension goes
+    first and ``dim`` moves up by one.
+    """
     return prim.all_gather(x if tiled else x.unsqueeze(dim), group_of(group), dim)
 
 
@@ -368,6 +461,9 @@ def _ag_bwd(ctx, ct):
         gx = psum_scatter(ct, ctx.group, dim, ctx.tiled)
     return gx, *_none(4)
 
+
+ALL_GATHER_VMA = VmaRule(needs_varying=False, reduces=False)
+ALL_GATHER_INVARIANT_VMA = VmaRule(needs_varying=False, reduces=True)
 
 all_gather = _define(
     "all_gather(Tensor x, str group, int dim, bool tiled, bool invariant_T) -> Tensor", _ag_raw,
@@ -388,6 +484,14 @@ def _scattered_shape(x, g, dim, tiled):
 
 
 def _rs_raw(x, group, dim, tiled):
+    """``psum_scatter`` over the axes ``a``: rank ``i`` keeps block ``i`` of ``dim``::
+
+        forward    x: V[a]   ->  (Σₐ x)ᵢ: V[a]        (tiled: the dim shrinks; else it goes)
+        backward   ct: V[a]  ->  all_gather(ct): V[a]  (both modes)
+
+    vma: ``vma(x)`` (which holds ``a``); an ``x`` invariant over ``a`` is refused, as
+    by psum. Batching: the batch dimension goes first, ``dim`` moves up by one.
+    """
     y = prim.reduce_scatter(x, group_of(group), dim)
     return y if tiled else y.squeeze(dim)
 
@@ -395,6 +499,8 @@ def _rs_raw(x, group, dim, tiled):
 def _rs_ctx(ctx, args, output):
     _, ctx.group, ctx.dim, ctx.tiled = args
 
+
+PSUM_SCATTER_VMA = VmaRule(needs_varying=True, reduces=False)
 
 psum_scatter = _define(
     "psum_scatter(Tensor x, str group, int dim, bool tiled) -> Tensor", _rs_raw,
@@ -409,6 +515,15 @@ psum_scatter = _define(
 # -- all_to_all --------------------------------------------------------------------------------
 
 def _a2a_raw(x, group, split, concat, tiled):
+    """``all_to_all`` over the axes ``a``: rank ``i`` splits ``split`` into blocks
+    ``bᵢ₀ … bᵢₙ₋₁`` and sends ``bᵢⱼ`` to rank ``j``, which lays them along ``concat``::
+
+        forward    xᵢ = [bᵢ₀ … bᵢₙ₋₁]: V[a]  ->  yⱼ = [b₀ⱼ … bₙ₋₁ⱼ]: V[a]
+        backward   ct: V[a]  ->  all_to_all(ct, concat, split): V[a]  (both modes)
+
+    vma: ``vma(x) ∪ a`` (an ``x`` invariant over ``a`` is pvary'd first). Batching:
+    the batch dimension goes first, both dimensions move up by one.
+    """
     g = group_of(group)
     if tiled:
         return prim.all_to_all(x, g, split, concat)
@@ -433,6 +548,8 @@ def _a2a_ctx(ctx, args, output):
     _, ctx.group, ctx.split, ctx.concat, ctx.tiled = args
 
 
+ALL_TO_ALL_VMA = VmaRule(needs_varying=False, reduces=False)
+
 all_to_all = _define(
     "all_to_all(Tensor x, str group, int split, int concat, bool tiled) -> Tensor",
     _a2a_raw, _a2a_fake, setup_context=_a2a_ctx,
@@ -450,6 +567,18 @@ def _pairs(perm) -> tuple[tuple[int, int], ...]:
     return tuple(zip(perm[0::2], perm[1::2]))
 
 
+def _pp_raw(x, group, perm):
+    """``ppermute`` over the axes ``a`` along ``(s, d)`` pairs (``perm``, flat)::
+
+        forward    xₛ: V[a]  ->  y_d = xₛ for each pair, 0 where no s sends: V[a]
+        backward   ct: V[a]  ->  ppermute(ct, the (d, s) pairs): V[a]  (both modes)
+
+    vma: ``vma(x) ∪ a`` (an ``x`` invariant over ``a`` is pvary'd first). Batching:
+    elementwise.
+    """
+    return prim.permute(x, group_of(group), _pairs(perm))
+
+
 def _pp_ctx(ctx, args, output):
     _, ctx.group, ctx.perm = args
 
@@ -459,19 +588,33 @@ def _pp_bwd(ctx, ct):
     return ppermute(ct, ctx.group, inverse), None, None
 
 
+PPERMUTE_VMA = VmaRule(needs_varying=False, reduces=False)
+
 ppermute = _define(
-    "ppermute(Tensor x, str group, int[] perm) -> Tensor",
-    lambda x, group, perm: prim.permute(x, group_of(group), _pairs(perm)),
+    "ppermute(Tensor x, str group, int[] perm) -> Tensor", _pp_raw,
     lambda x, group, perm: torch.empty_like(x),
     setup_context=_pp_ctx, backward=_pp_bwd,
     jvp=lambda ctx, t, *_: ppermute(t, ctx.group, ctx.perm),
     vmap=lambda info, dims, x, group, perm: (ppermute(x, group, perm), dims[0]))
 
 
+# -- axis_index / axis_size -----------------------------------------------------------------
+# No registered op: ``axis_index(a)`` is this rank's coordinate along ``a`` and
+# ``axis_size(a)`` the product of the sizes, Python ints read from the AxisGroup::
+#
+#     forward    ->  i (a Python int, known on the host)
+#     backward   none: an int has no cotangent
+#
+# vma: untracked (a Python int); a tensor made from it is invariant until it meets a
+# varying value. Batching: the same int for every batch element.
+
+
 # -- take_block: entering a nested shard_map -------------------------------------------------------
 
 def _tb_raw(x, dims, groups):
-    """This rank's block of a value whole along ``groups[i]``'s axes at ``dims[i]``."""
+    """This rank's block of a value whole along ``groups[i]``'s axes at ``dims[i]``
+    (entering a nested shard_map): forward ``x -> xᵢ`` (no communication), backward
+    ``ctᵢ -> all_gather(ct)``, the blocks' cotangents gathered back to whole."""
     for d, key in zip(dims, groups):
         g = group_of(key)
         b = x.shape[d] // g.size
@@ -511,9 +654,14 @@ def _sg_ctx(ctx, args, output):
     ctx.factor = args[1]
 
 
+def _sg_raw(x, factor):
+    """The identity forward; backward ``ct -> ct · factor`` (the sum rules' count-once
+    of a replicated value's cotangent)."""
+    return x.view_as(x)
+
+
 scale_grad = _define(
-    "scale_grad(Tensor x, float factor) -> Tensor",
-    lambda x, factor: x.view_as(x), lambda x, factor: torch.empty_like(x),
+    "scale_grad(Tensor x, float factor) -> Tensor", _sg_raw, lambda x, factor: torch.empty_like(x),
     setup_context=_sg_ctx, backward=lambda ctx, ct: (ct * ctx.factor, None),
     jvp=lambda ctx, t, _: t.view_as(t),
     vmap=lambda info, dims, x, factor: (scale_grad(x, factor), dims[0]))

@@ -49,6 +49,17 @@ def _ranges(offsets: Sequence[int], sizes: Sequence[int], order: list[int],
 
 
 def _raw(x, buf, group, src_off, send, land_off, recv):
+    """``ragged_all_to_all`` over the axes ``a``: rank ``r`` sends run ``j`` of its
+    rows to peer ``j``, which writes it into its buffer::
+
+        forward    x: V[a], buf: V[a]  ->  buf with x's runs from every peer landed: V[a]
+        backward   ct: V[a]  ->  d_x: the rows of ct that x's runs landed on, sent back
+                                 d_buf: ct, zero on the rows something landed on
+
+    The backward is the same exchange with the two sides swapped (both modes). vma:
+    ``vma(x) ∪ vma(buf) ∪ a`` (both inputs are pvary'd to it). Batching: the ragged
+    dimension stays first, the batch dimension goes second.
+    """
     g = group_of(group)
     order = _order(g)
     out = buf.clone()
@@ -93,6 +104,8 @@ def _vmap(info, dims, x, buf, group, src_off, send, land_off, recv):
     return ragged(second(x, dims[0]), second(buf, dims[1]), group, src_off, send, land_off,
                   recv), 1
 
+
+RAGGED_VMA = _ops.VmaRule(needs_varying=False, reduces=False)
 
 ragged = _ops._define(
     "ragged_all_to_all(Tensor x, Tensor buf, str group, int[] src_off, int[] send, "
@@ -212,14 +225,14 @@ def ragged_all_to_all(operand: torch.Tensor, output: torch.Tensor, input_offsets
     tr = fr.tracker
     if tr is None:
         return ragged(operand, output, g.key, in_off, send, land, recv)
-    with tr.paused():
+    with tr.paused():       # the op's vma rule, over the union of its two inputs
         v = tr.get(operand) | tr.get(output) | g.axis_set
         if tr.get(operand) != v:
             operand = tr.pvary(operand, v - tr.get(operand))
         if tr.get(output) != v:
             output = tr.pvary(output, v - tr.get(output))
         out = ragged(operand, output, g.key, in_off, send, land, recv)
-        tr.set(out, v)
+        tr.set(out, RAGGED_VMA.result(v, g.axis_set))
     return out
 
 

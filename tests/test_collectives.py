@@ -1,6 +1,8 @@
-"""Every collective against the unsharded float64 oracle: value and gradient, through
-torch.func.grad and tape autograd, on 1-d meshes of 2, 4 and 8 ranks and on axis
-tuples of 2-d meshes (in and out of mesh order)."""
+"""Every collective, one test class per op: its value and gradient against the
+unsharded float64 oracle, through torch.func.grad and tape autograd, on 1-d meshes of
+2, 4 and 8 ranks and on axis tuples of 2-d meshes (in and out of mesh order); and
+its adjoint identity <f(x), y> = <x, fᵀ(y)> on the vma types of its input and
+output, with fᵀ its backward (vjp and tape), and its batching rule (``_adjoint.py``)."""
 from __future__ import annotations
 
 import math
@@ -10,6 +12,8 @@ import torch
 
 import functp
 from functp import P
+import _adjoint
+from _adjoint import MESH_IDS, MESHES, assert_adjoint, typed
 from _oracle import check_program, randn
 
 # (mesh shape, mesh axis names, the axis tuple the collective runs over)
@@ -113,48 +117,17 @@ def _collective_body(shape, names, axes, name, kw, check_vma):
 
 
 VMA = pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
+ON_GROUPS = pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
+ADJOINT = pytest.mark.parametrize("mesh", MESHES, ids=MESH_IDS)
 
 
-@VMA
-@pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
-@pytest.mark.parametrize("name", ["psum", "pmean", "pmax", "pmin"])
-def test_reductions_match_oracle(run, group, name, check_vma):
+def _value(run, group, name, kw, check_vma):
     shape, names, axes = group
-    run(math.prod(shape), _collective_body, shape, names, axes, name, {}, check_vma)
+    run(math.prod(shape), _collective_body, shape, names, axes, name, kw, check_vma)
 
 
-@VMA
-@pytest.mark.parametrize("name", ["pmax", "pmin"])
-def test_extremum_gradient_is_shared_among_ties(run, name, check_vma):
-    run(4, _collective_body, (4,), ("x",), ("x",), name, {"ties": True}, check_vma)
-
-
-@VMA
-@pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
-@pytest.mark.parametrize("axis,tiled", [(0, True), (0, False), (1, True), (2, False)])
-@pytest.mark.parametrize("name", ["all_gather", "all_gather_invariant"])
-def test_all_gather_matches_oracle(run, group, name, axis, tiled, check_vma):
-    shape, names, axes = group
-    run(math.prod(shape), _collective_body, shape, names, axes, name,
-        {"axis": axis, "tiled": tiled}, check_vma)
-
-
-@VMA
-@pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
-@pytest.mark.parametrize("dim,tiled", [(0, True), (1, True), (0, False), (1, False)])
-def test_psum_scatter_matches_oracle(run, group, dim, tiled, check_vma):
-    shape, names, axes = group
-    run(math.prod(shape), _collective_body, shape, names, axes, "psum_scatter",
-        {"dim": dim, "tiled": tiled}, check_vma)
-
-
-@VMA
-@pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
-@pytest.mark.parametrize("split,concat,tiled", [(1, 0, True), (0, 1, True), (0, 1, False)])
-def test_all_to_all_matches_oracle(run, group, split, concat, tiled, check_vma):
-    shape, names, axes = group
-    run(math.prod(shape), _collective_body, shape, names, axes, "all_to_all",
-        {"split": split, "concat": concat, "tiled": tiled}, check_vma)
+def _check_adjoint(run, mesh, check_vma, cases, gloo=False):
+    assert_adjoint(run(math.prod(mesh[0]), _adjoint.body, mesh, check_vma, cases, gloo=gloo))
 
 
 def _ring(n):
@@ -165,12 +138,177 @@ def _one_pair(n):
     return [(0, n - 1)]
 
 
+# -- the adjoint cases: (checker, A, n, X, E) as _adjoint.body gives them ----------------------
+
+def _psum_cases(ch, A, n, X, E):
+    # x: V[A ∪ E] -> I[A]: the transpose is pvary
+    ch.linear(lambda x: functp.psum(x, A), (typed((2, 3), X, 1),), (X,), E)
+
+
+def _pmean_cases(ch, A, n, X, E):
+    ch.linear(lambda x: functp.pmean(x, A), (typed((2, 3), X, 1),), (X,), E)
+    # the mean of a value invariant over A is that value (implicitly pvary'd first)
+    ch.linear(lambda x: functp.pmean(x, A), (typed((2, 3), E, 1),), (E,), E)
+
+
+def _extremum_cases(ch, A, n, X, E):
+    # nonlinear: the jvp at a point with ties across ranks against the vjp there
+    for op in (functp.pmax, functp.pmin):
+        ch.linearized(lambda x: op(x, A), typed((4, 3), X, 1).round(), X, E)
+
+
+def _pvary_cases(ch, A, n, X, E):
+    # x: I[A] -> V[A]: the transpose is psum
+    x = typed((2, 3), E, 1)
+    ch.linear(lambda x: functp.pvary(x, A), (x,), (E,), X)
+    ch.linear(lambda x: functp.pcast(x, A, to="varying"), (x,), (E,), X)
+
+
+def _all_gather_cases(ch, A, n, X, E):
+    for axis, tiled in [(0, True), (0, False), (1, True)]:
+        ch.linear(lambda x: functp.all_gather(x, A, axis=axis, tiled=tiled),
+                  (typed((2, 3), X, 1),), (X,), X)
+
+
+def _all_gather_invariant_cases(ch, A, n, X, E):
+    # the result is I[A]: the transpose keeps this rank's block
+    for axis, tiled in [(0, True), (0, False), (1, True)]:
+        ch.linear(lambda x: functp.all_gather_invariant(x, A, axis=axis, tiled=tiled),
+                  (typed((2, 3), X, 1),), (X,), E)
+    ch.linear(lambda x: functp.all_gather(x, A, tiled=True, to="invarying"),
+              (typed((2, 3), X, 1),), (X,), E)
+
+
+def _psum_scatter_cases(ch, A, n, X, E):
+    ch.linear(lambda x: functp.psum_scatter(x, A, scatter_dimension=0, tiled=True),
+              (typed((2 * n, 3), X, 1),), (X,), X)
+    ch.linear(lambda x: functp.psum_scatter(x, A, scatter_dimension=1),
+              (typed((2, n), X, 1),), (X,), X)
+
+
+def _all_to_all_cases(ch, A, n, X, E):
+    for split, concat, tiled, shape in [(0, 1, True, (2 * n, 3)), (1, 0, True, (2, 3 * n)),
+                                        (0, 1, False, (n, 3))]:
+        ch.linear(lambda x: functp.all_to_all(x, A, split, concat, tiled=tiled),
+                  (typed(shape, X, 1),), (X,), X)
+
+
+def _ppermute_cases(ch, A, n, X, E):
+    for perm in (_ring(n), _one_pair(n)):
+        ch.linear(lambda x: functp.ppermute(x, A, perm), (typed((2, 3), X, 1),), (X,), X)
+
+
+# -- one class per op ---------------------------------------------------------------------------
+
 @VMA
-@pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
-@pytest.mark.parametrize("perm", [_ring, _one_pair], ids=["ring", "one-pair"])
-def test_ppermute_matches_oracle(run, group, perm, check_vma):
-    shape, names, axes = group
-    run(math.prod(shape), _collective_body, shape, names, axes, "ppermute", {"perm": perm}, check_vma)
+class TestPsum:
+    @ON_GROUPS
+    def test_matches_oracle(self, run, group, check_vma):
+        _value(run, group, "psum", {}, check_vma)
+
+    @ADJOINT
+    def test_adjoint(self, run, mesh, check_vma):
+        _check_adjoint(run, mesh, check_vma, _psum_cases)
+
+    def test_of_a_python_number_counts_ranks(self, run, check_vma):
+        run(4, _python_scalar_body, check_vma)
+
+
+@VMA
+class TestPmean:
+    @ON_GROUPS
+    def test_matches_oracle(self, run, group, check_vma):
+        _value(run, group, "pmean", {}, check_vma)
+
+    @ADJOINT
+    def test_adjoint(self, run, mesh, check_vma):
+        _check_adjoint(run, mesh, check_vma, _pmean_cases)
+
+
+@VMA
+class TestPmaxPmin:
+    @ON_GROUPS
+    @pytest.mark.parametrize("name", ["pmax", "pmin"])
+    def test_matches_oracle(self, run, group, name, check_vma):
+        _value(run, group, name, {}, check_vma)
+
+    @pytest.mark.parametrize("name", ["pmax", "pmin"])
+    def test_gradient_is_shared_among_ties(self, run, name, check_vma):
+        run(4, _collective_body, (4,), ("x",), ("x",), name, {"ties": True}, check_vma)
+
+    @ADJOINT
+    def test_adjoint_of_the_linearization(self, run, mesh, check_vma):
+        # processes: simulated ranks would share torch's one forward-AD level
+        _check_adjoint(run, mesh, check_vma, _extremum_cases, gloo=True)
+
+
+@VMA
+class TestPvary:
+    # its values: test_vma.py (explicit pvary, and the implicit one of every op)
+    @ADJOINT
+    def test_adjoint(self, run, mesh, check_vma):
+        _check_adjoint(run, mesh, check_vma, _pvary_cases)
+
+
+@VMA
+class TestAllGather:
+    @ON_GROUPS
+    @pytest.mark.parametrize("axis,tiled", [(0, True), (0, False), (1, True), (2, False)])
+    def test_matches_oracle(self, run, group, axis, tiled, check_vma):
+        _value(run, group, "all_gather", {"axis": axis, "tiled": tiled}, check_vma)
+
+    @ADJOINT
+    def test_adjoint(self, run, mesh, check_vma):
+        _check_adjoint(run, mesh, check_vma, _all_gather_cases)
+
+
+@VMA
+class TestAllGatherInvariant:
+    @ON_GROUPS
+    @pytest.mark.parametrize("axis,tiled", [(0, True), (0, False), (1, True), (2, False)])
+    def test_matches_oracle(self, run, group, axis, tiled, check_vma):
+        _value(run, group, "all_gather_invariant", {"axis": axis, "tiled": tiled}, check_vma)
+
+    @ADJOINT
+    def test_adjoint(self, run, mesh, check_vma):
+        _check_adjoint(run, mesh, check_vma, _all_gather_invariant_cases)
+
+
+@VMA
+class TestPsumScatter:
+    @ON_GROUPS
+    @pytest.mark.parametrize("dim,tiled", [(0, True), (1, True), (0, False), (1, False)])
+    def test_matches_oracle(self, run, group, dim, tiled, check_vma):
+        _value(run, group, "psum_scatter", {"dim": dim, "tiled": tiled}, check_vma)
+
+    @ADJOINT
+    def test_adjoint(self, run, mesh, check_vma):
+        _check_adjoint(run, mesh, check_vma, _psum_scatter_cases)
+
+
+@VMA
+class TestAllToAll:
+    @ON_GROUPS
+    @pytest.mark.parametrize("split,concat,tiled", [(1, 0, True), (0, 1, True), (0, 1, False)])
+    def test_matches_oracle(self, run, group, split, concat, tiled, check_vma):
+        _value(run, group, "all_to_all", {"split": split, "concat": concat, "tiled": tiled},
+               check_vma)
+
+    @ADJOINT
+    def test_adjoint(self, run, mesh, check_vma):
+        _check_adjoint(run, mesh, check_vma, _all_to_all_cases)
+
+
+@VMA
+class TestPpermute:
+    @ON_GROUPS
+    @pytest.mark.parametrize("perm", [_ring, _one_pair], ids=["ring", "one-pair"])
+    def test_matches_oracle(self, run, group, perm, check_vma):
+        _value(run, group, "ppermute", {"perm": perm}, check_vma)
+
+    @ADJOINT
+    def test_adjoint(self, run, mesh, check_vma):
+        _check_adjoint(run, mesh, check_vma, _ppermute_cases)
 
 
 def _axis_index_body():
@@ -187,16 +325,14 @@ def _axis_index_body():
     assert seen == dict(a=c["a"], b=c["b"], ab=2 * c["a"] + c["b"], ba=2 * c["b"] + c["a"], size=4)
 
 
-def test_axis_index_and_size(run):
-    run(4, _axis_index_body)
+class TestAxisIndex:
+    # a Python int: no transpose, so no adjoint to check
+    def test_axis_index_and_size(self, run):
+        run(4, _axis_index_body)
 
 
-def _python_scalar_body():
+def _python_scalar_body(check_vma):
     mesh = functp.make_mesh((4,), ("x",))
-    out = functp.shard_map(lambda x: functp.psum(1, "x") * x, mesh, in_specs=P(), out_specs=P())(
-        torch.ones(2))
+    out = functp.shard_map(lambda x: functp.psum(1, "x") * x, mesh, in_specs=P(), out_specs=P(),
+                           check_vma=check_vma)(torch.ones(2))
     assert out.tolist() == [4.0, 4.0]
-
-
-def test_psum_of_python_number_counts_ranks(run):
-    run(4, _python_scalar_body)

@@ -4,10 +4,16 @@ the page shows; the README's commands name files that exist.
 A plain ```python block runs in this process (its programs use ``functp.simulate``);
 the lines after a ``# prints:`` comment in it are compared with what it printed. A
 ```python torchrun block is per-rank code: the page's torchrun blocks run, in order,
-on four gloo processes.
+on four gloo processes, and each rank's output is compared with its ``# prints:``.
+
+Each block is checked one way, and counted so: *compared* (its ``# prints:``),
+*asserts* (it prints nothing and holds ``assert`` statements), or *runs only*, which
+only a setup block may be (imports and ``torch.set_default_dtype``/``manual_seed``).
+A block that prints what the page does not show fails.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import glob
 import io
@@ -61,41 +67,89 @@ def _exec(path: str, line: int, code: str, env: dict) -> str:
     return out.getvalue()
 
 
-def _run_torchrun_blocks(path: str) -> int:
+_SETUP_CALLS = {"torch.set_default_dtype", "torch.manual_seed"}
+
+
+def _is_setup(code: str) -> bool:
+    """Only imports and the global settings later blocks rely on."""
+    for node in ast.parse(code).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+                and ast.unparse(node.value.func) in _SETUP_CALLS):
+            continue
+        return False
+    return True
+
+
+def checked(page: str, line: int, code: str, printed: str) -> str:
+    """How a block that printed ``printed`` is checked: ``compared``, ``asserts`` or
+    ``runs only`` (a setup block); raises when it is not checked at all."""
+    where = f"{os.path.basename(page)}, snippet at line {line}"
+    want = expected_output(code)
+    if want is not None:
+        assert printed == want, f"{where} printed:\n{printed}but the page shows:\n{want}"
+        return "compared"
+    assert printed == "", f"{where} printed:\n{printed}which the page does not show (# prints:)"
+    if any(isinstance(n, ast.Assert) for n in ast.walk(ast.parse(code))):
+        return "asserts"
+    assert _is_setup(code), (f"{where} checks nothing: show what it prints (# prints:) or "
+                             f"assert what it shows")
+    return "runs only"
+
+
+def _run_torchrun_blocks(path: str) -> list[tuple[int, str]]:
+    """(line, what this rank printed) of each torchrun block of a page, in order."""
     import torch
     env = _page_module()
     dtype = torch.get_default_dtype()       # a page may change it: not for the next page
     try:
-        for line, code in snippets(path, torchrun=True):
-            _exec(path, line, code, env)
+        return [(line, _exec(path, line, code, env))
+                for line, code in snippets(path, torchrun=True)]
     finally:
         torch.set_default_dtype(dtype)
-    return len(snippets(path, torchrun=True))
+
+
+def _tally(kinds: list[str]) -> dict[str, int]:
+    return {k: kinds.count(k) for k in ("compared", "asserts", "runs only")}
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if snippets(p, torchrun=False)],
                          ids=lambda p: os.path.basename(p))
-def test_doc_snippets_print_what_the_page_shows(page):
+def test_doc_snippets_print_what_the_page_shows(page, record_property):
     import torch
     env = _page_module()
     dtype = torch.get_default_dtype()
     try:
-        for line, code in snippets(page, torchrun=False):
-            printed = _exec(page, line, code, env)
-            want = expected_output(code)
-            if want is not None:
-                assert printed == want, (
-                    f"{os.path.basename(page)}, snippet at line {line} printed:\n{printed}"
-                    f"but the page shows:\n{want}")
+        kinds = [checked(page, line, code, _exec(page, line, code, env))
+                 for line, code in snippets(page, torchrun=False)]
     finally:
         torch.set_default_dtype(dtype)
+    record_property("blocks", _tally(kinds))
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if snippets(p, torchrun=True)],
                          ids=lambda p: os.path.basename(p))
-def test_doc_torchrun_snippets_run(run, page):
-    n = len(snippets(page, torchrun=True))
-    assert run(4, _run_torchrun_blocks, page, gloo=True) == [n] * 4
+def test_doc_torchrun_snippets_print_what_the_page_shows(run, page, record_property):
+    blocks = snippets(page, torchrun=True)
+    for rank, outputs in enumerate(run(4, _run_torchrun_blocks, page, gloo=True)):
+        assert [line for line, _ in outputs] == [line for line, _ in blocks], rank
+        kinds = [checked(page, line, code, printed)
+                 for (line, code), (_, printed) in zip(blocks, outputs)]
+    record_property("blocks", _tally(kinds))
+
+
+def test_a_block_is_checked_one_way():
+    page = "page.md"
+    assert checked(page, 1, "print(1)\n# prints:\n# 1", "1\n") == "compared"
+    assert checked(page, 1, "x = 1\nassert x == 1", "") == "asserts"
+    assert checked(page, 1, "import torch\ntorch.manual_seed(0)", "") == "runs only"
+    with pytest.raises(AssertionError, match="checks nothing"):
+        checked(page, 1, "x = torch.ones(2)", "")
+    with pytest.raises(AssertionError, match="does not show"):
+        checked(page, 1, "print(1)\nassert True", "1\n")
+    with pytest.raises(AssertionError, match="but the page shows"):
+        checked(page, 1, "print(2)\n# prints:\n# 1", "2\n")
 
 
 def test_a_prints_block_is_read_as_shown():

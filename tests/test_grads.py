@@ -57,7 +57,6 @@ def _outside(shape, names):
                 got, norm = functp.clip_by_global_norm(local, max_norm, mesh, specs, norm_type=p)
                 torch.testing.assert_close(norm, want_norm, **TOL, msg=f"{name} p={p}")
                 assert_tree_close(functp.unshard(got, mesh, specs), want, f"{name} p={p}")
-    return True
 
 
 def _packed(world):
@@ -73,12 +72,11 @@ def _packed(world):
     torch.testing.assert_close(norm, want_norm, **TOL)
     coef = want["b"] / other
     torch.testing.assert_close(got["gate_up"], local["gate_up"] * coef[0], **TOL)
-    return True
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_global_norm_of_a_packed_weight(run, world):
-    assert all(run(world, _packed, world))
+    run(world, _packed, world)
 
 
 @pytest.mark.parametrize("world,shape,names", [(2, (2,), ("x",)), (4, (4,), ("x",)),
@@ -86,7 +84,7 @@ def test_global_norm_of_a_packed_weight(run, world):
                                                (8, (2, 4), ("dp", "tp"))],
                          ids=["2", "4", "2x2", "2x4"])
 def test_global_norm_outside_a_body(run, world, shape, names):
-    assert all(run(world, _outside, shape, names))
+    run(world, _outside, shape, names)
 
 
 def _loss_global(p, x):
@@ -125,13 +123,12 @@ def _inside(shape, given_specs):
     want_norm, want = _clip_reference(full_g, 0.5, 2.0)
     torch.testing.assert_close(norm, want_norm, **TOL)
     assert_tree_close(functp.unshard(got, mesh, specs), want, "clipped")
-    return True
 
 
 @pytest.mark.parametrize("given_specs", [False, True], ids=["vma", "specs"])
 @pytest.mark.parametrize("world,shape", [(4, (2, 2)), (2, (1, 2))], ids=["2x2", "1x2"])
 def test_clip_inside_a_body(run, world, shape, given_specs):
-    assert all(run(world, _inside, shape, given_specs))
+    run(world, _inside, shape, given_specs)
 
 
 def _needs_specs():
@@ -142,11 +139,10 @@ def _needs_specs():
                          out_specs=P(), check_vma=False)
     with pytest.raises(functp.ShardingError, match="pass specs="):
         f(torch.ones(2))
-    return True
 
 
 def test_global_norm_says_what_it_needs(run):
-    assert all(run(2, _needs_specs))
+    run(2, _needs_specs)
 
 
 # -- gradient accumulation: one reduction for k microbatches ---------------------------------

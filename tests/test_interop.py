@@ -145,8 +145,7 @@ def _packed_refused():
                               in_specs=spec, out_specs=P(), check_vma=False)
     with pytest.raises(ShardingError, match="packed layouts are resharded outside shard_map"):
         inside(block)
-    return True
 
 
 def test_packed_specs_are_refused_where_they_cannot_be_honoured(run):
-    assert run(2, _packed_refused) == [True, True]
+    run(2, _packed_refused)

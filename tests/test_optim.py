@@ -54,11 +54,10 @@ def _adafactor_body(path):
         assert got[i].keys() == want[i].keys(), (got[i].keys(), want[i].keys())
         for k in want[i]:
             assert torch.equal(got[i][k], want[i][k]), (i, k, got[i][k], want[i][k])
-    return True
 
 
 def test_adafactor_state_saved_sharded_loads_as_the_unsharded_runs(run, tmp_path):
-    assert run(2, _adafactor_body, str(tmp_path / "ckpt"), gloo=True) == [True, True]
+    run(2, _adafactor_body, str(tmp_path / "ckpt"), gloo=True)
 
 
 def _adafactor_refused_body():

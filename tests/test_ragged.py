@@ -1,14 +1,19 @@
 """ragged_all_to_all against rows moved by hand from every rank's data (each rank draws
 every rank's operand from one seed), its gradient against the hand-derived
 transpose, on 2 and 4 ranks, 1-d and 2-d meshes, torch.func.grad and tape, both
-vma settings; comm_log counts exactly the routed rows."""
+vma settings; comm_log counts exactly the routed rows. Its adjoint identity and
+batching rule: ``TestRaggedAllToAll`` (as every collective's in test_collectives.py)."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 import functp
 from functp import P, ShardingError
+import _adjoint
+from _adjoint import MESH_IDS, MESHES, assert_adjoint, typed
 
 H = 3          # hidden size: every row is H numbers
 
@@ -133,6 +138,29 @@ def _vmapped():
 def test_vmap_of_ragged_all_to_all():
     for r, (batched, looped) in enumerate(functp.simulate(_vmapped, 2)):
         torch.testing.assert_close(batched, looped, msg=f"rank {r}")
+
+
+def _adjoint_cases(ch, A, n, X, E):
+    me = functp.axis_index(A)
+    counts = _counts(n)
+    plan = functp.ragged_offsets(counts[me], A)
+    x = typed((int(counts[me].sum()) + 1, H), X, 1)     # one row is not sent
+
+    def f(x, b):
+        return functp.ragged_all_to_all(x, b, *plan[:4], A, recv_offsets=plan.recv_offsets)
+    # linear in both: <f(x, b), y> = <x, fᵀ_x y> + <b, fᵀ_b y>; two rows nothing lands on
+    ch.linear(f, (x, typed((plan.recv_total + 2, H), X, 2)), (X, X), X)
+    # a buffer invariant over A (so the same size on every rank along it) is pvary'd:
+    # its cotangent is summed over A
+    rows = int(counts.sum(0).max()) + 2
+    ch.linear(f, (x, typed((rows, H), E, 2)), (X, E), X)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
+class TestRaggedAllToAll:
+    @pytest.mark.parametrize("mesh", MESHES, ids=MESH_IDS)
+    def test_adjoint(self, run, mesh, check_vma):
+        assert_adjoint(run(math.prod(mesh[0]), _adjoint.body, mesh, check_vma, _adjoint_cases))
 
 
 def _bad(case):

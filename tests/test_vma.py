@@ -37,9 +37,19 @@ def _error_body():
             "invariant over mesh axis 'dp'")
     _raises(lambda: sm(lambda x: functp.psum_scatter(x, "tp", tiled=True), P(), P("tp"))(x),
             "psum_scatter", "invariant")
-    # a varying value may be declared split over an axis it is invariant over
-    out = sm(lambda x: x + 1, P("dp"), P("dp", "tp"))(x)
-    assert out.shape == (4, 2)
+    # a varying value may be declared split over an axis it is invariant over: x + 1
+    # varies over dp (an out_spec replicated over dp is refused) and over nothing else
+    # (P("dp") takes it); every tp rank's block is the same x + 1
+    block = lambda d: torch.arange(8.).reshape(4, 2) + 100 * d      # rank dp=d's x
+    xd = block(mesh.coordinate["dp"])
+    _raises(lambda: sm(lambda x: x + 1, P("dp"), P(None, "tp"))(xd),
+            "output varies over mesh axis 'dp'", "replicated over 'dp'")
+    assert torch.equal(sm(lambda x: x + 1, P("dp"), P("dp"))(xd), xd + 1)
+    out = sm(lambda x: x + 1, P("dp"), P("dp", "tp"))(xd)
+    assert torch.equal(out, xd + 1), out
+    full = functp.unshard(out, mesh, P("dp", "tp"))
+    want = torch.cat([(block(d) + 1).repeat(1, 2) for d in range(2)])
+    assert torch.equal(full, want), (full, want)
     # the explicit form of "sum of copies" is allowed and means it
     w = torch.full((3,), 2.0, dtype=torch.float64)
     f = sm(lambda w: functp.psum(functp.pvary(w, "dp"), "dp").sum(), P(), P())
