@@ -41,12 +41,16 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([v.sum(), v.abs().sum(), (v * w).sum(), const.to(torch.float64)])
 
 
-def _exchange(mesh, tensors: list[torch.Tensor], what: str) -> torch.Tensor:
-    """Every rank's fingerprints: ``[mesh size, len(tensors), 4]`` in check-group order."""
+def _exchange(mesh, leaves: list, idx: list[int], what: str) -> torch.Tensor | None:
+    """Every rank's fingerprints of ``leaves[i]`` for ``i`` in ``idx``: ``[mesh size,
+    len(idx), 4]`` in check-group order; None where nothing is compared (one rank, no
+    such leaf, or the check mode skips this call -- the same answer on every rank)."""
+    if mesh.check.size == 1 or not idx or _crosscheck._skip(None):
+        return None
     with DisableFuncTorch(), torch.no_grad():
-        mine = torch.stack([_fingerprint(x) for x in tensors]).reshape(-1)
+        mine = torch.stack([_fingerprint(leaves[i]) for i in idx]).reshape(-1)
         table = _crosscheck._gather(mine.to(mesh.check.device), mesh.check, what)
-    return table.view(mesh.check.size, len(tensors), 4).cpu()
+    return table.view(mesh.check.size, len(idx), 4).cpu()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -89,22 +93,31 @@ def _sums(table: torch.Tensor, k: int, ranks: list[int], mesh) -> str:
     return ", ".join(f"rank {r}: {float(table[at[r], k, 0]):.6g}" for r in ranks[:4])
 
 
+def _first_difference(mesh, table: torch.Tensor, idx: list[int], free_of) -> tuple | None:
+    """``(k, i, ranks, axes)`` of the first compared leaf ``leaves[i]`` (row ``k`` of
+    ``table``) whose ranks differ along the axes ``free_of(i)`` says must agree."""
+    for k, i in enumerate(idx):
+        free = free_of(i)
+        bad = _differing(mesh, table, k, free) if free else None
+        if bad is not None:
+            return k, i, *bad
+    return None
+
+
 def check_full(mesh, paths: list[str], leaves: list, what: str) -> None:
     """``shard``: every rank's "full" tensor must be the same one."""
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    if mesh.check.size == 1 or not idx or _crosscheck._skip(None):
-        return
-    table = _exchange(mesh, [leaves[i] for i in idx], f"{what}: comparing full tensors")
-    for k, i in enumerate(idx):
-        bad = _differing(mesh, table, k, set(mesh.axis_names))
-        if bad is not None:
-            ranks, _ = bad
-            raise _crosscheck.agreed(ShardingError(
-                f"{what}: {paths[i]} (shape {tuple(leaves[i].shape)}) differs across ranks "
-                f"{ranks} (sums {_sums(table, k, ranks, mesh)}), but {what} takes each "
-                f"rank's block of one full tensor that every rank holds. Make it the same "
-                f"everywhere (call torch.manual_seed with one seed on every rank before "
-                f"drawing it), or pass src_rank=0 to use rank 0's. [FUNCTP_DEBUG check]"))
+    table = _exchange(mesh, leaves, idx, f"{what}: comparing full tensors")
+    bad = None if table is None else _first_difference(mesh, table, idx,
+                                                       lambda i: set(mesh.axis_names))
+    if bad is not None:
+        k, i, ranks, _ = bad
+        raise _crosscheck.agreed(ShardingError(
+            f"{what}: {paths[i]} (shape {tuple(leaves[i].shape)}) differs across ranks "
+            f"{ranks} (sums {_sums(table, k, ranks, mesh)}), but {what} takes each "
+            f"rank's block of one full tensor that every rank holds. Make it the same "
+            f"everywhere (call torch.manual_seed with one seed on every rank before "
+            f"drawing it), or pass src_rank=0 to use rank 0's. [FUNCTP_DEBUG check]"))
 
 
 def check_inputs(mesh, manual: tuple[str, ...], name: str, paths: list[str], leaves: list,
@@ -113,34 +126,37 @@ def check_inputs(mesh, manual: tuple[str, ...], name: str, paths: list[str], lea
     it (an error); blocks split over an axis that are all alike draw a warning (full
     tensors passed where blocks are expected)."""
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and specs[i] is not None]
-    if mesh.check.size == 1 or not idx or _crosscheck._skip(None):
+    table = _exchange(mesh, leaves, idx, f"shard_map({name}) entry: comparing inputs")
+    if table is None:
         return
-    table = _exchange(mesh, [leaves[i] for i in idx], f"shard_map({name}) entry: comparing inputs")
+    bad = _first_difference(mesh, table, idx,
+                            lambda i: {a for a in manual if a not in specs[i].axes})
+    if bad is not None:
+        k, i, ranks, axes = bad
+        raise _crosscheck.agreed(ShardingError(
+            f"in_specs for {paths[i]} (shape {tuple(leaves[i].shape)}) of shard_map({name}): "
+            f"{specs[i]!r} says it is replicated over {tuple(axes)}, but ranks {ranks} hold "
+            f"different values (sums {_sums(table, k, ranks, mesh)}). Pass the same "
+            f"tensor on every rank along {tuple(axes)} (one seed before drawing it, or "
+            f"functp.shard(..., src_rank=0)), or name {axes[0]!r} in its spec if each "
+            f"rank's value is its own block. [FUNCTP_DEBUG check]"))
     for k, i in enumerate(idx):
-        spec, x = specs[i], leaves[i]
-        free = {a for a in manual if a not in spec.axes}
-        bad = _differing(mesh, table, k, free) if free else None
-        if bad is not None:
-            ranks, axes = bad
-            raise _crosscheck.agreed(ShardingError(
-                f"in_specs for {paths[i]} (shape {tuple(x.shape)}) of shard_map({name}): "
-                f"{spec!r} says it is replicated over {tuple(axes)}, but ranks {ranks} hold "
-                f"different values (sums {_sums(table, k, ranks, mesh)}). Pass the same "
-                f"tensor on every rank along {tuple(axes)} (one seed before drawing it, or "
-                f"functp.shard(..., src_rank=0)), or name {axes[0]!r} in its spec if each "
-                f"rank's value is its own block. [FUNCTP_DEBUG check]"))
-        split = {a for a in manual if a in spec.axes}
-        if split and x.numel() > 1 and (name, paths[i]) not in _warned:
-            members = next(iter(_classes(mesh, split).values()))
-            if len(members) > 1 and not bool(table[members[0], k, 3]) and all(
-                    _same(table[j, k], table[members[0], k]) for j in members):
-                _warned.add((name, paths[i]))
-                warnings.warn(
-                    f"in_specs for {paths[i]} (shape {tuple(x.shape)}) of shard_map({name}): "
-                    f"{spec!r} splits it over {tuple(a for a in manual if a in split)}, but "
-                    f"every rank along them holds the same block. Did you pass the full "
-                    f"tensor? shard_map takes each rank's own block: functp.shard(full, "
-                    f"mesh, specs) gives it. [FUNCTP_DEBUG check]", stacklevel=4)
+        _warn_if_alike(mesh, table, k, manual, name, paths[i], leaves[i], specs[i])
+
+
+def _warn_if_alike(mesh, table, k: int, manual, name: str, path: str, x, spec) -> None:
+    split = {a for a in manual if a in spec.axes}
+    if split and x.numel() > 1 and (name, path) not in _warned:
+        members = next(iter(_classes(mesh, split).values()))
+        if len(members) > 1 and not bool(table[members[0], k, 3]) and all(
+                _same(table[j, k], table[members[0], k]) for j in members):
+            _warned.add((name, path))
+            warnings.warn(
+                f"in_specs for {path} (shape {tuple(x.shape)}) of shard_map({name}): "
+                f"{spec!r} splits it over {tuple(a for a in manual if a in split)}, but "
+                f"every rank along them holds the same block. Did you pass the full "
+                f"tensor? shard_map takes each rank's own block: functp.shard(full, "
+                f"mesh, specs) gives it. [FUNCTP_DEBUG check]", stacklevel=5)
 
 
 def check_outputs(mesh, manual: tuple[str, ...], name: str, paths: list[str], leaves: list,
@@ -150,21 +166,18 @@ def check_outputs(mesh, manual: tuple[str, ...], name: str, paths: list[str], le
     ``check_vma=False`` nothing else would notice)."""
     idx = [i for i, y in enumerate(leaves) if isinstance(y, torch.Tensor) and specs[i] is not None
            and any(a not in specs[i].axes for a in manual)]
-    if mesh.check.size == 1 or not idx or _crosscheck._skip(None):
-        return
-    table = _exchange(mesh, [leaves[i] for i in idx], f"shard_map({name}) exit: comparing outputs")
-    for k, i in enumerate(idx):
-        spec = specs[i]
-        bad = _differing(mesh, table, k, {a for a in manual if a not in spec.axes})
-        if bad is not None:
-            ranks, axes = bad
-            how = ("with check_vma=False nothing tracks which values vary" if not check_vma
-                   else "it was computed from something vma tracking cannot see (a Python "
-                        "number that differs per rank, such as axis_index, or data "
-                        "from outside the body)")
-            raise _crosscheck.agreed(ShardingError(
-                f"{paths[i]} of shard_map({name}) (shape {tuple(leaves[i].shape)}) differs "
-                f"across ranks {ranks} (sums {_sums(table, k, ranks, mesh)}), but out_specs "
-                f"{spec!r} says it is replicated over {tuple(axes)}; {how}. Reduce it with "
-                f"functp.psum/pmean(..., {axes[0]!r}), or name {axes[0]!r} in its out_spec. "
-                f"[FUNCTP_DEBUG check]"))
+    table = _exchange(mesh, leaves, idx, f"shard_map({name}) exit: comparing outputs")
+    bad = None if table is None else _first_difference(
+        mesh, table, idx, lambda i: {a for a in manual if a not in specs[i].axes})
+    if bad is not None:
+        k, i, ranks, axes = bad
+        how = ("with check_vma=False nothing tracks which values vary" if not check_vma
+               else "it was computed from something vma tracking cannot see (a Python "
+                    "number that differs per rank, such as axis_index, or data "
+                    "from outside the body)")
+        raise _crosscheck.agreed(ShardingError(
+            f"{paths[i]} of shard_map({name}) (shape {tuple(leaves[i].shape)}) differs "
+            f"across ranks {ranks} (sums {_sums(table, k, ranks, mesh)}), but out_specs "
+            f"{specs[i]!r} says it is replicated over {tuple(axes)}; {how}. Reduce it with "
+            f"functp.psum/pmean(..., {axes[0]!r}), or name {axes[0]!r} in its out_spec. "
+            f"[FUNCTP_DEBUG check]"))
