@@ -128,10 +128,12 @@ class Parallelized:
         self.specs = specs
         #: the plan axis (or axis tuple) of each covered parameter
         self.axes = dict(axes or {n: axis for n in owners})
-        model = {a for style, ax in [*((owners[n][1], ax) for n, ax in self.axes.items()),
-                                      *((h[2], h[4]) for h in hooked)]
-                 if not isinstance(style, ExpertDispatch) for a in _axes_of(ax)}
-        #: the mesh axes to split the batch over (those no rule but a dispatch uses)
+        model = {a for n in owners if not isinstance(owners[n][1], ExpertDispatch)
+                 for a in specs[n].axes}
+        model |= {a for h in hooked if not isinstance(h[2], ExpertDispatch)
+                  for a in _axes_of(h[4])}
+        #: the mesh axes to split the batch over: those that only an expert dispatch
+        #: uses, or none (tensor-parallel axes hold the same tokens)
         self.batch_axes = tuple(a for a in mesh.axis_names if a not in model)
         self.styles = {n: owners[n][0] if n in owners else "not covered" for n in specs}
         self._owners = owners

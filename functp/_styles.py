@@ -630,12 +630,14 @@ class ExpertDispatch(Style):
     def _ragged_dispatch(self, tokens, idx, weights, local, call):
         n = axis_size(call.axis)
         experts = n * local
-        key = idx
+        bad = (idx < 0) | (idx >= experts)                       # reported with the counts
+        key = torch.where(bad, experts, idx)
         if self.capacity_factor is not None:     # dropped pairs sort last, and stay
-            key = torch.where(self._keep(idx, weights, experts, tokens.shape[0]), idx, experts)
+            key = torch.where(self._keep(key, weights, experts), key, experts)
         order = torch.argsort(key, stable=True)                  # grouped by expert
-        counts = torch.bincount(key, minlength=experts + 1)[:experts]
-        plan = _expert_plan(counts, local, call.axis)            # the one host sync
+        counts = torch.cat([torch.bincount(key, minlength=experts + 1)[:experts],
+                            bad.sum().reshape(1)])
+        plan = _expert_plan(counts, local, call)                 # the one host sync
         self.dropped[call.name] = idx.numel() - sum(plan.send)
         call.state.update(order=order, plan=plan)
         rows = tokens[torch.div(order, idx.numel() // tokens.shape[0], rounding_mode="floor")]
@@ -644,14 +646,15 @@ class ExpertDispatch(Style):
                                    recv_offsets=plan.recv_off)
         return recv_x, plan.recv_experts
 
-    def _keep(self, idx, weights, experts, tokens):
-        """Which pairs fit their expert's capacity (Megatron's ``get_capacity``)."""
+    def _keep(self, idx, weights, experts):
+        """Which pairs fit their expert's capacity (Megatron's ``get_capacity``, on this
+        rank's pairs); ``idx`` is ``experts`` for a pair that names no expert."""
         cap = math.ceil(idx.numel() / experts * self.capacity_factor)
         order = torch.arange(idx.numel())
         if self.drop_policy == "probs":          # highest weight first within an expert
             order = torch.argsort(-weights.detach(), stable=True)
         order = order[torch.argsort(idx[order], stable=True)]
-        counts = torch.bincount(idx, minlength=experts)
+        counts = torch.bincount(idx, minlength=experts + 1)
         start = counts.cumsum(0) - counts
         rank = torch.arange(idx.numel()) - start[idx[order]]     # place within its expert
         return torch.empty_like(rank).scatter_(0, order, rank) < cap
@@ -684,11 +687,20 @@ class _ExpertPlan(NamedTuple):
     recv_experts: torch.Tensor     # the local expert of every received row
 
 
-def _expert_plan(counts: torch.Tensor, local: int, axis) -> _ExpertPlan:
-    """Every rank's pairs per expert (one all-gather, one host sync) -> the sizes of
-    the dispatch and of its return, and each received row's local expert."""
+def _expert_plan(counts: torch.Tensor, local: int, call: Call) -> _ExpertPlan:
+    """Every rank's pairs per expert, and its count of routes to no expert (one
+    all-gather, one host sync) -> the sizes of the dispatch and of its return, and
+    each received row's local expert. A bad route is an error on every rank."""
+    axis = call.axis
     n, me = axis_size(axis), axis_index(axis)
-    table = all_gather(counts, axis).tolist()          # [source][expert]
+    table = all_gather(counts, axis).tolist()          # [source][expert] + [bad routes]
+    bad = {s: row[-1] for s, row in enumerate(table) if row[-1]}
+    if bad:
+        raise ShardingError(
+            f"ExpertDispatch on {call.name!r}: routing indices outside 0..{n * local - 1} "
+            f"({n * local} experts, {local} on each of the {n} ranks of {axis!r}): "
+            f"{sum(bad.values())} (token, choice) pairs on ranks {sorted(bad)} of {axis!r}; "
+            f"the router must give global expert numbers")
     per_dest = [[sum(row[j * local:(j + 1) * local]) for j in range(n)] for row in table]
     send = per_dest[me]
     recv = [per_dest[s][me] for s in range(n)]
