@@ -623,6 +623,12 @@ class ExpertDispatch(Style):
             # transformers' experts read their count from it (MoEParamShard sets it too)
             module.num_experts = local
             call.on_exit(lambda: setattr(module, "num_experts", n_experts))
+        call.state["empty"] = recv_x.shape[0] == 0
+        if call.state["empty"]:
+            # one zero row for expert 0, dropped after: the experts' output stays
+            # connected to the exchange and the parameters, so that this rank's
+            # backward runs the same collectives as its peers' (as transformers does)
+            recv_x, recv_e = recv_x.sum(0, keepdim=True), recv_e.new_zeros(1)
         ones = torch.ones(recv_x.shape[0], 1, dtype=weights.dtype)
         routed = (ones, recv_e.unsqueeze(1)) if idx_at == 2 else (recv_e.unsqueeze(1), ones)
         return (recv_x, *routed, *args[3:]), kwargs
@@ -661,6 +667,8 @@ class ExpertDispatch(Style):
 
     def prepare_output(self, module, args, kwargs, output, call):
         st = call.state
+        if st["empty"]:
+            output = output[:0]
         if self.dispatch == "padded":
             back = all_to_all(output, call.axis, 0, 0, tiled=True)
             pairs = back[st["slot"]]

@@ -14,7 +14,7 @@ from torch import nn
 
 import functp
 from functp import P
-from functp.models.llama import LlamaConfig, LlamaMoE
+from functp.models.llama import LlamaConfig, LlamaExperts, LlamaMoE
 from _oracle import assert_tree_close
 
 H, F, S, K = 8, 12, 3, 2         # hidden, intermediate, sequence, experts per token
@@ -34,9 +34,24 @@ class Block(nn.Module):
         return x + self.moe(x)
 
 
+class HitExperts(LlamaExperts):
+    """Runs only the experts some row is routed to, as transformers' eager experts do:
+    with no rows its output is a constant, connected to nothing."""
+
+    def forward(self, x, weights, indices):
+        out = torch.zeros_like(x)
+        for e in sorted(set(indices.flatten().tolist())):
+            w = (weights * (indices == e)).sum(-1, keepdim=True)
+            gate, up = (x @ self.gate_up_proj[e].T).chunk(2, dim=-1)
+            out = out + w * ((torch.nn.functional.silu(gate) * up) @ self.down_proj[e].T)
+        return out
+
+
 def _block(experts: int) -> Block:
     torch.manual_seed(0)
-    return Block(experts).double()
+    block = Block(experts).double()
+    block.moe.experts.__class__ = HitExperts
+    return block
 
 
 def _batch(rows: int) -> torch.Tensor:
@@ -87,9 +102,11 @@ def _reference(module, x, drop=None):
     return grads, loss
 
 
-def _program(shape, names, experts, dispatch, drop=None):
+def _program(shape, names, experts, dispatch, drop=None, route=None):
     mesh = functp.make_mesh(shape, names)
     module = _block(experts)
+    if route is not None:          # the same routing change for both runs
+        module.moe.router.register_forward_hook(lambda m, a, out: route(*out))
     apply, params, specs = functp.parallelize(module, mesh, _plan(mesh, dispatch))
     batch = apply.batch_axes
     x = _batch(2 * mesh.axis_size(batch))
@@ -131,6 +148,18 @@ def test_tensor_parallel_ranks_dispatch_their_slice_of_the_shared_tokens(run):
                  functp.ExpertDispatch(shared=("tp",)))[0]
     assert log.count("ragged_all_to_all", ("ep",)) == 4
     assert log.count("all_gather", ("tp",)) >= 1
+
+
+def _to_rank_0(weights, idx):
+    return weights, idx % 2            # experts 0 and 1: rank 0's of 4 experts on 2 ranks
+
+
+def test_a_rank_that_receives_no_tokens_still_runs_every_collective(run):
+    # rank 1's experts get nothing: their output stays connected, so rank 1's backward
+    # runs the same exchanges as rank 0's, and its experts' gradients are zero
+    log, _ = run(2, _program, (2,), ("ep",), 4, functp.ExpertDispatch(), None,
+                 _to_rank_0)[1]
+    assert log.count("ragged_all_to_all") == 4
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
