@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ._collectives import all_gather_invariant, axis_size
+from ._collectives import all_gather_invariant, axis_size, pmean
 from ._errors import ShardingError
 from ._mesh import Mesh
 from ._shard_map import shard_map
 from ._spec import P
-from ._styles import _packed_merge
+from ._styles import ExpertDispatch, _packed_merge
 
 __all__ = ["check_plan"]
 
@@ -36,10 +36,13 @@ def _first_tensor(x: Any) -> torch.Tensor | None:
     return None
 
 
-def _record(module: nn.Module, into: list, transform=None) -> list:
-    """Forward hooks on every submodule appending ``(name, first output tensor)``."""
+def _record(module: nn.Module, into: list, transform=None, skip: tuple[str, ...] = ()) -> list:
+    """Forward hooks on every submodule (but those under a prefix in ``skip``)
+    appending ``(name, first output tensor)``."""
     handles = []
     for name, sub in module.named_modules():
+        if name.startswith(skip) and skip:
+            continue
         def hook(m, args, output, name=name):
             t = _first_tensor(output)
             if t is not None and t.is_floating_point():
@@ -81,9 +84,15 @@ def check_plan(module: nn.Module, apply: Any, local: dict, specs: dict, args: tu
     return {"modules": n, "parameters": grads, "max_error": max(worst, worst2)}
 
 
-def _run_recorded(module, full, args, kwargs) -> list:
+def _inside_dispatch(apply) -> tuple[str, ...]:
+    """Prefixes of the modules inside an expert dispatch: they run on the pairs this
+    rank received, whose number no unsharded module has (their sum is compared)."""
+    return tuple(h[0] + "." for h in apply._hooked if isinstance(h[2], ExpertDispatch))
+
+
+def _run_recorded(module, full, args, kwargs, skip) -> list:
     reference: list = []
-    handles = _record(module, reference)
+    handles = _record(module, reference, skip=skip)
     try:
         with torch.no_grad():
             functional_call(module, full, args, kwargs, tie_weights=True, strict=False)
@@ -119,12 +128,14 @@ def _whole_fn(apply, ref_shapes):
 
 
 def _compare_outputs(module, full, apply, local, specs, args, kwargs, rtol):
-    reference = _run_recorded(module, full, args, kwargs)
+    skip = _inside_dispatch(apply)
+    reference = _run_recorded(module, full, args, kwargs, skip)
     whole = _whole_fn(apply, [t.shape for _, t in reference])
     sharded: list = []
 
     def body(p):
-        handles = _record(module, sharded, lambda name, t: whole(len(sharded), name, t))
+        handles = _record(module, sharded, lambda name, t: whole(len(sharded), name, t),
+                          skip)
         try:
             with torch.no_grad():
                 apply(p, *args, **kwargs)
@@ -164,7 +175,12 @@ def _compare_grads(module, full, apply, local, specs, args, kwargs, rtol):
     ref_grads = torch.func.grad(
         lambda p: scalar(functional_call(module, p, args, kwargs, tie_weights=True,
                                          strict=False)))(full)
-    step = shard_map(lambda p: scalar(apply(p, *args, **kwargs)), apply.mesh,
+    # the inputs are replicated: ranks that would hold other tokens (an expert
+    # dispatch's) hold the same ones, and the mean over them is the same scalar
+    batch = tuple(dict.fromkeys(a for h in apply._hooked if isinstance(h[2], ExpertDispatch)
+                                for a in (h[4] if isinstance(h[4], tuple) else (h[4],))))
+    step = shard_map(lambda p: pmean(scalar(apply(p, *args, **kwargs)), batch)
+                     if batch else scalar(apply(p, *args, **kwargs)), apply.mesh,
                      in_specs=(specs,), out_specs=P())
     grads = apply.unshard(torch.func.grad(step)(local))
     scale = max((g.abs().max().item() for g in ref_grads.values()), default=0.0)

@@ -177,3 +177,21 @@ def test_every_listed_type_exists():
     known = set(_types())
     for table in (REFUSED, SLOW, EXTRA, dict.fromkeys(TWO_D), FLOAT32_INSIDE - hf.FLOAT32_INSIDE):
         assert set(table) <= known, set(table) - known
+
+
+def _verify(config):
+    model = _build("mixtral")
+    if config is None:
+        return functp.verify_plan(model, functp.make_mesh((2, 2), ("ep", "tp")), "auto")
+    from transformers import DistributedConfig
+    return functp.verify_plan(model, None, "auto",
+                              distributed_config=DistributedConfig(**config))
+
+
+@pytest.mark.parametrize("config", [None, dict(tp_size=2, ep_size=4, fsdp_size=2)],
+                         ids=["ep2_tp2", "config_tp2_ep4"])
+def test_verify_plan_checks_an_expert_parallel_plan(run, config):
+    # modules inside the experts run on the pairs a rank received: not compared one
+    # by one; the experts' combined output and every gradient are
+    report = run(4, _verify, config)[0]
+    assert report["max_error"] < 1e-5 and report["parameters"] > 0
