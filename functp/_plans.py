@@ -663,7 +663,7 @@ def _match_families(module: nn.Module, families) -> tuple[dict, list]:
     for ax, plan, auto in families:
         got, left = match_plan(module, plan)
         for name, (rule, label, style) in got.items():
-            if name in matched and matched[name][2] is not style:
+            if name in matched:
                 raise ShardingError(
                     f"module {name!r} is matched by rule {matched[name][0]!r} of the "
                     f"{matched[name][3]!r} plan and by rule {rule!r} of the {ax!r} plan; a "

@@ -500,6 +500,25 @@ def _errors():
     return msgs
 
 
+def _family_errors():
+    mesh = functp.make_mesh((2, 2), ("dp", "tp"))
+    with pytest.raises(functp.ShardingError, match="family 'ep' names no axis"):
+        functp.parallelize(MLP().double(), mesh, {"ep": {"fc1": "colwise"}})
+    with pytest.raises(functp.ShardingError, match="'fc1' is matched by rule 'fc1' of the "
+                                                   "'tp' plan and by rule .* of the 'dp'"):
+        functp.parallelize(MLP().double(), mesh, {"tp": {"fc1": "colwise"},
+                                                  "dp": {"fc*": "colwise"}})
+    # two families on two axes: each module's parameters split over its family's axis
+    apply, _, specs = functp.parallelize(MLP().double(), mesh, {"tp": {"fc1": "colwise"},
+                                                                "dp": {"fc2": "rowwise"}})
+    assert specs["fc1.weight"] == P("tp", None) and specs["fc2.weight"] == P(None, "dp")
+    assert apply.batch_axes == ()
+
+
+def test_plan_families_by_mesh_axis(run):
+    run(4, _family_errors)
+
+
 def test_errors_name_the_parameter_shape_style_and_fix(run):
     colwise, vocab, packed, row_emb, norm = run(2, _errors)[0]
     assert "'weight' (shape (3, 8))" in colwise and "'colwise'" in colwise
