@@ -32,9 +32,9 @@ from ._collectives import (all_gather, all_gather_invariant, all_to_all, axis_in
                            axis_size, psum, psum_scatter, pvary)
 from ._errors import ShardingError
 from ._mesh import Mesh
-from ._ragged import ragged_all_to_all
 from ._sharding import local_block
 from ._spec import P
+from ._ragged import ragged_all_to_all      # (ops layer: below the styles)
 
 __all__ = ["Style", "Call", "Replicated", "Colwise", "Rowwise", "VocabParallelEmbedding",
            "SequenceParallel", "PrepareInput", "PrepareOutput", "ExpertRouter",
