@@ -25,11 +25,10 @@ from ._optim import init_optimizer_state, optimizer_specs, set_grads
 from ._precision import MixedPrecision
 from ._ragged import RaggedOffsets, ragged_all_to_all, ragged_offsets
 from ._remat import checkpoint, checkpoint_name, remat, remat_policies
-from ._plans import Parallelized, match_plan, parallelize
+from ._plans import Parallelized, match_plan, parallelize, verify_plan
 from ._shard_map import shard_map
 from ._show import print_ranks, visualize_sharding
 from ._simulate import simulate
-from ._verify import verify_plan
 from ._world import process_count, process_index
 from ._reshard import global_shapes, reshard
 from ._sharding import pad_to_multiple, shard, unpad, unshard

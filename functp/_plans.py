@@ -29,9 +29,11 @@ from ._mesh import Mesh
 from ._layout import uneven
 from ._sharding import unshard
 from ._spec import P, normalize_spec
-from ._styles import STYLES, Call, ParameterRules, Replicated, Style, get_style
+from ._styles import (STYLES, Call, ExpertDispatch, ParameterRules, Replicated, Style,
+                      get_style)
+from ._verify import _example_args, check_plan
 
-__all__ = ["parallelize", "Parallelized", "match_plan"]
+__all__ = ["parallelize", "Parallelized", "match_plan", "verify_plan"]
 
 _WILD = re.compile(r"[*?\[]")
 
@@ -112,6 +114,9 @@ class Parallelized:
     collectives at module boundaries.
 
     ``apply.specs`` / ``apply.styles`` give each parameter's spec and rule;
+    ``apply.axes`` the plan axis (or axis tuple) of each covered parameter;
+    ``apply.batch_axes`` the mesh axes to split the batch over (those no rule splits
+    a parameter over, or only an expert dispatch does);
     ``apply.split_share`` the share of parameter elements the plan splits (what it
     leaves out is replicated: memory every rank pays in full);
     ``apply.shard(full)`` turns canonical full parameters into this rank's blocks and
@@ -120,10 +125,20 @@ class Parallelized:
     per-rank interleaving that a plain :func:`functp.unshard` would give.
     """
 
-    def __init__(self, module: nn.Module, mesh: Mesh, axis: str, specs: dict[str, P],
-                 owners: dict[str, tuple[str, Style]], hooked: list, withheld: list[str]):
+    def __init__(self, module: nn.Module, mesh: Mesh, axis: Any, specs: dict[str, P],
+                 owners: dict[str, tuple[str, Style]], hooked: list, withheld: list[str],
+                 axes: dict[str, Any] | None = None):
         self.module, self.mesh, self.axis = module, mesh, axis
         self.specs = specs
+        #: the plan axis (or axis tuple) of each covered parameter
+        self.axes = dict(axes or {n: axis for n in owners})
+        model = {a for n in owners if not isinstance(owners[n][1], ExpertDispatch)
+                 for a in specs[n].axes}
+        model |= {a for h in hooked if not isinstance(h[2], ExpertDispatch)
+                  for a in _axes_of(h[4])}
+        #: the mesh axes to split the batch over: those that only an expert dispatch
+        #: uses, or none (tensor-parallel axes hold the same tokens)
+        self.batch_axes = tuple(a for a in mesh.axis_names if a not in model)
         self.styles = {n: owners[n][0] if n in owners else "not covered" for n in specs}
         self._owners = owners
         self._hooked = hooked
@@ -135,8 +150,8 @@ class Parallelized:
         # the hooks are registered once, here, and act only while __call__ runs:
         # registering them per call cannot be traced by torch.compile
         self._call = _CallState()
-        for name, mod, style, pmap in hooked:
-            hook = _PlanHook(name, style, pmap, axis, self._call)
+        for name, mod, style, pmap, ax in hooked:
+            hook = _PlanHook(name, style, pmap, ax, self._call)
             mod.register_forward_pre_hook(hook.pre, with_kwargs=True)
             mod.register_forward_hook(hook.post, with_kwargs=True)
 
@@ -149,12 +164,15 @@ class Parallelized:
         return self._owners[name][1] if name in self._owners else _REPLICATED
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        n = axis_size(self.axis)       # raises a clear error outside a shard_map body
-        if n != self.mesh.shape[self.axis]:
-            raise ShardingError(
-                f"apply of parallelize({type(self.module).__name__}) was built for "
-                f"'{self.axis}' of size {self.mesh.shape[self.axis]} but runs in a "
-                f"shard_map where it has size {n}; parallelize with the shard_map's mesh")
+        for ax in dict.fromkeys([self.axis, *self.axes.values()]):
+            if ax is None:
+                continue
+            n = axis_size(ax)       # raises a clear error outside a shard_map body
+            if n != self.mesh.axis_size(ax):
+                raise ShardingError(
+                    f"apply of parallelize({type(self.module).__name__}) was built for "
+                    f"{ax!r} of size {self.mesh.axis_size(ax)} but runs in a shard_map "
+                    f"where it has size {n}; parallelize with the shard_map's mesh")
         call_params = dict(params)
         for name, zero in self._withheld:      # (a module that cannot take None: zeros)
             call_params[name] = torch.zeros_like(params[name]) if zero else None
@@ -208,18 +226,24 @@ class Parallelized:
 
     def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical full tensors (keyed by parameter name) -> this rank's blocks."""
-        return {k: self._style(k).shard_param(k, v, self.specs[k], self.mesh, self.axis)
+        return {k: self._style(k).shard_param(k, v, self.specs[k], self.mesh,
+                                              self.axes.get(k, self.axis))
                 for k, v in full.items()}
 
     def unshard(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's blocks (parameters or gradients) -> canonical full tensors."""
         gathered = unshard(local, self.mesh, {k: self.specs[k] for k in local})
-        size = self.mesh.shape[self.axis]
-        return {k: self._style(k).unshard_param(k, v, self.specs[k], size)
+        return {k: self._style(k).unshard_param(
+                    k, v, self.specs[k], self.mesh.axis_size(self.axes.get(k, self.axis))
+                    if k in self.axes or self.axis is not None else 1)
                 for k, v in gathered.items()}
 
 
 _REPLICATED = Replicated()
+
+
+def _axes_of(ax: Any) -> tuple:
+    return ax if isinstance(ax, tuple) else () if ax is None else (ax,)
 
 
 class _CallState:
@@ -380,8 +404,11 @@ _SHIPPED = {"GPT2Model": _GPT2_BLOCKS,
                                 "lm_head": "colwise_gather_output"}}
 
 
-def _auto_plan(module: nn.Module, size: int | None = None) -> dict[str, Any]:
-    """transformers' own tensor-parallel plan of ``module`` in functp's styles.
+def _auto_plan(module: nn.Module, size: int | None = None, override: Any = None,
+               exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """transformers' own tensor-parallel plan of ``module`` in functp's styles
+    (``override``: a config's ``tp_plan`` dict; ``exclude``: patterns of modules another
+    plan family lays out, whose rules and their children's are dropped).
 
     Rules that name a parameter (``experts.gate_up_proj``, ``self_attn.sinks``) are
     gathered into one :class:`ParameterRules` style for their module, which sums its
@@ -389,6 +416,9 @@ def _auto_plan(module: nn.Module, size: int | None = None) -> dict[str, Any]:
     """
     kind = type(module).__name__
     plan = getattr(module, "_tp_plan", None)
+    if plan is not None:
+        plan = {k: v for k, v in _overridden(plan, override).items()
+                if not any(k == e or k.startswith(e + ".") for e in exclude)}
     if plan is None:
         if importlib.util.find_spec("transformers") is None:
             why = "transformers is not installed, and 'auto' reads its models' plans"
@@ -529,34 +559,48 @@ def _whole_statistics(module: nn.Module, plan: dict[str, Any]) -> dict[str, str]
     return extra
 
 
-def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
-                axis: str = "tp", verify: bool = False) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
-    """Applies a tensor-parallel ``plan`` to ``module`` over mesh axis ``axis``.
+def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any] | str = "auto",
+                *, axis: str = "tp", verify: bool = False, distributed_config: Any = None
+                ) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
+    """Applies a tensor- (and expert-) parallel ``plan`` to ``module`` over ``mesh``.
 
     **Arguments:** ``module`` – an ordinary ``torch.nn.Module``, the same on every
     rank (its parameters are read, never changed); ``mesh`` – a :class:`Mesh`;
     ``plan`` – ``{module-name pattern: style}``, styles by registered name
     (``"colwise"``, ``"rowwise"``, ``"packed_colwise"``, ``"embedding_rowwise"``,
     ``"sequence_parallel"``, ``"replicated"``, ``"ep_router"``, ...) or as
-    ``functp.Style`` objects; or ``"auto"``: a transformers model's own plan
-    (``model._tp_plan``, its style names translated; parameters it does not name
-    are replicated, as transformers does), or for GPT-2, which has none, a plan
-    functp ships; ``axis`` – the mesh axis the plan splits over. Other
-    mesh axes (``dp``) are left to you: parameters are replicated over them;
-    ``verify`` – first run :func:`functp.verify_plan` on random token ids (a
-    transformers language model; for others call ``verify_plan`` with an input):
-    a plan that makes any module's output or any gradient differ from the
-    unsharded module raises a ``ShardingError`` naming the first such module.
+    ``functp.Style`` objects, all over ``axis``; or plan families by mesh axis,
+    ``{"tp": tp_plan, "ep": ep_plan}`` (an axis tuple as key splits over those axes
+    together; a module matched in two families is an error); or ``"auto"``: a
+    transformers model's own plans: its tensor-parallel plan (``model._tp_plan``,
+    style names translated; for GPT-2, which has none, a plan functp ships) over
+    ``axis`` when the mesh has it, and, when the mesh has an ``ep`` axis, its
+    expert-parallel plan (``model._ep_plan``: the experts as
+    :class:`functp.ExpertDispatch` over ``ep``, each tensor-parallel rank
+    dispatching its slice of the tokens; the tensor-parallel rules on the experts
+    dropped, as transformers does); ``axis`` – the axis of a single plan dict and of
+    the tensor-parallel family; ``verify`` – first run :func:`functp.verify_plan`
+    on random token ids (a transformers language model): a plan that makes any
+    module's output or any gradient differ from the unsharded module raises a
+    ``ShardingError`` naming the first such module; ``distributed_config`` –
+    transformers' ``DistributedConfig`` (or a dict of its fields) instead of a mesh:
+    the mesh is ``("dp", "ep", "tp")``
+    (experts split over ``("ep", "tp")``, the batch over ``("dp", "ep")``); FSDP's
+    parameter sharding is not applied (``fsdp_size`` and ``dp_replicate_size`` make ``dp``,
+    over which parameters are replicated); the plans are then ``"auto"``, with the config's
+    ``tp_plan`` / ``ep_plan`` dicts overriding rules as in transformers.
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
     by the module's dotted parameter names), their specs, and
     ``apply(params, *args, **kwargs)``, which runs the module with
     ``torch.func.functional_call`` and, only during that call, the plan's hooks.
-    Call it inside a ``shard_map`` body. Parameters no rule covers are replicated;
-    rank 0 warns about them and about rules that matched nothing. A module without a
-    rule that shares a weight with one the plan splits (a tied embedding) gets the
-    style that splits it the same way (``embedding_rowwise`` for an LM head split
-    over the vocabulary), or a clear error.
+    Call it inside a ``shard_map`` body; split the batch over ``apply.batch_axes``.
+    Parameters no rule covers are replicated; rank 0 warns about them and about
+    rules that matched nothing. A module without a rule that shares a weight with
+    one the plan splits (a tied embedding) gets the style that splits it the same
+    way (``embedding_rowwise`` for an LM head split over the vocabulary), or a
+    clear error. Other mesh axes (``dp``) are left to you: parameters are
+    replicated over them.
 
     Model code must take local sizes from tensors (``view(b, s, -1, head_dim)``),
     as transformers' models do, since a rank holds only its heads.
@@ -573,63 +617,288 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, Any] | str, *,
     """
     if not isinstance(module, nn.Module):
         raise ShardingError(f"parallelize: expected a torch.nn.Module, got {type(module).__name__}")
+    config = None
+    if distributed_config is not None:
+        config = _resolve_config(distributed_config)
+        mesh = mesh if mesh is not None else _mesh_for_config(config)
     if not isinstance(mesh, Mesh):
-        raise ShardingError(f"parallelize: mesh must be a functp.Mesh (functp.make_mesh), got {mesh!r}")
+        raise ShardingError(f"parallelize: mesh must be a functp.Mesh (functp.make_mesh), got "
+                            f"{mesh!r}; or pass distributed_config=")
+    if verify:
+        verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
+    families = _families(module, mesh, plan, axis, config)
+    return _lay_out(module, mesh, families)
+
+
+def _families(module: nn.Module, mesh: Mesh, plan: Any, axis: str, config: dict | None
+              ) -> list[tuple[Any, dict, bool]]:
+    """``[(axis or axis tuple, plan dict, auto)]``: the plan families to apply."""
+    if isinstance(plan, str) and plan == "auto":
+        return _auto_families(module, mesh, axis, config)
+    if config is not None:
+        raise ShardingError("parallelize(..., distributed_config=...): the plans come from the "
+                            "config (its tp_plan / ep_plan) and the model; pass plan='auto'")
+    if isinstance(plan, str):
+        raise ShardingError(f"parallelize: plan must be a dict of rules or 'auto', got {plan!r}")
+    if isinstance(plan, dict) and plan and all(isinstance(v, dict) for v in plan.values()):
+        for ax in plan:
+            for a in (ax if isinstance(ax, tuple) else (ax,)):
+                if a not in mesh.axis_names:
+                    raise ShardingError(
+                        f"parallelize: plan family {ax!r} names no axis of {mesh}; key plan "
+                        f"families by mesh axes ({mesh.axis_names}) or axis tuples")
+        return [(ax, fam, False) for ax, fam in plan.items()]
+    _need_axis(mesh, axis)
+    return [(axis, plan, False)]
+
+
+def _need_axis(mesh: Mesh, axis: str) -> None:
     if axis not in mesh.axis_names:
         raise ShardingError(
             f"parallelize: axis {axis!r} is not an axis of {mesh}; pass axis= one of "
             f"{mesh.axis_names}")
-    auto = isinstance(plan, str) and plan == "auto"
-    if verify:
-        from ._verify import verify_plan
-        verify_plan(module, mesh, plan, axis=axis)
-    if isinstance(plan, str) and not auto:
-        raise ShardingError(f"parallelize: plan must be a dict of rules or 'auto', got {plan!r}")
-    if auto:
-        plan = _auto_plan(module, mesh.shape[axis])
-    matched, unused = match_plan(module, plan)
-    full = dict(module.named_parameters())                 # tied parameters once
-    canon = {id(p): n for n, p in full.items()}
-    specs: dict[str, P] = {}
-    owners: dict[str, tuple[str, Style]] = {}
-    hooked, withheld = [], []
 
-    def take(mname: str, rule: str, label: str, style: Style) -> None:
-        mod = module.get_submodule(mname)
+
+def _match_families(module: nn.Module, families) -> tuple[dict, list]:
+    """name -> (rule, label, style, axis) over all families; a module two families
+    match is an error. Also the (family axis, unused rules) pairs."""
+    matched: dict[str, tuple] = {}
+    unused = []
+    for ax, plan, auto in families:
+        got, left = match_plan(module, plan)
+        for name, (rule, label, style) in got.items():
+            if name in matched:
+                raise ShardingError(
+                    f"module {name!r} is matched by rule {matched[name][0]!r} of the "
+                    f"{matched[name][3]!r} plan and by rule {rule!r} of the {ax!r} plan; a "
+                    f"module takes one rule: drop one of them")
+            matched[name] = (rule, label, style, ax)
+        if not auto:
+            unused.append((ax, left))
+    return matched, unused
+
+
+class _Layout:
+    """The specs, owners, hooks and withheld parameters ``parallelize`` builds."""
+
+    def __init__(self, module: nn.Module, mesh: Mesh):
+        self.module, self.mesh = module, mesh
+        self.full = dict(module.named_parameters())                 # tied parameters once
+        self.canon = {id(p): n for n, p in self.full.items()}
+        self.specs: dict[str, P] = {}
+        self.owners: dict[str, tuple[str, Style]] = {}
+        self.axes: dict[str, Any] = {}
+        self.hooked: list = []
+        self.withheld: list = []
+
+    def take(self, mname: str, rule: str, label: str, style: Style, axis) -> None:
+        mod = self.module.get_submodule(mname)
         prefix = mname + "." if mname else ""
         own = dict(mod.named_parameters(recurse=False))
         pspecs = _param_specs(style, mod, axis, own, f"plan rule {rule!r} -> {label} on "
                               f"module {mname!r}")
         for short, spec in pspecs.items():
-            c = canon[id(own[short])]
-            spec = normalize_spec(spec, mesh.axis_names,
+            c = self.canon[id(own[short])]
+            spec = normalize_spec(spec, self.mesh.axis_names,
                                   f"plan rule {rule!r} -> {label} for parameter {prefix + short!r}",
                                   own[short].shape)
-            if c in specs and specs[c] != spec:
+            if c in self.specs and self.specs[c] != spec:
                 raise ShardingError(
                     f"parameter {c!r} (shape {tuple(own[short].shape)}) is tied to "
-                    f"{prefix + short!r}, and the plan lays it out as {specs[c]!r} "
-                    f"({owners[c][0]}) there but {spec!r} ({label}) here; give both "
+                    f"{prefix + short!r}, and the plan lays it out as {self.specs[c]!r} "
+                    f"({self.owners[c][0]}) there but {spec!r} ({label}) here; give both "
                     f"modules styles that split the shared weight the same way")
-            specs[c] = spec
-            owners.setdefault(c, (f"{rule!r} -> {label}", style))
-        withheld.extend((prefix + s, not isinstance(mod, nn.Linear)) for s in style.withheld(mod))
+            self.specs[c] = spec
+            self.owners.setdefault(c, (f"{rule!r} -> {label}", style))
+            self.axes.setdefault(c, axis)
+        self.withheld.extend((prefix + s, not isinstance(mod, nn.Linear))
+                             for s in style.withheld(mod))
         if style.has_hooks():
-            hooked.append((mname, mod, style, {s: canon[id(p)] for s, p in own.items()}))
+            self.hooked.append((mname, mod, style,
+                                {s: self.canon[id(p)] for s, p in own.items()}, axis))
 
-    for mname, (rule, label, style) in matched.items():
-        take(mname, rule, label, style)
-    for mname, (rule, label, style) in _tied_styles(module, matched, specs, canon, mesh,
-                                                    axis).items():
-        take(mname, rule, label, style)
-    uncovered = [n for n in full if n not in specs]
-    specs = {n: specs.get(n, P()) for n in full}
-    for n, p in full.items():
-        desc = owners[n][0] if n in owners else "(none)"
+
+def _lay_out(module: nn.Module, mesh: Mesh, families) -> tuple[Parallelized, dict, dict]:
+    matched, unused = _match_families(module, families)
+    lay = _Layout(module, mesh)
+    for mname, (rule, label, style, ax) in matched.items():
+        lay.take(mname, rule, label, style, ax)
+    by_axis: dict[Any, dict] = {}
+    for mname, m in matched.items():
+        by_axis.setdefault(m[3], {})[mname] = m[:3]
+    for ax, group in by_axis.items():
+        for mname, (rule, label, style) in _tied_styles(module, group, lay.specs, lay.canon,
+                                                        mesh, ax).items():
+            lay.take(mname, rule, label, style, ax)
+    uncovered = [n for n in lay.full if n not in lay.specs]
+    specs = {n: lay.specs.get(n, P()) for n in lay.full}
+    for n, p in lay.full.items():
+        desc = lay.owners[n][0] if n in lay.owners else "(none)"
         _check_divisible(n, p, specs[n], mesh, desc)
         _check_heads(module, n, p, specs[n], mesh, desc)
-    if not auto:            # transformers replicates what its plan leaves out
-        _warn_plan(module, unused, uncovered, axis, full)
-    apply = Parallelized(module, mesh, axis, specs, owners, hooked, withheld)
-    local = apply.shard({n: p.detach() for n, p in full.items()})
+    for i, (ax, left) in enumerate(unused):     # not for "auto": transformers replicates
+        _warn_plan(module, left, uncovered if i == 0 else [], ax, lay.full)
+    first = families[0][0] if families else None
+    apply = Parallelized(module, mesh, first, specs, lay.owners, lay.hooked, lay.withheld,
+                         lay.axes)
+    local = apply.shard({n: p.detach() for n, p in lay.full.items()})
     return apply, local, dict(specs)
+
+
+# -- transformers' plan families and DistributedConfig ---------------------------------------
+
+_SIZES = ("tp_size", "ep_size", "fsdp_size", "dp_replicate_size", "pp_size")
+_CONFIG_FIELDS = (*_SIZES, "tp_plan", "ep_plan", "fsdp_plan", "enable_expert_parallel",
+                  "enable_sequence_parallel", "fsdp_cpu_offload", "fsdp_mixed_precision",
+                  "ep_implementation")
+
+
+def _resolve_config(dc: Any) -> dict[str, Any]:
+    """transformers' ``DistributedConfig`` (or a dict of its fields) -> its sizes and plan
+    overrides, resolved as transformers resolves them, and checked for what functp does."""
+    if isinstance(dc, dict):
+        unknown = sorted(set(dc) - set(_CONFIG_FIELDS))
+        if unknown:
+            raise ShardingError(f"distributed_config: unknown fields {unknown}; the fields of "
+                                f"transformers' DistributedConfig are {list(_CONFIG_FIELDS)}")
+        raw = dict(dc)
+    else:
+        raw = {f: getattr(dc, f) for f in _CONFIG_FIELDS if hasattr(dc, f)}
+    c = {f: raw.get(f) for f in _CONFIG_FIELDS}
+    for f in _SIZES:
+        if c[f] is not None and (not isinstance(c[f], int) or c[f] < 1):
+            raise ShardingError(f"distributed_config: {f} must be an int >= 1, got {c[f]!r}")
+    for f in ("fsdp_size", "dp_replicate_size", "pp_size"):
+        c[f] = c[f] or 1
+    if c["tp_size"] is None:      # transformers: the rest of the world when a tp_plan is set
+        c["tp_size"] = (_world.process_count() // (c["fsdp_size"] * c["dp_replicate_size"])
+                        if c["tp_plan"] is not None else 1)
+    if c["enable_expert_parallel"] and c["ep_size"] is None:
+        c["ep_size"], c["tp_plan"] = c["tp_size"], {} if c["tp_plan"] is None else c["tp_plan"]
+    c["ep_size"] = c["ep_size"] or 1
+    refuse = [f"{f}={c[f]!r}" for f in ("fsdp_cpu_offload", "fsdp_mixed_precision") if c[f]]
+    if c["pp_size"] > 1:
+        refuse.append(f"pp_size={c['pp_size']} (functp's pipeline is examples/pipeline.py)")
+    if c["ep_implementation"] not in (None, "auto", "all_to_all"):
+        refuse.append(f"ep_implementation={c['ep_implementation']!r} (functp dispatches with "
+                      f"a ragged all-to-all: 'auto' or 'all_to_all')")
+    if refuse:
+        raise ShardingError(f"distributed_config: functp does not apply {', '.join(refuse)}; "
+                            f"use functp.MixedPrecision for mixed precision")
+    tp, ep = c["tp_size"], c["ep_size"]
+    if ep > 1 and (ep % tp or (c["fsdp_size"] * tp) % ep):
+        raise ShardingError(
+            f"distributed_config: ep_size={ep} must be a multiple of tp_size={tp} and divide "
+            f"fsdp_size * tp_size = {c['fsdp_size'] * tp} (as in transformers)")
+    return c
+
+
+def _mesh_for_config(c: dict[str, Any]) -> Mesh:
+    """The mesh of a resolved config: axes ``("dp", "ep", "tp")`` of sizes
+    ``(dp_replicate * fsdp * tp / ep, ep / tp, tp)``: the experts are split over
+    ``("ep", "tp")`` (``ep_size`` shards, as transformers counts them) and the batch
+    over ``("dp", "ep")``."""
+    from ._mesh import make_mesh
+    tp, ep = c["tp_size"], c["ep_size"]
+    world = c["dp_replicate_size"] * c["fsdp_size"] * tp
+    if world != _world.process_count():
+        raise ShardingError(
+            f"distributed_config: dp_replicate_size x fsdp_size x tp_size = {world}, but "
+            f"{_world.process_count()} processes run; make the sizes multiply to the world size")
+    return make_mesh((world // max(ep, tp), max(ep, tp) // tp, tp), ("dp", "ep", "tp"))
+
+
+def _overridden(base: dict | None, override: Any) -> dict:
+    """transformers' rule: a dict override updates the model's plan; ``{}`` empties it."""
+    base = dict(base or {})
+    if isinstance(override, dict):
+        return {} if not override else {**base, **override}
+    return base
+
+
+def _auto_families(module: nn.Module, mesh: Mesh, axis: str, config: dict | None
+                   ) -> list[tuple[Any, dict, bool]]:
+    """"auto"'s plan families: the tensor-parallel plan over ``axis`` when the mesh has
+    it, the expert-parallel plan over ``ep`` (or, from a config, ``("ep", "tp")``)."""
+    if config is not None:
+        use_tp, use_ep = config["tp_size"] > 1, config["ep_size"] > 1
+        ep_axes, axis = (("ep", "tp") if config["tp_size"] > 1 else "ep"), "tp"
+        tp_over, ep_over = config["tp_plan"], config["ep_plan"]
+    else:
+        use_tp, use_ep, ep_axes = axis in mesh.axis_names, "ep" in mesh.axis_names, "ep"
+        tp_over = ep_over = None
+        if not (use_tp or use_ep):
+            _need_axis(mesh, axis)
+    families = []
+    ep_plan = _auto_ep_plan(module, (axis,) if use_tp else (), ep_over) if use_ep else {}
+    if use_tp and tp_over != {}:
+        # transformers: EP rules win over TP rules on the experts and inside them
+        families.append((axis, _auto_plan(module, mesh.shape[axis], tp_over, tuple(ep_plan)),
+                         True))
+    if ep_plan:
+        families.append((ep_axes, ep_plan, True))
+    return families
+
+
+def _auto_ep_plan(module: nn.Module, shared: tuple[str, ...], override: Any) -> dict[str, Any]:
+    """transformers' expert-parallel plan in functp's styles: an ``ep_dispatch_experts``
+    module is an :class:`ExpertDispatch` (whose parameters, the ``grouped_gemm`` rules,
+    it splits on the expert dimension)."""
+    kind = type(module).__name__
+    plan = _overridden(getattr(module, "_ep_plan", None), override)
+    if not plan:
+        raise ShardingError(
+            f"parallelize(..., 'auto'): the mesh has an 'ep' axis, but {kind} has no "
+            f"expert-parallel plan (transformers' base_model_ep_plan); use a mesh without "
+            f"'ep' (name a data-parallel axis 'dp'), or pass plan families {{'ep': ...}}")
+    dispatch = {p for p, s in plan.items() if s == "ep_dispatch_experts"}
+    style = ExpertDispatch(shared=shared)
+    out, missing = {}, []
+    for pattern, name in plan.items():
+        if name == "ep_dispatch_experts":
+            out[pattern] = style
+        elif not (name == "grouped_gemm" and pattern.rpartition(".")[0] in dispatch):
+            missing.append(f"{pattern!r}: {name!r}")
+    if missing:
+        raise ShardingError(
+            f"parallelize(..., 'auto'): {kind}'s expert-parallel plan has rules functp cannot "
+            f"apply yet: {', '.join(missing)} (functp applies 'ep_dispatch_experts' and the "
+            f"'grouped_gemm' parameters of such a module); pass plan families instead")
+    return out
+
+
+def verify_plan(module: nn.Module, mesh: Mesh | None, plan: dict[str, Any] | str, *args: Any,
+                axis: str = "tp", rtol: float | None = None, distributed_config: Any = None,
+                **kwargs: Any) -> dict[str, Any]:
+    """Checks ``plan`` on ``module`` against the unsharded module, in seconds.
+
+    Runs the module on ``args`` once unsharded and once under the plan (inside a
+    ``shard_map``, inputs replicated), gathers each submodule's output where the plan
+    split it and compares them in execution order; then compares the gradients of
+    every parameter of a scalar of the output. Call it on every rank, as
+    :func:`parallelize`; it changes nothing.
+
+    **Arguments:** ``module``, ``mesh``, ``plan``, ``axis``, ``distributed_config`` – as
+    :func:`parallelize`;
+    ``*args``/``**kwargs`` – a small example input (default, for a transformers
+    language model: random token ids of shape ``(2, 8)``); ``rtol`` – allowed error
+    relative to each tensor's largest entry (default 1e-6 for float64 parameters,
+    1e-4 otherwise: models that compute a part in float32 round there).
+
+    **Returns:** ``{"modules": n, "parameters": n, "max_error": e}`` when everything
+    matches. **Raises:** ``ShardingError`` naming the first module whose output
+    differs (and by how much), or the first parameter whose gradient does.
+
+    Example::
+
+        report = functp.verify_plan(model, mesh, "auto")
+        # ShardingError: ... first module whose output differs under the plan:
+        #   'model.layers.0.mlp.act_fn' (GELUTanh), by 3.1e-01 ...
+    """
+    if not args and not kwargs:
+        args, kwargs = _example_args(module)
+    with warnings.catch_warnings():      # (the user's own parallelize call warns)
+        warnings.simplefilter("ignore")
+        apply, local, specs = parallelize(module, mesh, plan, axis=axis,
+                                          distributed_config=distributed_config)
+    return check_plan(module, apply, local, specs, args, kwargs, rtol)

@@ -20,7 +20,9 @@ backward) and the gradient all-reduce of replicated norm weights need no hook.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import math
+import threading
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -33,6 +35,7 @@ from ._mesh import Mesh
 from ._layout import axis_placement, chunk, packed_slice, uneven
 from ._sharding import local_block
 from ._spec import P
+from ._ragged import ragged_all_to_all      # (ops layer: below the styles)
 
 __all__ = ["Style", "Call", "Replicated", "Colwise", "Rowwise", "VocabParallelEmbedding",
            "SequenceParallel", "PrepareInput", "PrepareOutput", "ExpertRouter",
@@ -528,49 +531,232 @@ class ExpertParallel(Style):
 
 class ExpertDispatch(Style):
     """Expert parallelism over an axis that also shards the tokens (data parallel
-    ranks that each hold some experts, as in GShard / DeepSpeed-MoE).
+    ranks that each hold some experts, as in GShard / DeepSpeed-MoE / Megatron).
 
-    The experts module is called as ``experts(x, weights, indices)`` with ``x`` of
-    shape ``[..., hidden]`` and global top-k ``indices`` (the router is replicated).
-    The pre-hook sends every (token, choice) pair to the rank holding its expert with
-    one ``all_to_all``; the experts run on what they received (weight 1, local
-    expert numbers, ``-1`` for padding); the post-hook sends the results back with a
-    second ``all_to_all`` and combines them with the routing weights.
+    The experts module is called as ``experts(x, weights, indices)`` (functp's
+    models) or ``experts(x, indices, weights)`` (transformers' experts modules) with
+    ``x`` of shape ``[..., hidden]`` and global top-k ``indices`` (the router is
+    replicated). The pre-hook sends every (token, choice) pair to the rank holding its
+    expert with one :func:`functp.ragged_all_to_all`, grouped by expert; the experts
+    run on exactly the rows they received (weight 1, local expert numbers); the
+    post-hook sends the results back with a second one and combines them with the
+    routing weights. Traffic is exact: the rows a rank sends are the pairs it routes.
 
-    ``functp.all_to_all`` moves equal blocks, so each (source, destination) block is
-    padded to the worst case (all of a rank's pairs to one destination): exact, no
-    token is ever dropped, at the price of ``axis_size`` times the traffic of a
-    perfectly balanced dispatch.
+    **Arguments:** ``capacity_factor`` – ``None`` (default): no pair is dropped. A
+    number ``c``: each expert takes at most ``ceil(c * tokens * top_k / experts)``
+    pairs from each rank, ``tokens`` this rank's tokens (Megatron-Core's
+    ``moe_expert_capacity_factor``, computed on the local batch before dispatch);
+    the others are dropped (their expert output is zero, as a residual layer
+    passes the token on) and counted in ``dropped``. ``drop_policy``: which pairs an
+    expert over capacity keeps: ``"probs"`` (the highest routing weights, Megatron's
+    default) or ``"position"`` (the earliest tokens, as Switch Transformers).
+    ``dispatch``: ``"ragged"`` (default) or ``"padded"``: the earlier equal-block
+    ``all_to_all`` that pads every (source, destination) block to the worst case
+    (all of a rank's pairs to one destination; ``axis_size`` times the traffic of a
+    balanced dispatch; kept for comparison). ``shared``: axes of the style's axis
+    tuple over which the tokens are replicated (tensor-parallel ranks holding one
+    batch): each of those ranks dispatches its slice of the tokens, and the outputs
+    are gathered back, so that no token is computed twice (transformers' EP with
+    ``tp_size > 1``).
+
+    Host syncs: one per call, for the counts (one all-gather of ``axis_size x
+    experts`` ints); none per expert. ``dropped[name]``: the pairs this rank dropped
+    in the last call of the module ``name`` (per thread, so per simulated rank).
+
+    Example (experts over ``ep``, tokens sharded over it)::
+
+        plan = {"moe.experts": functp.ExpertDispatch(capacity_factor=1.25)}
+        apply, params, specs = functp.parallelize(model, mesh, plan, axis="ep")
     """
+
+    POLICIES = ("probs", "position")
+
+    def __init__(self, *, capacity_factor: float | None = None, drop_policy: str = "probs",
+                 dispatch: str = "ragged", shared: tuple[str, ...] = ()):
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ShardingError(f"ExpertDispatch: capacity_factor must be a positive number "
+                                f"or None (no drops), got {capacity_factor!r}")
+        if drop_policy not in self.POLICIES:
+            raise ShardingError(f"ExpertDispatch: drop_policy must be one of {self.POLICIES}, "
+                                f"got {drop_policy!r}")
+        if dispatch not in ("ragged", "padded"):
+            raise ShardingError(f"ExpertDispatch: dispatch must be 'ragged' or 'padded', got "
+                                f"{dispatch!r}")
+        if dispatch == "padded" and capacity_factor is not None:
+            raise ShardingError("ExpertDispatch: the padded dispatch never drops; use "
+                                "dispatch='ragged' with a capacity_factor")
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.dispatch, self.shared = dispatch, tuple(shared)
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return (f"ExpertDispatch(capacity_factor={self.capacity_factor!r}, drop_policy="
+                f"{self.drop_policy!r}, dispatch={self.dispatch!r}, shared={self.shared!r})")
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        if not hasattr(self._local, "dropped"):
+            self._local.dropped = {}
+        return self._local.dropped
 
     param_specs = ExpertParallel.param_specs          # experts split on dimension 0
 
     def prepare_input(self, module, args, kwargs, call):
-        x, weights, idx = args[:3]
-        n, hidden = axis_size(call.axis), x.shape[-1]
+        x, a, b = args[:3]
+        idx_at = 2 if a.is_floating_point() else 1     # transformers: (x, indices, weights)
+        idx, weights = args[idx_at], args[3 - idx_at]
+        hidden, k = x.shape[-1], idx.shape[-1]
         local = next(iter(call.params.values())).shape[0]
-        tokens, k = x.reshape(-1, hidden), idx.shape[-1]
-        idx = idx.reshape(-1)                          # pair p = (token p // k, choice p % k)
-        dest = torch.div(idx, local, rounding_mode="floor")
-        cap = idx.numel()                              # worst case: every pair to one rank
-        onehot = torch.nn.functional.one_hot(dest, n)
-        pos = (onehot.cumsum(0) - 1).gather(1, dest.unsqueeze(1)).squeeze(1)
-        slot = dest * cap + pos
-        send_x = tokens.new_zeros(n * cap, hidden).index_put(
-            (slot,), tokens.repeat_interleave(k, dim=0))
-        send_e = torch.full((n * cap,), -1, dtype=idx.dtype).index_put((slot,), idx % local)
-        recv_x = all_to_all(send_x, call.axis, 0, 0, tiled=True)
-        recv_e = all_to_all(send_e, call.axis, 0, 0, tiled=True)
-        call.state.update(slot=slot, weights=weights, shape=x.shape, k=k)
-        ones = torch.ones(n * cap, 1, dtype=weights.dtype)
-        return (recv_x, ones, recv_e.unsqueeze(1), *args[3:]), kwargs
+        tokens, idx = x.reshape(-1, hidden), idx.reshape(-1, k)
+        weights = weights.reshape(-1, k)
+        tokens, idx, weights = (_take_slice(t, self.shared, call) for t in (tokens, idx, weights))
+        call.state.update(weights=weights, shape=x.shape, k=k)
+        if self.dispatch == "padded":
+            recv_x, recv_e = _padded_dispatch(tokens, idx.reshape(-1), local, call)
+        else:
+            recv_x, recv_e = self._ragged_dispatch(tokens, idx.reshape(-1), weights.reshape(-1),
+                                                   local, call)
+        n_experts = getattr(module, "num_experts", None)
+        if isinstance(n_experts, int) and n_experts == local * axis_size(call.axis):
+            # transformers' experts read their count from it (MoEParamShard sets it too)
+            module.num_experts = local
+            call.on_exit(lambda: setattr(module, "num_experts", n_experts))
+        call.state["empty"] = recv_x.shape[0] == 0
+        if call.state["empty"]:
+            # one zero row for expert 0, dropped after: the experts' output stays
+            # connected to the exchange and the parameters, so that this rank's
+            # backward runs the same collectives as its peers' (as transformers does)
+            recv_x, recv_e = recv_x.sum(0, keepdim=True), recv_e.new_zeros(1)
+        ones = torch.ones(recv_x.shape[0], 1, dtype=weights.dtype)
+        routed = (ones, recv_e.unsqueeze(1)) if idx_at == 2 else (recv_e.unsqueeze(1), ones)
+        return (recv_x, *routed, *args[3:]), kwargs
+
+    def _ragged_dispatch(self, tokens, idx, weights, local, call):
+        n = axis_size(call.axis)
+        experts = n * local
+        bad = (idx < 0) | (idx >= experts)                       # reported with the counts
+        key = torch.where(bad, experts, idx)
+        if self.capacity_factor is not None:     # dropped pairs sort last, and stay
+            key = torch.where(self._keep(key, weights, experts), key, experts)
+        order = torch.argsort(key, stable=True)                  # grouped by expert
+        counts = torch.cat([torch.bincount(key, minlength=experts + 1)[:experts],
+                            bad.sum().reshape(1)])
+        plan = _expert_plan(counts, local, call)                 # the one host sync
+        self.dropped[call.name] = idx.numel() - sum(plan.send)
+        call.state.update(order=order, plan=plan)
+        rows = tokens[torch.div(order, idx.numel() // tokens.shape[0], rounding_mode="floor")]
+        recv_x = ragged_all_to_all(rows, rows.new_zeros(plan.recv_total, tokens.shape[1]),
+                                   plan.in_off, plan.send, plan.out_off, plan.recv, call.axis,
+                                   recv_offsets=plan.recv_off)
+        return recv_x, plan.recv_experts
+
+    def _keep(self, idx, weights, experts):
+        """Which pairs fit their expert's capacity (Megatron's ``get_capacity``, on this
+        rank's pairs); ``idx`` is ``experts`` for a pair that names no expert."""
+        cap = math.ceil(idx.numel() / experts * self.capacity_factor)
+        order = torch.arange(idx.numel())
+        if self.drop_policy == "probs":          # highest weight first within an expert
+            order = torch.argsort(-weights.detach(), stable=True)
+        order = order[torch.argsort(idx[order], stable=True)]
+        counts = torch.bincount(idx, minlength=experts + 1)
+        start = counts.cumsum(0) - counts
+        rank = torch.arange(idx.numel()) - start[idx[order]]     # place within its expert
+        return torch.empty_like(rank).scatter_(0, order, rank) < cap
 
     def prepare_output(self, module, args, kwargs, output, call):
         st = call.state
-        back = all_to_all(output, call.axis, 0, 0, tiled=True)
-        pairs = back[st["slot"]].unflatten(0, (-1, st["k"]))          # [tokens, k, hidden]
-        w = st["weights"].reshape(-1, st["k"], 1)
-        return (pairs * w).sum(1).reshape(st["shape"])
+        if st["empty"]:
+            output = output[:0]
+        if self.dispatch == "padded":
+            back = all_to_all(output, call.axis, 0, 0, tiled=True)
+            pairs = back[st["slot"]]
+        else:
+            plan = st["plan"]
+            back = ragged_all_to_all(output, output.new_zeros(st["order"].numel(), output.shape[1]),
+                                     plan.recv_off, plan.recv, plan.back_off, plan.send,
+                                     call.axis, recv_offsets=plan.in_off)
+            pairs = torch.zeros_like(back).index_copy(0, st["order"], back)
+        w = st["weights"].unsqueeze(-1)
+        out = (pairs.unflatten(0, (-1, st["k"])) * w).sum(1).to(output.dtype)
+        return _gather_slice(out, self.shared, call).reshape(st["shape"])
+
+
+class _ExpertPlan(NamedTuple):
+    """A ragged dispatch's sizes (Python ints, per peer in axis-index order)."""
+    in_off: list[int]       # where the rows for peer j start in this rank's sorted pairs
+    send: list[int]         # pairs this rank sends to peer j
+    out_off: list[int]      # where they land in peer j's buffer
+    recv: list[int]         # pairs peer j sends here
+    recv_off: list[int]     # where they land here
+    back_off: list[int]     # where the results for peer j land in its sorted pairs
+    recv_total: int
+    recv_experts: torch.Tensor     # the local expert of every received row
+
+
+def _expert_plan(counts: torch.Tensor, local: int, call: Call) -> _ExpertPlan:
+    """Every rank's pairs per expert, and its count of routes to no expert (one
+    all-gather, one host sync) -> the sizes of the dispatch and of its return, and
+    each received row's local expert. A bad route is an error on every rank."""
+    axis = call.axis
+    n, me = axis_size(axis), axis_index(axis)
+    table = all_gather(counts, axis).tolist()          # [source][expert] + [bad routes]
+    bad = {s: row[-1] for s, row in enumerate(table) if row[-1]}
+    if bad:
+        raise ShardingError(
+            f"ExpertDispatch on {call.name!r}: routing indices outside 0..{n * local - 1} "
+            f"({n * local} experts, {local} on each of the {n} ranks of {axis!r}): "
+            f"{sum(bad.values())} (token, choice) pairs on ranks {sorted(bad)} of {axis!r}; "
+            f"the router must give global expert numbers")
+    per_dest = [[sum(row[j * local:(j + 1) * local]) for j in range(n)] for row in table]
+    send = per_dest[me]
+    recv = [per_dest[s][me] for s in range(n)]
+
+    def starts(sizes):
+        return [sum(sizes[:j]) for j in range(len(sizes))]
+    mine = [c for s in range(n) for c in table[s][me * local:(me + 1) * local]]
+    experts = torch.arange(local).repeat(n).repeat_interleave(
+        torch.tensor(mine, dtype=torch.int64), output_size=sum(recv))
+    return _ExpertPlan(starts(send), send, [sum(per_dest[s][j] for s in range(me))
+                                            for j in range(n)],
+                       recv, starts(recv), [starts(per_dest[s])[me] for s in range(n)],
+                       sum(recv), experts)
+
+
+def _padded_dispatch(tokens, idx, local, call):
+    """Equal blocks of the worst case: every (source, destination) block holds all of
+    a rank's pairs; slots no pair fills carry expert ``-1``."""
+    n, hidden, k = axis_size(call.axis), tokens.shape[-1], idx.numel() // tokens.shape[0]
+    dest = torch.div(idx, local, rounding_mode="floor")
+    cap = idx.numel()
+    onehot = torch.nn.functional.one_hot(dest, n)
+    pos = (onehot.cumsum(0) - 1).gather(1, dest.unsqueeze(1)).squeeze(1)
+    slot = dest * cap + pos
+    send_x = tokens.new_zeros(n * cap, hidden).index_put(
+        (slot,), tokens.repeat_interleave(k, dim=0))
+    send_e = torch.full((n * cap,), -1, dtype=idx.dtype).index_put((slot,), idx % local)
+    call.state["slot"] = slot
+    return (all_to_all(send_x, call.axis, 0, 0, tiled=True),
+            all_to_all(send_e, call.axis, 0, 0, tiled=True))
+
+
+def _take_slice(t: torch.Tensor, shared: tuple[str, ...], call: Call) -> torch.Tensor:
+    """This rank's equal slice of rows replicated over ``shared`` (Replicate -> Shard(0))."""
+    for a in shared:
+        n, i = axis_size(a), axis_index(a)
+        if t.shape[0] % n:
+            raise ShardingError(
+                f"ExpertDispatch on {call.name!r}: {t.shape[0]} tokens do not split over "
+                f"the {n} ranks of {a!r} that share them; use a batch x sequence divisible "
+                f"by {n}")
+        t = (pvary(t, a) if t.is_floating_point() else t).narrow(
+            0, i * (t.shape[0] // n), t.shape[0] // n)
+    return t
+
+
+def _gather_slice(t: torch.Tensor, shared: tuple[str, ...], call: Call) -> torch.Tensor:
+    for a in reversed(shared):
+        t = all_gather_invariant(t, a, axis=0, tiled=True)
+    return t
 
 
 class LocalSizes(Style):

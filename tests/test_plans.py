@@ -389,17 +389,24 @@ class TokensThenMoE(nn.Module):
         return self.moe(self.lin(x).tanh())
 
 
-def _moe_dispatch():
+def _moe_dispatch(dispatch):
     mesh = functp.make_mesh((2,), ("ep",))
     m = TokensThenMoE(_moe()).double()
     plan = {"lin": "replicated", "moe.router": "replicated",
-            "moe.experts": "ep_experts_all_to_all"}
+            "moe.experts": functp.ExpertDispatch(dispatch=dispatch)}
     return _check(mesh, m, plan, (randn(2 * B, S, H, seed=1),), (P("ep"),),
                   lambda y: (y ** 2).mean(), axis="ep", dp="ep")
 
 
-def test_expert_parallel_all_to_all_dispatch_of_sharded_tokens(run):
-    stats = run(2, _moe_dispatch)[0]
+def test_expert_parallel_ragged_dispatch_of_sharded_tokens(run):
+    stats = run(2, _moe_dispatch, "ragged")[0]
+    # one all-gather of the per-expert counts; forward: tokens, results; backward: both
+    assert stats["all_gather:ep"][0] == 1 and stats["ragged_all_to_all:ep"][0] == 4, stats
+    assert "all_to_all:ep" not in stats
+
+
+def test_expert_parallel_padded_dispatch_of_sharded_tokens(run):
+    stats = run(2, _moe_dispatch, "padded")[0]
     # forward: tokens, expert ids, results; backward: results and tokens (ids are ints)
     assert stats["all_to_all:ep"][0] == 5, stats
 
@@ -491,6 +498,25 @@ def _errors():
     with pytest.raises(functp.ShardingError, match="axis 'model'"):
         functp.parallelize(nn.Linear(H, H), mesh, {}, axis="model")
     return msgs
+
+
+def _family_errors():
+    mesh = functp.make_mesh((2, 2), ("dp", "tp"))
+    with pytest.raises(functp.ShardingError, match="family 'ep' names no axis"):
+        functp.parallelize(MLP().double(), mesh, {"ep": {"fc1": "colwise"}})
+    with pytest.raises(functp.ShardingError, match="'fc1' is matched by rule 'fc1' of the "
+                                                   "'tp' plan and by rule .* of the 'dp'"):
+        functp.parallelize(MLP().double(), mesh, {"tp": {"fc1": "colwise"},
+                                                  "dp": {"fc*": "colwise"}})
+    # two families on two axes: each module's parameters split over its family's axis
+    apply, _, specs = functp.parallelize(MLP().double(), mesh, {"tp": {"fc1": "colwise"},
+                                                                "dp": {"fc2": "rowwise"}})
+    assert specs["fc1.weight"] == P("tp", None) and specs["fc2.weight"] == P(None, "dp")
+    assert apply.batch_axes == ()
+
+
+def test_plan_families_by_mesh_axis(run):
+    run(4, _family_errors)
 
 
 def test_errors_name_the_parameter_shape_style_and_fix(run):

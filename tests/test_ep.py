@@ -1,0 +1,232 @@
+"""Expert parallelism with the ragged dispatch (``functp.ExpertDispatch``) against the
+unsharded float64 MoE: loss and every gradient through ``torch.func.grad`` and tape
+autograd, on dp x ep and ep x tp meshes (2 x 2) and on 4 and 8 ranks (1-d); a
+capacity factor's drops against a reference that drops by hand; the bytes the
+dispatch sends equal the routed pairs' bytes, where the padded dispatch sends the
+worst case; routes to no expert are an error on every rank."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import functp
+from functp import P
+from functp.models.llama import LlamaConfig, LlamaExperts, LlamaMoE
+from _oracle import assert_tree_close
+
+H, F, S, K = 8, 12, 3, 2         # hidden, intermediate, sequence, experts per token
+
+
+class Block(nn.Module):
+    """A dense MLP (tensor-parallel on a tp axis) and an MoE after it, residual."""
+
+    def __init__(self, experts: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(H, F), nn.Linear(F, H)
+        self.moe = LlamaMoE(LlamaConfig(hidden_size=H, intermediate_size=F,
+                                        num_experts=experts, num_experts_per_tok=K))
+
+    def forward(self, x):
+        x = x + self.down(torch.tanh(self.up(x)))
+        return x + self.moe(x)
+
+
+class HitExperts(LlamaExperts):
+    """Runs only the experts some row is routed to, as transformers' eager experts do:
+    with no rows its output is a constant, connected to nothing."""
+
+    def forward(self, x, weights, indices):
+        out = torch.zeros_like(x)
+        for e in sorted(set(indices.flatten().tolist())):
+            w = (weights * (indices == e)).sum(-1, keepdim=True)
+            gate, up = (x @ self.gate_up_proj[e].T).chunk(2, dim=-1)
+            out = out + w * ((torch.nn.functional.silu(gate) * up) @ self.down_proj[e].T)
+        return out
+
+
+def _block(experts: int) -> Block:
+    torch.manual_seed(0)
+    block = Block(experts).double()
+    block.moe.experts.__class__ = HitExperts
+    return block
+
+
+def _batch(rows: int) -> torch.Tensor:
+    return torch.randn(rows, S, H, generator=torch.Generator().manual_seed(1),
+                       dtype=torch.float64)
+
+
+def _plan(mesh, dispatch) -> dict:
+    dense = ({"up": "colwise", "down": "rowwise", "moe.router": "replicated"}
+             if "tp" in mesh.axis_names else
+             {"up": "replicated", "down": "replicated", "moe.router": "replicated"})
+    if "tp" not in mesh.axis_names:
+        return {"ep": {**dense, "moe.experts": dispatch}}
+    return {"tp": dense, "ep": {"moe.experts": dispatch}}
+
+
+def _drop_by_hand(weights, idx, chunks: int, experts: int, cf: float, policy: str):
+    """The routing weights with the pairs an expert over capacity drops set to zero:
+    each chunk of tokens (one rank's) fills each expert up to its capacity, by
+    weight or by position, in a plain loop."""
+    w = weights.reshape(-1, K).clone()
+    e = idx.reshape(-1, K)
+    per = w.shape[0] // chunks
+    for c in range(chunks):
+        cap = math.ceil(per * K / experts * cf)
+        for ex in range(experts):
+            pairs = [(t, j) for t in range(c * per, (c + 1) * per) for j in range(K)
+                     if e[t, j] == ex]
+            if policy == "probs":
+                pairs.sort(key=lambda p: -w[p].item())
+            for t, j in pairs[cap:]:
+                w[t, j] = 0
+    return w.reshape(weights.shape)
+
+
+def _reference(module, x, drop=None):
+    """Loss and gradients of the unsharded module (routes dropped by hand if asked)."""
+    apply, full = functp.functionalize(module)
+    hook = None
+    if drop is not None:
+        hook = module.moe.router.register_forward_hook(
+            lambda m, a, out: (drop(*out), out[1]))
+    try:
+        grads, loss = torch.func.grad_and_value(lambda p: (apply(p, x) ** 2).mean())(full)
+    finally:
+        if hook is not None:
+            hook.remove()
+    return grads, loss
+
+
+def _program(shape, names, experts, dispatch, drop=None, route=None):
+    mesh = functp.make_mesh(shape, names)
+    module = _block(experts)
+    if route is not None:          # the same routing change for both runs
+        module.moe.router.register_forward_hook(lambda m, a, out: route(*out))
+    apply, params, specs = functp.parallelize(module, mesh, _plan(mesh, dispatch))
+    batch = apply.batch_axes
+    x = _batch(2 * mesh.axis_size(batch))
+    ref_grads, ref_loss = _reference(module, x, drop)
+
+    def body(p, xb):
+        return functp.pmean((apply(p, xb) ** 2).mean(), batch)
+    step = functp.shard_map(body, mesh, in_specs=(specs, P(batch)), out_specs=P())
+    xl = functp.shard(x, mesh, P(batch))
+    with functp.comm_log() as log:
+        grads, loss = torch.func.grad_and_value(step)(params, xl)
+    assert_tree_close(loss, ref_loss, "loss (torch.func)")
+    assert_tree_close(apply.unshard(grads), ref_grads, "grad (torch.func)")
+    tape = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    loss2 = step(tape, xl)
+    got = torch.autograd.grad(loss2, list(tape.values()))
+    assert_tree_close(loss2.detach(), ref_loss, "loss (tape)")
+    assert_tree_close(apply.unshard(dict(zip(tape, got))), ref_grads, "grad (tape)")
+    return log, dict(dispatch.dropped)
+
+
+MESHES = {"dp2_ep2": ((2, 2), ("dp", "ep")), "ep2_tp2": ((2, 2), ("ep", "tp")),
+          "ep4": ((4,), ("ep",)), "ep8": ((8,), ("ep",))}
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_ragged_dispatch_equals_the_unsharded_moe(run, mesh_name):
+    shape, names = MESHES[mesh_name]
+    log, dropped = run(math.prod(shape), _program, shape, names, 8,
+                       functp.ExpertDispatch())[0]
+    assert dropped == {"moe.experts": 0}
+    assert log.count("ragged_all_to_all") == 4 and log.count("all_to_all") == 0
+
+
+def test_tensor_parallel_ranks_dispatch_their_slice_of_the_shared_tokens(run):
+    # ep x tp: each tp rank sends half the tokens it shares with its tp peer, and the
+    # outputs are gathered back over tp
+    log, _ = run(4, _program, (2, 2), ("ep", "tp"), 4,
+                 functp.ExpertDispatch(shared=("tp",)))[0]
+    assert log.count("ragged_all_to_all", ("ep",)) == 4
+    assert log.count("all_gather", ("tp",)) >= 1
+
+
+def _to_rank_0(weights, idx):
+    return weights, idx % 2            # experts 0 and 1: rank 0's of 4 experts on 2 ranks
+
+
+def test_a_rank_that_receives_no_tokens_still_runs_every_collective(run):
+    # rank 1's experts get nothing: their output stays connected, so rank 1's backward
+    # runs the same exchanges as rank 0's, and its experts' gradients are zero
+    log, _ = run(2, _program, (2,), ("ep",), 4, functp.ExpertDispatch(), None,
+                 _to_rank_0)[1]
+    assert log.count("ragged_all_to_all") == 4
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_factor_drops_what_megatron_drops(run, policy):
+    cf, experts = 0.5, 4
+
+    def drop(weights, idx):         # 4 ranks' tokens, each rank's chunk on its own
+        return _drop_by_hand(weights, idx, 4, experts, cf, policy)
+    _, dropped = run(4, _program, (2, 2), ("dp", "ep"), experts,
+                     functp.ExpertDispatch(capacity_factor=cf, drop_policy=policy),
+                     drop)[0]
+    assert dropped["moe.experts"] > 0          # a factor of 0.5 must drop something
+
+
+def _bytes(dispatch):
+    mesh = functp.make_mesh((4,), ("ep",))
+    module = _block(8)
+    apply, params, specs = functp.parallelize(module, mesh, _plan(mesh, dispatch))
+    x = _batch(8)
+    with torch.no_grad():            # every rank's routing, from the unsharded router
+        h = x + module.down(torch.tanh(module.up(x)))
+        _, idx = module.moe.router(h)
+    owner = (idx // 2).reshape(4, -1)             # [source rank, pair]: 2 experts a rank
+    me = functp.process_index()
+    sent, received = owner[me].numel(), int((owner == me).sum())
+    step = functp.shard_map(lambda p, xb: functp.pmean((apply(p, xb) ** 2).mean(), "ep"),
+                            mesh, in_specs=(specs, P("ep")), out_specs=P())
+    with functp.comm_log() as log:
+        torch.func.grad(step)(params, functp.shard(x, mesh, P("ep")))
+    return log, sent, received
+
+
+def test_comm_log_counts_exactly_the_routed_pairs(run):
+    row = H * 8                                   # float64 rows of H
+    for log, sent, received in run(4, _bytes, functp.ExpertDispatch()):
+        # forward: the pairs out, their results back; backward: the same, reversed
+        assert log.nbytes("ragged_all_to_all") == 2 * (sent + received) * row
+        assert log.count("ragged_all_to_all") == 4
+    for log, sent, _ in run(4, _bytes, functp.ExpertDispatch(dispatch="padded")):
+        # the padded blocks: every block holds all of a rank's pairs (4 blocks of
+        # `sent` rows), forward and back, plus the expert ids (int64, forward)
+        assert log.nbytes("all_to_all") == 4 * (4 * sent * row) + 4 * sent * 8
+
+
+def _bad_route():
+    mesh = functp.make_mesh((2,), ("ep",))
+    module = _block(4)
+    apply, params, specs = functp.parallelize(module, mesh, _plan(mesh, functp.ExpertDispatch()))
+    me = functp.process_index()
+
+    def router_hook(m, a, out):     # rank 1 names expert 4 of 0..3
+        return out if me == 0 else (out[0], out[1].clamp(max=3).index_fill(0, torch.tensor([0]), 4))
+    module.moe.router.register_forward_hook(router_hook)
+    step = functp.shard_map(lambda p, xb: functp.pmean((apply(p, xb) ** 2).mean(), "ep"),
+                            mesh, in_specs=(specs, P("ep")), out_specs=P())
+    with pytest.raises(functp.ShardingError, match=r"outside 0\.\.3.*ranks \[1\]"):
+        step(params, functp.shard(_batch(4), mesh, P("ep")))
+
+
+def test_a_route_to_no_expert_is_an_error_on_every_rank(run):
+    run(2, _bad_route)
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(functp.ShardingError, match="capacity_factor"):
+        functp.ExpertDispatch(capacity_factor=0)
+    with pytest.raises(functp.ShardingError, match="drop_policy"):
+        functp.ExpertDispatch(drop_policy="random")
+    with pytest.raises(functp.ShardingError, match="never drops"):
+        functp.ExpertDispatch(dispatch="padded", capacity_factor=1.0)
