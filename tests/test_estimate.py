@@ -132,6 +132,49 @@ def test_rank_dependent_program_traced_per_rank():
     assert est.flops == est[0].flops
 
 
+def _stages(widths):
+    """A program whose pipeline stage (its 'pp' coordinate) picks its layer width,
+    replicated over 'dp': ranks differ along 'pp' only."""
+    def program():
+        mesh = functp.make_mesh((2, len(widths)), ("dp", "pp"))
+        size = widths[mesh.coordinate["pp"]]
+        w, x = torch.randn(size, size), torch.randn(4, size)
+        f = functp.shard_map(lambda x: functp.psum(x, "dp"), mesh, in_specs=P(),
+                             out_specs=P(), check_vma=False)
+        return f(x @ w)
+    return program
+
+
+@pytest.mark.parametrize("widths, distinct, traced", [
+    # first, middle and last stage differ: positions 2 and 3 stand with position 1
+    ([8, 16, 16, 32], {0: [0, 4], 1: [1, 2, 5, 6], 3: [3, 7]}, [0, 1, 3, 4]),
+    # first and last alike, the middle ones not
+    ([8, 16, 16, 8], {0: [0, 3, 4, 7], 1: [1, 2, 5, 6]}, [0, 1, 3, 4]),
+    ([8, 8, 8, 8], {0: list(range(8))}, [0, 1, 3, 4]),
+])
+def test_distinct_ranks_found(widths, distinct, traced):
+    est = functp.estimate(_stages(widths), 8)
+    assert est.alike == distinct and est.ranks == sorted(distinct)
+    assert est.traced == traced
+    for r in est.ranks:       # each is that rank's own trace
+        size = widths[r % len(widths)]
+        assert est[r].flops == 2 * 4 * size * size
+        assert est[r].comm.nbytes() == 4 * size * 4
+
+
+def test_distinct_ranks_across_two_uneven_axes():
+    # the block's rows depend on both coordinates: the two axes are crossed
+    def program():
+        mesh = functp.make_mesh((3, 3), ("a", "b"))
+        c = mesh.coordinate
+        w = torch.randn(1 + c["a"] + 10 * c["b"], 4)
+        return (w @ w.T).sum()
+    est = functp.estimate(program, 9)
+    # positions 0, 1 (stands for the middle) and 2 on each axis: all 9 differ
+    assert est.ranks == list(range(9)) and est.traced == list(range(9))
+    assert all(est.alike[r] == [r] for r in range(9))
+
+
 def test_ops_without_a_flop_formula_are_listed():
     def program():
         x = torch.randn(8, 8)
@@ -153,7 +196,7 @@ def test_caller_random_state_untouched():
 def test_bad_arguments():
     with pytest.raises(ShardingError, match="nprocs must be a positive int"):
         functp.estimate(lambda: None, 0)
-    with pytest.raises(ShardingError, match=r"ranks=\[4\] must be ranks of the world"):
+    with pytest.raises(ShardingError, match=r"ranks=\[4\] must be \"auto\" or ranks of the world"):
         functp.estimate(lambda: None, 4, ranks=[4])
 
 
@@ -213,7 +256,8 @@ def test_unknown_hardware():
 def test_printed_table():
     est = functp.estimate(tp_mlp_grad, 2, 2)
     text = str(est)
-    assert "functp.estimate: 2 ranks, traced [0] (no time: pass hardware=)" in text
+    assert "functp.estimate: 2 ranks, 1 distinct (traced 0-1) (no time: pass hardware=)" in text
+    assert "rank 0 (and the ranks alike: 0-1):" in text
     assert "all_reduce over tp x1" in text
     assert "not counted (torch has no FLOP formula): " in text and "aten.tanh x1" in text
 
