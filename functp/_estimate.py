@@ -28,7 +28,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from . import _comm_log, _crosscheck, _mesh, _world
+from . import _comm_log, _crosscheck, _estimate_plot, _mesh, _world
 from ._errors import ShardingError
 from ._hardware import Hardware, collective_seconds, hardware_profile, op_seconds
 
@@ -241,6 +241,19 @@ class Estimate:
         if name in RankEstimate.__dataclass_fields__ and self.per_rank:
             return getattr(self.per_rank[self.ranks[0]], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def plot(self, path=None):
+        """A PNG (``path``) and a matplotlib ``Figure`` of each distinct rank's memory
+        breakdown at the peak and its predicted compute and communication time;
+        needs matplotlib (an optional extra).
+
+        **Arguments:** ``path`` – where to write the PNG, or None.
+
+        **Returns:** the ``Figure``. Example::
+
+            functp.estimate(program, 8, hardware="h100-sxm").plot("estimate.png")
+        """
+        return _estimate_plot.plot(self, path)   # (matplotlib imported there, lazily)
 
     def __str__(self) -> str:
         on = (f"predicted on {self.hardware.name}" if self.hardware is not None

@@ -17,6 +17,7 @@ measurements:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from ._errors import ShardingError
@@ -31,7 +32,8 @@ class Hardware:
     (``"float32"``, ``"bfloat16"``, ...); ``memory_bandwidth``: bytes/s;
     ``intra`` / ``inter``: ``(alpha seconds, beta bytes/s per rank and direction)``
     within a node of ``ranks_per_node`` and across nodes; ``sources``: where each
-    number comes from."""
+    number comes from; ``memory``: bytes one rank can hold (the budget
+    :func:`functp.rank_meshes` fits candidates in; 0: unknown)."""
     name: str
     flops: dict
     memory_bandwidth: float
@@ -39,6 +41,7 @@ class Hardware:
     intra: tuple[float, float]
     inter: tuple[float, float]
     sources: dict = field(default_factory=dict)
+    memory: float = 0
 
     def peak(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops["float32"])
@@ -58,7 +61,9 @@ HARDWARE: dict[str, Hardware] = {
         (5e-6, 50e9),        # one 400 Gb/s NDR port per GPU
         {"flops": _H100_DS, "memory_bandwidth": _H100_DS + " (HBM3 3.35 TB/s)",
          "intra": _H100_DS + " (NVLink 900 GB/s); latency: NCCL tests, order of µs",
-         "inter": "NVIDIA ConnectX-7 NDR 400 Gb/s InfiniBand; latency order of µs"}),
+         "inter": "NVIDIA ConnectX-7 NDR 400 Gb/s InfiniBand; latency order of µs",
+         "memory": _H100_DS + " (80 GB HBM3)"},
+        80 * 2 ** 30),
     "a100": Hardware(
         "A100 SXM 80GB, NVLink 3 within 8-GPU nodes, 200 Gb/s InfiniBand (HDR) per GPU",
         {"float64": 19.5e12, "float32": 156e12, "bfloat16": 312e12, "float16": 312e12},
@@ -67,7 +72,9 @@ HARDWARE: dict[str, Hardware] = {
         (5e-6, 25e9),        # one 200 Gb/s HDR port per GPU
         {"flops": _A100_DS, "memory_bandwidth": _A100_DS + " (HBM2e 2,039 GB/s)",
          "intra": _A100_DS + " (NVLink 600 GB/s)",
-         "inter": "NVIDIA ConnectX-6 HDR 200 Gb/s InfiniBand"}),
+         "inter": "NVIDIA ConnectX-6 HDR 200 Gb/s InfiniBand",
+         "memory": _A100_DS + " (80 GB HBM2e)"},
+        80 * 2 ** 30),
 }
 
 
@@ -168,4 +175,6 @@ def calibrate(*, matmul_size: int = 1024, ranks: int = 2, repeat: int = 5) -> Ha
          "memory_bandwidth": f"{where}: a 64 MiB copy (read + write)",
          "intra": f"{where}: gloo all-reduce of 4 B (latency) and 4 MiB (bandwidth) "
                   f"over {ranks} simulated ranks",
-         "inter": "as intra: one machine"})
+         "inter": "as intra: one machine",
+         "memory": f"{where}: physical memory (os.sysconf), shared by the ranks"},
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -329,8 +329,58 @@ def test_calibrated_profile_predicts_a_time():
     cpu = functp.calibrate(matmul_size=256, repeat=2)
     numbers = [*cpu.flops.values(), cpu.memory_bandwidth, *cpu.intra]
     assert all(0 < x < float("inf") for x in numbers), cpu
-    assert set(cpu.sources) == {"flops", "memory_bandwidth", "intra", "inter"}
+    assert set(cpu.sources) == {"flops", "memory_bandwidth", "intra", "inter", "memory"}
+    assert cpu.memory > 2 ** 30
     est = functp.estimate(tp_mlp_grad, 2, 2, hardware=cpu)
     assert est.seconds.communication == pytest.approx(
         2 * (cpu.intra[0] + est.comm.nbytes() / 2 / cpu.intra[1]))   # one ring all-reduce
     assert est.seconds.compute > 0
+
+
+def _dp_tp_step(mesh, x):
+    """A column-parallel layer over 'tp' on a batch split over 'dp'."""
+    w = functp.shard(torch.randn(64, 96), mesh, P(None, "tp"))
+    f = functp.shard_map(lambda w, x: functp.pmean((x @ w).sum(), ("dp", "tp")), mesh,
+                         in_specs=(P(None, "tp"), P("dp")), out_specs=P())
+    return f(w, functp.shard(x, mesh, P("dp")))
+
+
+def test_rank_meshes_sorts_what_fits_by_time():
+    from functp._rank_meshes import mesh_shapes
+    assert mesh_shapes(6, 2) == [(1, 6), (2, 3), (3, 2), (6, 1)]
+    x = torch.randn(40, 64)        # a batch of 40: dp 3, 6 and 12 do not divide it
+    full = functp.rank_meshes(_dp_tp_step, 12, ("dp", "tp"), x, hardware="h100-sxm")
+    ok = [c for c in full if c.estimate is not None]
+    assert [c.shape["dp"] for c in full if c.estimate is None] == [3, 6, 12]
+    assert "fails: ShardingError" in str(full) and "dp" in str(full).splitlines()[1]
+    assert len(ok) == 3 and all(c.fits for c in ok)
+    assert [c.seconds.serial for c in ok] == sorted(c.seconds.serial for c in ok)
+    assert full.best == ok[0].shape
+    for c in ok:            # each row is the estimate of the program on that mesh
+        direct = functp.estimate(lambda: _dp_tp_step(functp.make_mesh(
+            tuple(c.shape.values()), ("dp", "tp")), x), 12, hardware="h100-sxm")
+        assert (c.peak_bytes, c.seconds) == (direct.peak_bytes, direct.seconds)
+    # a budget between the peaks: the shapes over it go last, smallest peak first
+    budget = sorted(c.peak_bytes for c in ok)[1]
+    tight = functp.rank_meshes(_dp_tp_step, 12, ("dp", "tp"), x, hardware="h100-sxm",
+                               memory=budget)
+    fits = [c.fits for c in tight if c.estimate is not None]
+    assert fits == [True, True, False] and tight[2].peak_bytes > budget
+    assert tight.best is not None and tight[0].peak_bytes <= budget
+    with pytest.raises(ShardingError):      # no shape runs: the first error is raised
+        functp.rank_meshes(_dp_tp_step, 12, ("dp", "tp"), x, hardware="h100-sxm",
+                           shapes=[(3, 4)])
+
+
+def test_plot_writes_a_png(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    est = functp.estimate(tp_mlp_grad, 2, 2, hardware="h100-sxm")
+    fig = est.plot(tmp_path / "est.png")
+    assert (tmp_path / "est.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    mem, time = fig.axes[:2]
+    legend = {t.get_text() for t in mem.get_legend().get_texts()}
+    assert legend == set(est.memory)
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)            # as if not installed
+    with pytest.raises(ShardingError, match=r"needs matplotlib.*pip install matplotlib"):
+        est.plot()
