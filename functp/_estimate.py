@@ -17,7 +17,6 @@ import gc
 import itertools
 import linecache
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -343,17 +342,8 @@ def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
         est.peak_bytes           # 20971520: the 4096 x 1024 block and its kin
         print(est)               # a table per rank, with the predicted step time
     """
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ShardingError(f"functp.estimate: nprocs must be a positive int, got {nprocs!r}")
-    auto = isinstance(ranks, str) and ranks == "auto"
-    if not auto:
-        ranks = sorted(set(int(r) for r in ranks))
-        if not ranks or not all(0 <= r < nprocs for r in ranks):
-            raise ShardingError(f"functp.estimate: ranks={list(ranks)} must be \"auto\" "
-                                f"or ranks of the world, 0 to {nprocs - 1}")
-    if _world.current_run() is not None or _world.dry_run() is not None:
-        raise ShardingError("functp.estimate was called inside a simulated or estimated "
-                            "rank; call it once, from outside the program")
+    ranks = _check_call(nprocs, ranks)
+    auto = ranks == "auto"
     hw = hardware_profile(hardware) if hardware is not None else None
     est = Estimate(nprocs, hardware=hw)
 
@@ -377,6 +367,21 @@ def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
     finally:
         gc.unfreeze()
     return est
+
+
+def _check_call(nprocs, ranks):
+    """``estimate``'s arguments checked: ``"auto"`` or the sorted ranks to trace."""
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ShardingError(f"functp.estimate: nprocs must be a positive int, got {nprocs!r}")
+    if not (isinstance(ranks, str) and ranks == "auto"):
+        ranks = sorted(set(int(r) for r in ranks))
+        if not ranks or not all(0 <= r < nprocs for r in ranks):
+            raise ShardingError(f"functp.estimate: ranks={list(ranks)} must be \"auto\" "
+                                f"or ranks of the world, 0 to {nprocs - 1}")
+    if _world.current_run() is not None or _world.dry_run() is not None:
+        raise ShardingError("functp.estimate was called inside a simulated or estimated "
+                            "rank; call it once, from outside the program")
+    return ranks
 
 
 def _fingerprint(e: RankEstimate) -> tuple:
