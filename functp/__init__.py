@@ -17,6 +17,7 @@ from ._crosscheck import debug_enabled, set_debug
 from ._errors import CheckpointError, ShardingError
 from ._estimate import Estimate, RankEstimate, StepTime, estimate
 from ._hardware import Hardware, calibrate
+from ._rank_meshes import MeshCandidate, MeshRanking, rank_meshes
 from ._functional import functionalize
 from ._grads import clip_by_global_norm, global_norm, reduce_unreduced
 from ._interop import from_dtensor, to_dtensor
@@ -48,7 +49,7 @@ __all__ = [
     "ragged_all_to_all", "ragged_offsets", "RaggedOffsets",
     "comm_log", "CommEvent", "set_debug", "debug_enabled",
     "simulate", "estimate", "Estimate", "RankEstimate", "StepTime",
-    "Hardware", "calibrate", "print_ranks", "visualize_sharding", "process_index", "process_count",
+    "Hardware", "calibrate", "rank_meshes", "MeshRanking", "MeshCandidate", "print_ranks", "visualize_sharding", "process_index", "process_count",
     "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",
     "save", "load", "full_state_dict",
     "grad", "value_and_grad", "global_norm", "clip_by_global_norm", "reduce_unreduced", "MixedPrecision",

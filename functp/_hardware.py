@@ -17,12 +17,13 @@ measurements:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from ._errors import ShardingError
 
 __all__ = ["Hardware", "HARDWARE", "calibrate", "hardware_profile", "op_seconds",
-           "collective_seconds"]
+           "collective_seconds", "fit_link"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class Hardware:
     (``"float32"``, ``"bfloat16"``, ...); ``memory_bandwidth``: bytes/s;
     ``intra`` / ``inter``: ``(alpha seconds, beta bytes/s per rank and direction)``
     within a node of ``ranks_per_node`` and across nodes; ``sources``: where each
-    number comes from."""
+    number comes from; ``memory``: bytes one rank can hold (the budget
+    :func:`functp.rank_meshes` fits candidates in; 0: unknown)."""
     name: str
     flops: dict
     memory_bandwidth: float
@@ -39,6 +41,7 @@ class Hardware:
     intra: tuple[float, float]
     inter: tuple[float, float]
     sources: dict = field(default_factory=dict)
+    memory: float = 0
 
     def peak(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops["float32"])
@@ -58,7 +61,9 @@ HARDWARE: dict[str, Hardware] = {
         (5e-6, 50e9),        # one 400 Gb/s NDR port per GPU
         {"flops": _H100_DS, "memory_bandwidth": _H100_DS + " (HBM3 3.35 TB/s)",
          "intra": _H100_DS + " (NVLink 900 GB/s); latency: NCCL tests, order of µs",
-         "inter": "NVIDIA ConnectX-7 NDR 400 Gb/s InfiniBand; latency order of µs"}),
+         "inter": "NVIDIA ConnectX-7 NDR 400 Gb/s InfiniBand; latency order of µs",
+         "memory": _H100_DS + " (80 GB HBM3)"},
+        80 * 2 ** 30),
     "a100": Hardware(
         "A100 SXM 80GB, NVLink 3 within 8-GPU nodes, 200 Gb/s InfiniBand (HDR) per GPU",
         {"float64": 19.5e12, "float32": 156e12, "bfloat16": 312e12, "float16": 312e12},
@@ -67,7 +72,9 @@ HARDWARE: dict[str, Hardware] = {
         (5e-6, 25e9),        # one 200 Gb/s HDR port per GPU
         {"flops": _A100_DS, "memory_bandwidth": _A100_DS + " (HBM2e 2,039 GB/s)",
          "intra": _A100_DS + " (NVLink 600 GB/s)",
-         "inter": "NVIDIA ConnectX-6 HDR 200 Gb/s InfiniBand"}),
+         "inter": "NVIDIA ConnectX-6 HDR 200 Gb/s InfiniBand",
+         "memory": _A100_DS + " (80 GB HBM2e)"},
+        80 * 2 ** 30),
 }
 
 
@@ -106,13 +113,24 @@ def collective_seconds(hw: Hardware, op: str, nbytes: int, members: tuple[int, .
     return alpha + nbytes / beta    # permute: one send and one receive
 
 
+def fit_link(small: float, large: float, large_bytes: int, ranks: int) -> tuple[float, float]:
+    """``(alpha, beta)`` of a link from the times of a ring all-reduce of a few bytes
+    (``small`` seconds: latency only) and of ``large_bytes`` (``large`` seconds):
+    the inverse of :func:`collective_seconds`' ring formula."""
+    steps = 2 * (ranks - 1)
+    alpha = small / steps
+    return alpha, large_bytes / ranks / max(large / steps - alpha, 1e-12)
+
+
 def calibrate(*, matmul_size: int = 1024, ranks: int = 2, repeat: int = 5) -> Hardware:
     """Measures this machine into a :class:`Hardware` profile: matmul throughput
-    (float32 and float64), memory bandwidth (a large copy), and the latency and
+    (float32 and float64), memory bandwidth (a large add into a fresh tensor, as
+    eager ops write), and the latency and
     bandwidth of a gloo all-reduce between ``ranks`` ranks of
     :func:`functp.simulate` (all counted as one node).
 
-    **Arguments:** ``matmul_size`` – the side of the square matmuls timed;
+    **Arguments:** ``matmul_size`` – the side of the square matmul timed (and the
+    inner size of the wide and tall ones);
     ``ranks`` – ranks in the all-reduces; ``repeat`` – timings per measurement (the
     fastest is kept).
 
@@ -139,13 +157,21 @@ def calibrate(*, matmul_size: int = 1024, ranks: int = 2, repeat: int = 5) -> Ha
             times.append(time.perf_counter() - t0)
         return min(times)
 
+    # a step's matmuls are rarely square: a square one, a wide and a tall one of the
+    # same work (FLOPs over the total time)
+    m = matmul_size
+    shapes = [(m, m, m), (m // 4, m, 4 * m), (m // 4, 4 * m, m)]
     flops = {}
     for dtype in (torch.float32, torch.float64):
-        a = torch.randn(matmul_size, matmul_size, dtype=dtype)
-        flops[str(dtype).removeprefix("torch.")] = 2 * matmul_size ** 3 / best(lambda: a @ a)
-    big = torch.empty(16 * 2 ** 20, dtype=torch.float32)          # 64 MiB
-    out = torch.empty_like(big)
-    bandwidth = 2 * big.numel() * 4 / best(lambda: out.copy_(big))
+        pairs = [(torch.randn(a, b, dtype=dtype), torch.randn(b, c, dtype=dtype))
+                 for a, b, c in shapes]
+        seconds = sum(best(lambda x=x, y=y: x @ y) for x, y in pairs)
+        flops[str(dtype).removeprefix("torch.")] = sum(2 * a * b * c
+                                                       for a, b, c in shapes) / seconds
+    # an eager op writes a fresh output (new pages, touched for the first time): an
+    # add of two 64 MiB tensors, not a copy into a buffer already there
+    big = torch.empty(16 * 2 ** 20, dtype=torch.float32).fill_(1)
+    bandwidth = 3 * big.numel() * 4 / best(lambda: big + big)
 
     small_n, large_n = 1, 2 ** 20                                  # 4 B and 4 MiB
 
@@ -156,16 +182,17 @@ def calibrate(*, matmul_size: int = 1024, ranks: int = 2, repeat: int = 5) -> Ha
         return [best(lambda: reduce(torch.ones(n))) for n in (small_n, large_n)]
     # a collective ends when its slowest rank's does
     small, large = (max(ts) for ts in zip(*_simulate.simulate(timings, ranks, check=False)))
-    steps = 2 * (ranks - 1)                                        # ring all-reduce
-    alpha = small / steps
-    beta = large_n * 4 / ranks / max(large / steps - alpha, 1e-12)
+    alpha, beta = fit_link(small, large, large_n * 4, ranks)
     where = f"functp.calibrate() on {platform.node()}"
     return Hardware(
         f"this machine ({platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, gloo)", flops, bandwidth, 1 << 30,
         (alpha, beta), (alpha, beta),
-        {"flops": f"{where}: best of {repeat} {matmul_size}^3 matmuls",
-         "memory_bandwidth": f"{where}: a 64 MiB copy (read + write)",
+        {"flops": f"{where}: best of {repeat} of {m}x{m}x{m}, {m // 4}x{m}x{4 * m} and "
+                  f"{m // 4}x{4 * m}x{m} matmuls",
+         "memory_bandwidth": f"{where}: an add of two 64 MiB tensors into a new one",
          "intra": f"{where}: gloo all-reduce of 4 B (latency) and 4 MiB (bandwidth) "
                   f"over {ranks} simulated ranks",
-         "inter": "as intra: one machine"})
+         "inter": "as intra: one machine",
+         "memory": f"{where}: physical memory (os.sysconf), shared by the ranks"},
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

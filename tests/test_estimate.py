@@ -3,6 +3,9 @@ equal (comm_log events, FlopCounterMode totals), the peak memory within 5% of to
 MemTracker. The real runs are gloo processes (MemTracker's hooks are per process)."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -63,8 +66,62 @@ def fsdp_adamw(n, tape, steps=2):
     return local
 
 
+def hf_llama_adamw(n, steps=2):
+    """A tiny transformers Llama through parallelize(model, mesh, "auto") (tp on 2
+    ranks, dp 2 x tp 2 on 4), torch.func.grad, AdamW steps on the blocks. Eager
+    attention and an explicit mask: the SDPA path reads the mask on the host."""
+    transformers = pytest.importorskip("transformers")
+    mesh = functp.make_mesh((n // 2, 2), ("dp", "tp"))
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+        attn_implementation="eager")
+    apply, params, specs = functp.parallelize(transformers.LlamaForCausalLM(config), mesh, "auto")
+
+    def local_loss(p, ids):
+        logits = apply(p, ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                 ids[:, 1:].flatten())
+        return functp.pmean(loss, "dp")
+    step = torch.func.grad(functp.shard_map(local_loss, mesh, in_specs=(specs, P("dp")),
+                                            out_specs=P()))
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-3)
+    for _ in range(steps):
+        functp.set_grads(params, step(params, torch.randint(64, (2, 16))))
+        opt.step()
+        opt.zero_grad()
+    return params
+
+
+def pipeline_example(n):
+    """examples/pipeline.py's GPipe schedule over 'pp' (ppermute between stages),
+    one torch.func.grad step and an SGD update."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    import pipeline
+    mesh = functp.make_mesh((n,), ("pp",))
+    _, params = functp.functionalize(pipeline.Stack())
+    local = functp.shard(params, mesh, pipeline.SPECS)
+    step = torch.func.grad(functp.shard_map(pipeline.gpipe_loss, mesh, in_specs=(
+        pipeline.SPECS, pipeline.DATA_SPEC, pipeline.DATA_SPEC), out_specs=P()))
+    x = torch.randn(pipeline.MICRO, pipeline.BATCH // pipeline.MICRO, pipeline.D)
+    grads = step(local, x, torch.randn_like(x))
+    return {k: v - 0.1 * grads[k] for k, v in local.items()}
+
+
 PROGRAMS = {"tp_mlp_grad": (tp_mlp_grad, ()), "fsdp_adamw_grad": (fsdp_adamw, (False,)),
-            "fsdp_adamw_tape": (fsdp_adamw, (True,))}
+            "fsdp_adamw_tape": (fsdp_adamw, (True,)), "hf_llama_adamw": (hf_llama_adamw, ()),
+            "pipeline_example": (pipeline_example, ())}
+
+
+class _Totals(MemTracker):
+    """torch's MemTracker without its per-module hooks, which cannot follow modules
+    called under torch.func (they read the storage of functorch wrappers); the
+    totals, which the peak is, are MemTracker's own dispatch-level counts."""
+
+    def _pre_fw_hook(self, *a):
+        pass
+
+    _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
 
 
 def _measured(name, n):
@@ -75,7 +132,7 @@ def _measured(name, n):
     previous = functp.set_debug(False)
     try:
         with functp.comm_log() as log, FlopCounterMode(display=False) as flops, \
-                MemTracker() as mem:
+                _Totals() as mem:
             fn(n, *extra)
     finally:
         functp.set_debug(previous)
@@ -86,16 +143,22 @@ def _measured(name, n):
 @pytest.mark.parametrize("name", list(PROGRAMS))
 @pytest.mark.parametrize("n", [2, 4])
 def test_estimate_equals_real_run(run, name, n):
-    events, flops, peak = run(n, _measured, name, n, gloo=True)[0]
+    real = run(n, _measured, name, n, gloo=True)
     fn, extra = PROGRAMS[name]
     est = functp.estimate(fn, n, n, *extra)
-    assert est.ranks == [0]
-    assert events, "the program issues collectives"
-    assert est.comm.events == events, f"estimated {est.comm.events}\nreal {events}"
-    assert flops > 0 and est.flops == flops, f"estimated {est.flops} FLOPs, real {flops}"
-    assert abs(est.peak_bytes - peak) <= 0.05 * peak, \
-        f"estimated peak {est.peak_bytes} B, MemTracker on the real run {peak} B"
-    assert sum(est.memory.values()) == est.peak_bytes
+    assert sorted(q for r in est.ranks for q in est.alike[r]) == list(range(n))
+    assert real[0][0], "the program issues collectives"
+    # every rank of the real run against the rank that stands for it
+    for r in est.ranks:
+        for q in est.alike[r]:
+            events, flops, peak = real[q]
+            assert est[r].comm.events == events, \
+                f"rank {q}: estimated {est[r].comm.events}\nreal {events}"
+            assert flops > 0 and est[r].flops == flops, \
+                f"rank {q}: estimated {est[r].flops} FLOPs, real {flops}"
+            assert abs(est[r].peak_bytes - peak) <= 0.05 * peak, \
+                f"rank {q}: estimated peak {est[r].peak_bytes} B, MemTracker on the real run {peak} B"
+        assert sum(est[r].memory.values()) == est[r].peak_bytes
 
 
 def test_optimizer_state_is_its_own_category():
@@ -132,6 +195,49 @@ def test_rank_dependent_program_traced_per_rank():
     assert est.flops == est[0].flops
 
 
+def _stages(widths):
+    """A program whose pipeline stage (its 'pp' coordinate) picks its layer width,
+    replicated over 'dp': ranks differ along 'pp' only."""
+    def program():
+        mesh = functp.make_mesh((2, len(widths)), ("dp", "pp"))
+        size = widths[mesh.coordinate["pp"]]
+        w, x = torch.randn(size, size), torch.randn(4, size)
+        f = functp.shard_map(lambda x: functp.psum(x, "dp"), mesh, in_specs=P(),
+                             out_specs=P(), check_vma=False)
+        return f(x @ w)
+    return program
+
+
+@pytest.mark.parametrize("widths, distinct, traced", [
+    # first, middle and last stage differ: positions 2 and 3 stand with position 1
+    ([8, 16, 16, 32], {0: [0, 4], 1: [1, 2, 5, 6], 3: [3, 7]}, [0, 1, 3, 4]),
+    # first and last alike, the middle ones not
+    ([8, 16, 16, 8], {0: [0, 3, 4, 7], 1: [1, 2, 5, 6]}, [0, 1, 3, 4]),
+    ([8, 8, 8, 8], {0: list(range(8))}, [0, 1, 3, 4]),
+])
+def test_distinct_ranks_found(widths, distinct, traced):
+    est = functp.estimate(_stages(widths), 8)
+    assert est.alike == distinct and est.ranks == sorted(distinct)
+    assert est.traced == traced
+    for r in est.ranks:       # each is that rank's own trace
+        size = widths[r % len(widths)]
+        assert est[r].flops == 2 * 4 * size * size
+        assert est[r].comm.nbytes() == 4 * size * 4
+
+
+def test_distinct_ranks_across_two_uneven_axes():
+    # the block's rows depend on both coordinates: the two axes are crossed
+    def program():
+        mesh = functp.make_mesh((3, 3), ("a", "b"))
+        c = mesh.coordinate
+        w = torch.randn(1 + c["a"] + 10 * c["b"], 4)
+        return (w @ w.T).sum()
+    est = functp.estimate(program, 9)
+    # positions 0, 1 (stands for the middle) and 2 on each axis: all 9 differ
+    assert est.ranks == list(range(9)) and est.traced == list(range(9))
+    assert all(est.alike[r] == [r] for r in range(9))
+
+
 def test_ops_without_a_flop_formula_are_listed():
     def program():
         x = torch.randn(8, 8)
@@ -153,7 +259,7 @@ def test_caller_random_state_untouched():
 def test_bad_arguments():
     with pytest.raises(ShardingError, match="nprocs must be a positive int"):
         functp.estimate(lambda: None, 0)
-    with pytest.raises(ShardingError, match=r"ranks=\[4\] must be ranks of the world"):
+    with pytest.raises(ShardingError, match=r"ranks=\[4\] must be \"auto\" or ranks of the world"):
         functp.estimate(lambda: None, 4, ranks=[4])
 
 
@@ -213,17 +319,71 @@ def test_unknown_hardware():
 def test_printed_table():
     est = functp.estimate(tp_mlp_grad, 2, 2)
     text = str(est)
-    assert "functp.estimate: 2 ranks, traced [0] (no time: pass hardware=)" in text
+    assert "functp.estimate: 2 ranks, 1 distinct (traced 0-1) (no time: pass hardware=)" in text
+    assert "rank 0 (and the ranks alike: 0-1):" in text
     assert "all_reduce over tp x1" in text
-    assert "not counted (torch has no FLOP formula): " in text and "aten.tanh x1" in text
+    top = sorted(est[0].uncounted.items(), key=lambda kv: (-kv[1], kv[0]))
+    assert "aten.tanh" in est[0].uncounted and len(top) > 5
+    assert ("not counted (torch has no FLOP formula): " + ", ".join(
+        f"{k} x{v}" for k, v in top[:5]) + f", and {len(top) - 5} more") in text
 
 
 def test_calibrated_profile_predicts_a_time():
     cpu = functp.calibrate(matmul_size=256, repeat=2)
     numbers = [*cpu.flops.values(), cpu.memory_bandwidth, *cpu.intra]
     assert all(0 < x < float("inf") for x in numbers), cpu
-    assert set(cpu.sources) == {"flops", "memory_bandwidth", "intra", "inter"}
+    assert set(cpu.sources) == {"flops", "memory_bandwidth", "intra", "inter", "memory"}
+    assert cpu.memory > 2 ** 30
     est = functp.estimate(tp_mlp_grad, 2, 2, hardware=cpu)
     assert est.seconds.communication == pytest.approx(
         2 * (cpu.intra[0] + est.comm.nbytes() / 2 / cpu.intra[1]))   # one ring all-reduce
     assert est.seconds.compute > 0
+
+
+def _dp_tp_step(mesh, x):
+    """A column-parallel layer over 'tp' on a batch split over 'dp'."""
+    w = functp.shard(torch.randn(64, 96), mesh, P(None, "tp"))
+    f = functp.shard_map(lambda w, x: functp.pmean((x @ w).sum(), ("dp", "tp")), mesh,
+                         in_specs=(P(None, "tp"), P("dp")), out_specs=P())
+    return f(w, functp.shard(x, mesh, P("dp")))
+
+
+def test_rank_meshes_sorts_what_fits_by_time():
+    from functp._rank_meshes import mesh_shapes
+    assert mesh_shapes(6, 2) == [(1, 6), (2, 3), (3, 2), (6, 1)]
+    x = torch.randn(40, 64)        # a batch of 40: dp 3, 6 and 12 do not divide it
+    full = functp.rank_meshes(_dp_tp_step, 12, ("dp", "tp"), x, hardware="h100-sxm")
+    ok = [c for c in full if c.estimate is not None]
+    assert [c.shape["dp"] for c in full if c.estimate is None] == [3, 6, 12]
+    assert "fails: ShardingError" in str(full) and "dp" in str(full).splitlines()[1]
+    assert len(ok) == 3 and all(c.fits for c in ok)
+    assert [c.seconds.serial for c in ok] == sorted(c.seconds.serial for c in ok)
+    assert full.best == ok[0].shape
+    for c in ok:            # each row is the estimate of the program on that mesh
+        direct = functp.estimate(lambda: _dp_tp_step(functp.make_mesh(
+            tuple(c.shape.values()), ("dp", "tp")), x), 12, hardware="h100-sxm")
+        assert (c.peak_bytes, c.seconds) == (direct.peak_bytes, direct.seconds)
+    # a budget between the peaks: the shapes over it go last, smallest peak first
+    budget = sorted(c.peak_bytes for c in ok)[1]
+    tight = functp.rank_meshes(_dp_tp_step, 12, ("dp", "tp"), x, hardware="h100-sxm",
+                               memory=budget)
+    fits = [c.fits for c in tight if c.estimate is not None]
+    assert fits == [True, True, False] and tight[2].peak_bytes > budget
+    assert tight.best is not None and tight[0].peak_bytes <= budget
+    with pytest.raises(ShardingError):      # no shape runs: the first error is raised
+        functp.rank_meshes(_dp_tp_step, 12, ("dp", "tp"), x, hardware="h100-sxm",
+                           shapes=[(3, 4)])
+
+
+def test_plot_writes_a_png(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    est = functp.estimate(tp_mlp_grad, 2, 2, hardware="h100-sxm")
+    fig = est.plot(tmp_path / "est.png")
+    assert (tmp_path / "est.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    mem, time = fig.axes[:2]
+    legend = {t.get_text() for t in mem.get_legend().get_texts()}
+    assert legend == set(est.memory)
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)            # as if not installed
+    with pytest.raises(ShardingError, match=r"needs matplotlib.*pip install matplotlib"):
+        est.plot()
