@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from . import _ops
+from . import _ops, _overlap
 from ._errors import ShardingError
 from ._mesh import Mesh
 from ._precision import floating
@@ -240,7 +240,8 @@ class Tracker:
                 # an input (or a view of it): use its alias for these axes, viewed the
                 # same way, so its gradient joins the input's bucketed all-reduce
                 _, j, views = alias
-                out = self._aliases[j][missing]
+                out = self._aliases[j][missing] = _overlap.ready_point(
+                    self._aliases[j][missing], self._entry[j], self._group(missing).key)
                 if t is self._entry[j]:
                     pass
                 else:
