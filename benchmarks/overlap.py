@@ -13,9 +13,11 @@ runs each once, after a barrier), and the medians are rank 0's:
 
 - hand: tape backward, then one all-reduce of all gradients flattened (no overlap);
 - DDP: ``DistributedDataParallel`` (25 MiB buckets, launched during the backward);
+- DDP, 4 MiB buckets: ``bucket_cap_mb=4`` (one layer's weight a bucket);
 - functp tape / ``torch.func.grad`` / ``functp.value_and_grad``: one shard_map'd loss
   (parameters ``P()``, batch ``P("dp")``, ``pmean``), gradient buckets as functp makes
-  them; "no overlap": the same with ``functp.set_overlap(enabled=False)``;
+  them (1 MiB then 25 MiB, as DDP), or 4 MiB ones (``functp.set_overlap``); "no
+  overlap": the same with ``functp.set_overlap(enabled=False)``;
 - compute: the step with no communication (the floor).
 
 Ratios are to the hand step; collectives are counted per step (functp's comm_log,
@@ -38,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 CLUSTER = "/work/shared/tools/netns_cluster.sh"
 WIDTH, LAYERS, LR = 1024, 8, 1e-3
+SMALL_MB = 4.0          # the smaller buckets also measured: one layer's weight each
 
 
 def make_model(seed: int = 0) -> nn.Sequential:
@@ -117,6 +120,14 @@ def variants(x, y):
     ddp_step = ddp_step_of(nn.parallel.DistributedDataParallel(make_model()))
     ddp_step()
     out["DDP"] = (ddp_step, calls[0])
+    counted = nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=SMALL_MB)
+    counted.register_comm_hook(dist.group.WORLD, counting)
+    ddp_step_of(counted)()
+    calls[0] = 0
+    ddp_step_of(counted)()
+    small = ddp_step_of(nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=SMALL_MB))
+    small()
+    out[f"DDP, {SMALL_MB:g} MiB buckets"] = (small, calls[0])
 
     mesh = functp.make_mesh((n,), ("dp",))
     loss = functp.shard_map(lambda p, x, y: functp.pmean(mse(forward(p, x), y), "dp"),
@@ -140,19 +151,24 @@ def variants(x, y):
         _, g = functp.value_and_grad(loss)(fd, x, y)
         _sgd(leaves, list(g.values()))
 
-    def no_overlap(step):
+    def setting(step, **kw):
         def run():
-            prev = functp.set_overlap(enabled=False)
+            prev = functp.set_overlap(**kw)
             try:
                 step()
             finally:
                 functp.set_overlap(**prev)
         return run
 
+    small = dict(bucket_mb=SMALL_MB, first_bucket_mb=SMALL_MB)
     for name, step in (("functp tape", tape), ("functp torch.func.grad", func_grad),
                        ("functp.value_and_grad", vag),
-                       ("functp tape, no overlap", no_overlap(tape)),
-                       ("functp torch.func.grad, no overlap", no_overlap(func_grad))):
+                       (f"functp tape, {SMALL_MB:g} MiB buckets", setting(tape, **small)),
+                       (f"functp torch.func.grad, {SMALL_MB:g} MiB buckets",
+                        setting(func_grad, **small)),
+                       (f"functp.value_and_grad, {SMALL_MB:g} MiB buckets", setting(vag, **small)),
+                       ("functp tape, no overlap", setting(tape, enabled=False)),
+                       ("functp torch.func.grad, no overlap", setting(func_grad, enabled=False))):
         with functp.comm_log() as log:
             step()
         out[name] = (step, len(log))
@@ -196,8 +212,19 @@ def main() -> None:
 
 
 def two_hosts(extra: list[str], rate: str) -> None:
-    """Brings up the two emulated hosts, runs one process on each, takes them down."""
-    subprocess.run([CLUSTER, "down"], check=False)
+    """Brings up the two emulated hosts, runs one process on each, takes them down.
+    Holds /tmp/functp-netns.lock meanwhile (another session's run may use them); gives
+    up at once if it is held, rather than wait while holding the caller's locks."""
+    import fcntl
+    lock = open("/tmp/functp-netns.lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit("the emulated hosts are in use (/tmp/functp-netns.lock): try later")
+    up = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    if "fa" in up or "fb" in up:
+        raise SystemExit(f"the emulated hosts are up already (another run's?); when no one "
+                         f"uses them: {CLUSTER} down")
     subprocess.run([CLUSTER, "up", rate], check=True)
     try:
         cmd = lambda node: [CLUSTER, "run", str(node), sys.executable, "-m",
