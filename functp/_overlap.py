@@ -35,7 +35,7 @@ import threading
 
 import torch
 
-from . import _context, _ops, _primitives as prim
+from . import _context, _ops, _primitives as prim, _world
 
 __all__ = ["set_overlap"]
 
@@ -44,8 +44,21 @@ _GRAD = _functorch.TransformType.Grad
 SINK = "_functp_sink"          # an entry output's __dict__ key: (its Sink, its index)
 _READY = "_functp_ready"       # a grad_ready output's: made once per alias
 
-# the settings, read at each launch
+# the settings, read at each launch: the process's, or a simulated rank's own (set in
+# its thread, as a process under torchrun sets its own)
 _settings = {"enabled": True, "bucket_mb": 25.0, "first_bucket_mb": 1.0}
+
+
+class _Rank(threading.local):
+    values: dict | None = None
+
+
+_rank = _Rank()
+
+
+def _get() -> dict:
+    v = _rank.values
+    return _settings if v is None else v
 
 
 def set_overlap(enabled: bool | None = None, bucket_mb: float | None = None,
@@ -58,7 +71,8 @@ def set_overlap(enabled: bool | None = None, bucket_mb: float | None = None,
     on at once (the behaviour before overlap); ``bucket_mb`` – a bucket's size in MiB
     (DDP's ``bucket_cap_mb``, 25 by default); ``first_bucket_mb`` – the first bucket's
     (1 MiB: launched early, as DDP's first bucket). None leaves a setting as it is.
-    Set it alike on every rank.
+    Set it alike on every rank (inside :func:`functp.simulate`, a rank's call sets its
+    own, as a process's would).
 
     **Returns:** the previous settings, as a dict (``set_overlap(**prev)`` restores).
     Example::
@@ -67,13 +81,18 @@ def set_overlap(enabled: bool | None = None, bucket_mb: float | None = None,
         grads = torch.func.grad(step)(params, batch)   # 4 MiB gradient buckets
         functp.set_overlap(**prev)
     """
-    prev = dict(_settings)
+    prev = dict(_get())
+    new = dict(prev)
     for k, v in (("enabled", enabled), ("bucket_mb", bucket_mb),
                  ("first_bucket_mb", first_bucket_mb)):
         if v is not None:
             if k != "enabled" and not v > 0:
                 raise ValueError(f"functp.set_overlap: {k} must be > 0 MiB, got {v!r}")
-            _settings[k] = bool(v) if k == "enabled" else float(v)
+            new[k] = bool(v) if k == "enabled" else float(v)
+    if _world.current_run() is not None:     # a simulated rank: its own settings
+        _rank.values = new
+    else:
+        _settings.update(new)
     return prev
 
 
@@ -128,7 +147,8 @@ class Sink:
         b = self.open.setdefault((key, ct.dtype), [[], 0])
         b[0].append((j, ct))
         b[1] += ct.numel() * ct.element_size()
-        cap = _settings["first_bucket_mb"] if self.launched == 0 else _settings["bucket_mb"]
+        cfg = _get()
+        cap = cfg["first_bucket_mb"] if self.launched == 0 else cfg["bucket_mb"]
         if b[1] >= cap * 2**20:
             self._launch((key, ct.dtype))
         self.arrived()
@@ -229,7 +249,7 @@ grad_ready = _ops._define(
 def enter(local: list) -> None:
     """At a top-level body's entry: its floating inputs that need gradients replaced by
     the entry op's outputs, each tagged with its :class:`Sink` and index."""
-    if (not _settings["enabled"] or _context.active() or not torch.is_grad_enabled()
+    if (not _get()["enabled"] or _context.active() or not torch.is_grad_enabled()
             or torch.compiler.is_compiling() or not _level_ok()):
         return
     idx = [i for i, x in enumerate(local) if isinstance(x, torch.Tensor)
