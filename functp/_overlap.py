@@ -112,6 +112,7 @@ class Sink:
     def __init__(self, n: int) -> None:
         self.n = n
         self.node = None        # the entry's autograd node
+        self.expected = 0       # grad_ready points made in the forward
         self.reset()
 
     def reset(self) -> None:
@@ -120,7 +121,6 @@ class Sink:
         self.pending: list = []       # prim.Pending, in launch order
         self.launched = 0             # buckets launched in this backward
         self.fired = 0                # grad_ready backwards run in this backward
-        self.expected = getattr(self, "expected", 0)
 
     def _defers(self, ct: torch.Tensor) -> bool:
         return (not _ops._differentiated(ct) and _level_ok()
