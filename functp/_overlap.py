@@ -179,8 +179,19 @@ class Sink:
         waited on (in launch order), each input's gradient with its results added."""
         self.flush()
         try:
-            for p in self.pending:
-                p.wait()
+            for i, p in enumerate(self.pending):
+                try:
+                    p.wait()
+                except Exception:
+                    # the first failure is the step's error; the later buckets are
+                    # waited on too (they fail at once on a broken group), so that none
+                    # is left registered with c10d as never waited on
+                    for q in self.pending[i + 1:]:
+                        try:
+                            q.wait()
+                        except Exception:       # noqa: BLE001 - reported: the first
+                            pass
+                    raise
             grads = []
             for ct, extra in zip(cts, self.extra):
                 for t in extra:
