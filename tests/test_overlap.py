@@ -176,26 +176,43 @@ def _ordered_body(events, how, enabled):
     return g
 
 
-def _order(monkeypatch, how, enabled):
-    """The events of a 2-rank DP step, in the order they happened: (rank, what, which).
+def _fsdp_ordered_body(events, how, enabled):
+    mesh = functp.make_mesh((2,), ("dp",))
+    p, x = _params(), randn(2 * B, D, seed=9)
+    mark = _marked(events)
+
+    def loss(p, x):        # each layer's weight gathered right before the layer runs
+        h = x
+        for i in range(LAYERS):
+            h = mark(torch.tanh(h @ functp.all_gather(p[f"w{i}"], "dp", tiled=True)), i)
+        return functp.pmean(h.square().mean(), "dp")
+
+    step = functp.shard_map(loss, mesh, in_specs=(P("dp"), P("dp")), out_specs=P())
+    with overlap(enabled=enabled):
+        torch.func.grad(step)(functp.shard(p, mesh, P("dp")), functp.shard(x, mesh, P("dp")))
+
+
+def _order(monkeypatch, how, enabled, body=_ordered_body, op="all_reduce"):
+    """The events of a 2-rank step, in the order they happened: (rank, what, which);
+    "launch" and "wait" are those of ``op`` on a weight-sized tensor or larger.
     Simulated ranks take turns and hand over only where one waits, so a collective a
     rank launched cannot finish before the other rank has launched it too."""
     events: list = []
     record, wait = prim._record, prim._wait
 
-    def launched(op, g, x, how="", ragged=False):
-        if op == "all_reduce" and x.numel() >= D * D:      # a gradient bucket
+    def launched(o, g, x, how="", ragged=False):
+        if o == op and x.numel() >= D * D:      # a gradient bucket / reduce-scatter
             events.append((functp.process_index(), "launch", None))
-        return record(op, g, x, how, ragged)
+        return record(o, g, x, how, ragged)
 
-    def waited(t, op, g):
-        if op == "all_reduce(sum)" and t.numel() >= D * D:
+    def waited(t, o, g):
+        if o.startswith(op) and t.numel() >= D * D // 2:
             events.append((functp.process_index(), "wait", None))
-        return wait(t, op, g)
+        return wait(t, o, g)
 
     monkeypatch.setattr(prim, "_record", launched)
     monkeypatch.setattr(prim, "_wait", waited)
-    functp.simulate(_ordered_body, 2, events, how, enabled, check=False)
+    functp.simulate(body, 2, events, how, enabled, check=False)
     return [(r, what) if what != "backward" else (r, what, i) for r, what, i in events]
 
 
@@ -220,6 +237,19 @@ def test_backward_computes_while_a_bucket_is_in_flight(monkeypatch, how):
     assert ev.count((r, "launch")) == 1, ev
     i = ev.index((r, "launch"))
     assert ev.index((r, "backward", 0)) < i and ev[i + 1] == (r, "wait"), ev
+
+
+def test_fsdp_reduce_scatter_in_flight_during_the_backward(monkeypatch):
+    ev = _order(monkeypatch, "func_grad", True, _fsdp_ordered_body, "reduce_scatter")
+    r = next(e[0] for e in ev if e[1] == "launch")
+    first = ev.index((r, "launch"))           # the last layer's gradient reduce-scatter
+    assert ev.index((r, "backward", LAYERS - 1)) < first < ev.index((r, "backward", 0)), ev
+    assert ev.index((r, "backward", 0)) < ev.index((1 - r, "launch")), ev   # peer not yet in
+    assert ev.index((r, "backward", 0)) < ev.index((r, "wait")), ev
+    ev = _order(monkeypatch, "func_grad", False, _fsdp_ordered_body, "reduce_scatter")
+    r = next(e[0] for e in ev if e[1] == "launch")
+    i = ev.index((r, "launch"))               # without overlap: waited on at once
+    assert ev[i + 1] == (r, "wait") and i < ev.index((r, "backward", 0)), ev
 
 
 # -- errors ----------------------------------------------------------------------------
