@@ -225,11 +225,16 @@ def _entry_bwd(ctx, *cts):
     return ctx.sink.finish(cts), None
 
 
+def _entry_raw(xs, token):
+    """Forward: each input as it is (``detach``: the same memory, not a view, so the
+    body may still modify an input in place, and views of it are views of the
+    caller's tensor, as without overlap). Backward: each cotangent plus the results
+    of the collectives deferred to this entry (``token``: its Sink), waited on."""
+    return [x.detach() for x in xs]
+
+
 overlap_entry = _ops._define(
-    "overlap_entry(Tensor[] xs, int token) -> Tensor[]",
-    # (detach: the same memory, not a view, so the body may still modify an input in
-    # place, and views of it are views of the caller's tensor, as without overlap)
-    lambda xs, token: [x.detach() for x in xs],
+    "overlap_entry(Tensor[] xs, int token) -> Tensor[]", _entry_raw,
     lambda xs, token: [torch.empty_like(x) for x in xs],
     setup_context=_entry_ctx, backward=_entry_bwd,
     jvp=lambda ctx, ts, *_: tuple(t.view_as(t) for t in ts),
@@ -249,9 +254,17 @@ def _ready_bwd(ctx, ct):
     return ct, None
 
 
+def _ready_raw(x, token):
+    """Forward: ``x`` (a replicated input's vma alias) as it is. Backward: the
+    cotangent goes into a gradient bucket of the entry's Sink (``token``), launched
+    once full, and nothing is passed on; where this backward cannot defer, the
+    cotangent is passed on to the alias's pvary as it is."""
+    return x.view_as(x)
+
+
 grad_ready = _ops._define(
-    "grad_ready(Tensor x, int token) -> Tensor",
-    lambda x, token: x.view_as(x), lambda x, token: torch.empty_like(x),
+    "grad_ready(Tensor x, int token) -> Tensor", _ready_raw,
+    lambda x, token: torch.empty_like(x),
     setup_context=_ready_ctx, backward=_ready_bwd,
     jvp=lambda ctx, t, *_: t.view_as(t),
     vmap=lambda info, dims, x, token: (grad_ready(x, token), dims[0]))
