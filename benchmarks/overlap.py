@@ -91,7 +91,8 @@ def variants(x, y):
         flat = torch.cat([q.grad.reshape(-1) for q in params])
         dist.all_reduce(flat)
         flat /= n
-        _sgd(params, [f.view_as(q) for f, q in zip(flat.split([q.numel() for q in params]), params)])
+        pieces = flat.split([q.numel() for q in params])
+        _sgd(params, [f.view_as(q) for f, q in zip(pieces, params)])
     out["hand (1 all-reduce)"] = (hand, 1)
 
     def ddp_step_of(ddp):

@@ -5,10 +5,12 @@ call is recorded in ``comm_log``. Each collective is launched, then waited on at
 except inside :func:`deferring` (a gradient bucket launched during the backward, see
 ``_overlap``): there a collective whose result can be handed out before its data
 arrives (its post-processing only views the buffer) returns that unfinished result
-and leaves a :class:`Pending` to wait on before anyone reads it. A dimension argument names where the blocks are
-stacked; blocks are ordered by the index along the axis tuple, which can differ
-from the process group's rank order (a tuple of axes given out of mesh order), so
-we permute blocks on the way in and out where needed.
+and leaves a :class:`Pending` to wait on before anyone reads it.
+
+A dimension argument names where the blocks are stacked; blocks are ordered by the
+index along the axis tuple, which can differ from the process group's rank order (a
+tuple of axes given out of mesh order), so we permute blocks on the way in and out
+where needed.
 """
 from __future__ import annotations
 
