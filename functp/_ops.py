@@ -362,7 +362,8 @@ def _ag_raw(x, group, dim, tiled, invariant_T):
 
 def _ag_ctx(ctx, args, output):
     _, ctx.group, ctx.dim, ctx.tiled, ctx.invariant_T = args
-    ctx.sink = args[0].__dict__.get("_functp_sink")    # a shard_map input (_overlap)
+    d = args[0].__dict__                                # a shard_map input (_overlap)?
+    ctx.sink = d["_functp_sink"] if "_functp_sink" in d else None
 
 
 def _ag_bwd(ctx, ct):

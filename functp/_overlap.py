@@ -26,7 +26,8 @@ nothing differentiates further (tape ``backward()``/``autograd.grad`` without
 the entry node; otherwise each collective is waited on at once, as before. The
 values are those of the single bucketed all-reduce made otherwise (an all-reduce sums
 each element over the ranks alone, whatever the bucket it travels in). Not inside
-``torch.compile`` (inductor schedules its own collectives), nor under ``vmap``.
+``torch.compile`` (inductor schedules its own collectives), nor under ``vmap``, nor
+for a body whose gradients fit in the first bucket (they would leave together anyway).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ __all__ = ["set_overlap"]
 _functorch = torch._C._functorch
 _GRAD = _functorch.TransformType.Grad
 SINK = "_functp_sink"          # an entry output's __dict__ key: (its Sink, its index)
+_TENSORS = (torch.Tensor, torch.nn.Parameter)     # the inputs that may get a sink
 _READY = "_functp_ready"       # a grad_ready output's: made once per alias
 
 # the settings, read at each launch: the process's, or a simulated rank's own (set in
@@ -272,14 +274,22 @@ grad_ready = _ops._define(
 
 def enter(local: list) -> None:
     """At a top-level body's entry: its floating inputs that need gradients replaced by
-    the entry op's outputs, each tagged with its :class:`Sink` and index."""
-    if (not _get()["enabled"] or _context.active() or not torch.is_grad_enabled()
-            or torch.compiler.is_compiling() or not _level_ok()):
+    the entry op's outputs, each tagged with its :class:`Sink` and index. A body whose
+    gradients all fit in the first bucket is left as it is: that bucket would leave
+    with the last of them anyway, and a small step keeps its per-step cost."""
+    # (written with few calls: every step of every body passes here, and most are
+    # turned away by the size, in two calls)
+    cfg = _rank.values or _settings
+    if not cfg["enabled"] or sum([
+            x.nbytes for x in local if x.__class__ in _TENSORS and x.requires_grad
+            and (x.dtype.is_floating_point or x.dtype.is_complex)
+    ]) < cfg["first_bucket_mb"] * 2**20:
         return
-    idx = [i for i, x in enumerate(local) if isinstance(x, torch.Tensor)
-           and x.requires_grad and (x.is_floating_point() or x.is_complex())]
-    if not idx:
+    if (not torch.is_grad_enabled() or _context.active() or torch.compiler.is_compiling()
+            or not _level_ok()):
         return
+    idx = [i for i, x in enumerate(local) if x.__class__ in _TENSORS and x.requires_grad
+           and (x.dtype.is_floating_point or x.dtype.is_complex)]
     sink = Sink(len(idx))
     token = _put(sink)
     try:
@@ -296,10 +306,9 @@ def ready_point(alias: torch.Tensor, entry: torch.Tensor, key: str) -> torch.Ten
     """``alias`` (the pvary over group ``key`` of the entry output ``entry``) through
     ``grad_ready``, where its gradient is to be bucketed on arrival; as it is if
     ``entry`` has no sink or ``alias`` already went through."""
-    hit = entry.__dict__.get(SINK)
-    if hit is None or _READY in alias.__dict__ or not torch.is_grad_enabled():
+    if SINK not in entry.__dict__ or _READY in alias.__dict__ or not torch.is_grad_enabled():
         return alias
-    sink, j = hit
+    sink, j = entry.__dict__[SINK]
     token = _put((sink, j, key))
     try:
         out = grad_ready(alias, token)

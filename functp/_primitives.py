@@ -74,9 +74,9 @@ def deferring():
 
 def _finish(raw: torch.Tensor, op: str, g: AxisGroup, finish: Callable | None = None,
             view: bool = True) -> torch.Tensor:
-    """The result of the collective launched as ``raw``: waited on now, or (inside
-    :func:`deferring`, where ``finish`` only views the buffer: ``view``) handed out
-    unfinished, its :class:`Pending` added to the deferred list."""
+    """Inside :func:`deferring`, the result of the collective launched as ``raw``:
+    handed out unfinished, its :class:`Pending` added to the deferred list, where
+    ``finish`` only views the buffer (``view``); else waited on now."""
     pending = _defer.pending
     if pending is None or not view:
         y = _wait(raw, op, g)
@@ -127,7 +127,10 @@ def all_reduce(x: torch.Tensor, g: AxisGroup, op: str = "sum") -> torch.Tensor:
     if g.size == 1:
         return x.clone()
     _record("all_reduce", g, x, f"({op})")
-    return _finish(_ops.all_reduce(x.contiguous(), op, g.group_name), f"all_reduce({op})", g)
+    y = _ops.all_reduce(x.contiguous(), op, g.group_name)
+    if _defer.pending is None:      # (the usual case first: it costs no extra call)
+        return _wait(y, f"all_reduce({op})", g)
+    return _finish(y, f"all_reduce({op})", g)
 
 
 def all_reduce_inplace(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
@@ -137,7 +140,11 @@ def all_reduce_inplace(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         return x
     _record("all_reduce", g, x, "(sum)")
     # (the in-place op returns x itself: finished or not, it is the result)
-    _finish(_ops.all_reduce_(x, "sum", g.group_name), "all_reduce(sum)", g)
+    y = _ops.all_reduce_(x, "sum", g.group_name)
+    if _defer.pending is None:
+        _wait(y, "all_reduce(sum)", g)
+    else:
+        _finish(y, "all_reduce(sum)", g)
     return x
 
 
@@ -146,9 +153,10 @@ def all_gather(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
     if g.size == 1:
         return x.clone()
     _record("all_gather", g, x)
-    return _finish(_ops.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), g.size,
-                                               g.group_name), "all_gather", g,
-                   lambda y: _blocks_from_group_order(y, g).movedim(0, dim),
+    y = _ops.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), g.size, g.group_name)
+    if _defer.pending is None:
+        return _blocks_from_group_order(_wait(y, "all_gather", g), g).movedim(0, dim)
+    return _finish(y, "all_gather", g, lambda y: _blocks_from_group_order(y, g).movedim(0, dim),
                    view=g.order is None)
 
 
@@ -158,8 +166,10 @@ def reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
         return x.clone()
     _record("reduce_scatter", g, x)
     y = _blocks_to_group_order(x.movedim(dim, 0), g).contiguous()
-    return _finish(_ops.reduce_scatter_tensor(y, "sum", g.size, g.group_name),
-                   "reduce_scatter", g, lambda r: r.movedim(0, dim))
+    r = _ops.reduce_scatter_tensor(y, "sum", g.size, g.group_name)
+    if _defer.pending is None:
+        return _wait(r, "reduce_scatter", g).movedim(0, dim)
+    return _finish(r, "reduce_scatter", g, lambda r: r.movedim(0, dim))
 
 
 def all_to_all(x: torch.Tensor, g: AxisGroup, split_dim: int, concat_dim: int) -> torch.Tensor:

@@ -240,8 +240,10 @@ class Tracker:
                 # an input (or a view of it): use its alias for these axes, viewed the
                 # same way, so its gradient joins the input's bucketed all-reduce
                 _, j, views = alias
-                out = self._aliases[j][missing] = _overlap.ready_point(
-                    self._aliases[j][missing], self._entry[j], self._group(missing).key)
+                out = self._aliases[j][missing]
+                if _overlap.SINK in self._entry[j].__dict__:      # launch point (_overlap)
+                    out = self._aliases[j][missing] = _overlap.ready_point(
+                        out, self._entry[j], self._group(missing).key)
                 if t is self._entry[j]:
                     pass
                 else:

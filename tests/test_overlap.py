@@ -188,7 +188,7 @@ def _fsdp_ordered_body(events, how, enabled):
         return functp.pmean(h.square().mean(), "dp")
 
     step = functp.shard_map(loss, mesh, in_specs=(P("dp"), P("dp")), out_specs=P())
-    with overlap(enabled=enabled):
+    with overlap(enabled=enabled, first_bucket_mb=WEIGHT_MB / 2):
         torch.func.grad(step)(functp.shard(p, mesh, P("dp")), functp.shard(x, mesh, P("dp")))
 
 
