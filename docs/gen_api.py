@@ -26,7 +26,7 @@ SECTIONS = [
     ("One process: simulated ranks, printing, layouts", ["_simulate", "_world", "_show"]),
     ("Dry runs: what a step costs", ["_estimate", "_rank_meshes", "_hardware"]),
     ("Training: gradients, norms, accumulation, mixed precision, remat, optimizers",
-     ["_autodiff", "_grads", "_precision", "_remat", "_optim"]),
+     ["_autodiff", "_grads", "_overlap", "_precision", "_remat", "_optim"]),
     ("Plans and styles", ["_plans", "_styles", "_verify"]),
     ("DTensor and checkpoints", ["_interop", "_checkpoint"]),
 ]

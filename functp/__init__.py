@@ -22,6 +22,7 @@ from ._functional import functionalize
 from ._grads import clip_by_global_norm, global_norm, reduce_unreduced
 from ._interop import from_dtensor, to_dtensor
 from ._mesh import Mesh, make_mesh
+from ._overlap import set_overlap
 from ._optim import init_optimizer_state, optimizer_specs, set_grads
 from ._precision import MixedPrecision
 from ._ragged import RaggedOffsets, ragged_all_to_all, ragged_offsets
@@ -47,7 +48,7 @@ __all__ = [
     "psum", "pmean", "pmax", "pmin", "pvary", "pcast", "all_gather", "all_gather_invariant",
     "psum_scatter", "all_to_all", "ppermute", "axis_index", "axis_size",
     "ragged_all_to_all", "ragged_offsets", "RaggedOffsets",
-    "comm_log", "CommEvent", "set_debug", "debug_enabled",
+    "comm_log", "CommEvent", "set_debug", "debug_enabled", "set_overlap",
     "simulate", "estimate", "Estimate", "RankEstimate", "StepTime",
     "Hardware", "calibrate", "rank_meshes", "MeshRanking", "MeshCandidate", "print_ranks", "visualize_sharding", "process_index", "process_count",
     "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from . import _ops
+from . import _ops, _overlap
 from ._errors import ShardingError
 from ._mesh import Mesh
 from ._precision import floating, inexact
@@ -64,6 +64,7 @@ class VmaRules:
 
     def enter(self, tracker: Tracker, local: list, plan) -> None:
         _dedupe(local)
+        _overlap.enter(local)        # gradient collectives waited on at the entry
         tracker.enter(local, *plan)
 
     def cast(self, tracker: Tracker, local: list, dtype: torch.dtype) -> None:
@@ -106,6 +107,7 @@ class SumRules:
         return [(self.mesh.axis_group(axes).key, idx) for axes, idx in buckets.items()]
 
     def enter(self, tracker: None, local: list, plan) -> None:
+        _overlap.enter(local)        # gradient collectives waited on at the entry
         for key, idx in plan:
             for i, y in zip(idx, _ops.pvary([local[i] for i in idx], key, True)):
                 local[i] = y

@@ -449,6 +449,8 @@ def _ag_raw(x, group, dim, tiled, invariant_T):
 
 def _ag_ctx(ctx, args, output):
     _, ctx.group, ctx.dim, ctx.tiled, ctx.invariant_T = args
+    d = args[0].__dict__                                # a shard_map input (_overlap)?
+    ctx.sink = d["_functp_sink"] if "_functp_sink" in d else None
 
 
 def _ag_bwd(ctx, ct):
@@ -457,6 +459,9 @@ def _ag_bwd(ctx, ct):
         ct = _vary(ct, ctx.group)
         b = ct.shape[dim] // g.size
         gx = ct.narrow(dim, g.index * b, b) if ctx.tiled else ct.select(dim, g.index)
+    elif ctx.sink is not None and ctx.sink[0].defer(
+            ctx.sink[1], ct, lambda: psum_scatter(ct, ctx.group, dim, ctx.tiled)):
+        return None, *_none(4)      # in flight: added to the input's gradient at its entry
     else:
         gx = psum_scatter(ct, ctx.group, dim, ctx.tiled)
     return gx, *_none(4)

@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from . import _ops
+from . import _ops, _overlap
 from ._errors import ShardingError
 from ._mesh import Mesh
 from ._precision import floating
@@ -286,6 +286,9 @@ class Tracker(Tags):
                 # same way, so its gradient joins the input's bucketed all-reduce
                 _, j, views = hit
                 out = al.aliases[j][missing]
+                if _overlap.SINK in al.entry[j].__dict__:      # launch point (_overlap)
+                    out = al.aliases[j][missing] = _overlap.ready_point(
+                        out, al.entry[j], self.group(missing).key)
                 if t is not al.entry[j]:
                     out = _view_like(out, t, views)
             elif t.is_floating_point() or t.is_complex():

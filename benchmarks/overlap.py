@@ -1,0 +1,252 @@
+"""Data parallelism across two emulated hosts: how much of the gradient all-reduce the
+step hides behind the backward.
+
+    python benchmarks/overlap.py              # two hosts: netns_cluster.sh up, run, down (root)
+    python benchmarks/overlap.py --local      # 2 local gloo processes instead (no link limit)
+
+Two "hosts" are two network namespaces joined by a rate-limited link
+(``/work/shared/tools/netns_cluster.sh``, 1 Gbit by default), one process each,
+``torchrun --nnodes 2``. The model is issue 25's: 8 x (Linear(1024, 1024) + ReLU), 32
+MiB of float32 gradients, an MSE loss, a batch of ``--batch`` rows per host, and an SGD
+update. Every variant runs the same step; rounds interleave the variants (each round
+runs each once, after a barrier), and the medians are rank 0's:
+
+- hand: tape backward, then one all-reduce of all gradients flattened (no overlap);
+- DDP: ``DistributedDataParallel`` (25 MiB buckets, launched during the backward);
+- DDP, 4 MiB buckets: ``bucket_cap_mb=4`` (one layer's weight a bucket);
+- functp tape / ``torch.func.grad`` / ``functp.value_and_grad``: one shard_map'd loss
+  (parameters ``P()``, batch ``P("dp")``, ``pmean``), gradient buckets as functp makes
+  them (1 MiB then 25 MiB, as DDP), or 4 MiB ones (``functp.set_overlap``); "no
+  overlap": the same with ``functp.set_overlap(enabled=False)``;
+- compute: the step with no communication (the floor).
+
+Ratios are to the hand step; collectives are counted per step (functp's comm_log,
+DDP's through a counting comm hook). Writes ``results/overlap.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+CLUSTER = "/work/shared/tools/netns_cluster.sh"
+WIDTH, LAYERS, LR = 1024, 8, 1e-3
+SMALL_MB = 4.0          # the smaller buckets also measured: one layer's weight each
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def forward(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """The model as a function of its parameter dict (the same addmm kernels)."""
+    for i in range(LAYERS):
+        x = torch.relu(nn.functional.linear(x, p[f"{2 * i}.weight"], p[f"{2 * i}.bias"]))
+    return x
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _sgd(params, grads) -> None:
+    with torch.no_grad():
+        torch._foreach_add_(params, grads, alpha=-LR)
+
+
+def variants(x, y):
+    """name -> (a step, collectives per step)."""
+    import functp
+    from functp import P
+    n = dist.get_world_size()
+    out = {}
+
+    model = make_model()
+    params = list(model.parameters())
+
+    def compute():
+        for q in params:
+            q.grad = None
+        mse(model(x), y).backward()
+        _sgd(params, [q.grad for q in params])
+    out["compute alone"] = (compute, 0)
+
+    def hand():
+        for q in params:
+            q.grad = None
+        mse(model(x), y).backward()
+        flat = torch.cat([q.grad.reshape(-1) for q in params])
+        dist.all_reduce(flat)
+        flat /= n
+        pieces = flat.split([q.numel() for q in params])
+        _sgd(params, [f.view_as(q) for f, q in zip(pieces, params)])
+    out["hand (1 all-reduce)"] = (hand, 1)
+
+    def ddp_step_of(ddp):
+        dparams = list(ddp.parameters())
+
+        def ddp_step():
+            for q in dparams:
+                q.grad = None
+            mse(ddp(x), y).backward()
+            _sgd(dparams, [q.grad for q in dparams])
+        return ddp_step
+
+    # counted on a second DDP with a counting comm hook (the timed one keeps DDP's own
+    # C++ all-reduce); DDP rebuilds its buckets after the first step: count the second
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    calls = [0]
+
+    def counting(state, bucket):
+        calls[0] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+    counted = nn.parallel.DistributedDataParallel(make_model())
+    counted.register_comm_hook(dist.group.WORLD, counting)
+    ddp_step_of(counted)()
+    calls[0] = 0
+    ddp_step_of(counted)()
+    ddp_step = ddp_step_of(nn.parallel.DistributedDataParallel(make_model()))
+    ddp_step()
+    out["DDP"] = (ddp_step, calls[0])
+    counted = nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=SMALL_MB)
+    counted.register_comm_hook(dist.group.WORLD, counting)
+    ddp_step_of(counted)()
+    calls[0] = 0
+    ddp_step_of(counted)()
+    small = ddp_step_of(nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=SMALL_MB))
+    small()
+    out[f"DDP, {SMALL_MB:g} MiB buckets"] = (small, calls[0])
+
+    mesh = functp.make_mesh((n,), ("dp",))
+    loss = functp.shard_map(lambda p, x, y: functp.pmean(mse(forward(p, x), y), "dp"),
+                            mesh, in_specs=(P(), P("dp"), P("dp")), out_specs=P())
+    fp = {k: v.detach().clone().requires_grad_() for k, v in make_model().state_dict().items()}
+    leaves = list(fp.values())
+    # (torch.func differentiates tensors that need no tape gradient: the same memory)
+    fd = {k: v.detach() for k, v in fp.items()}
+
+    def tape():
+        for q in leaves:
+            q.grad = None
+        loss(fp, x, y).backward()
+        _sgd(leaves, [q.grad for q in leaves])
+
+    def func_grad():
+        g = torch.func.grad(loss)(fd, x, y)
+        _sgd(leaves, list(g.values()))
+
+    def vag():
+        _, g = functp.value_and_grad(loss)(fd, x, y)
+        _sgd(leaves, list(g.values()))
+
+    def setting(step, **kw):
+        def run():
+            prev = functp.set_overlap(**kw)
+            try:
+                step()
+            finally:
+                functp.set_overlap(**prev)
+        return run
+
+    small = dict(bucket_mb=SMALL_MB, first_bucket_mb=SMALL_MB)
+    for name, step in (("functp tape", tape), ("functp torch.func.grad", func_grad),
+                       ("functp.value_and_grad", vag),
+                       (f"functp tape, {SMALL_MB:g} MiB buckets", setting(tape, **small)),
+                       (f"functp torch.func.grad, {SMALL_MB:g} MiB buckets",
+                        setting(func_grad, **small)),
+                       (f"functp.value_and_grad, {SMALL_MB:g} MiB buckets", setting(vag, **small)),
+                       ("functp tape, no overlap", setting(tape, enabled=False)),
+                       ("functp torch.func.grad, no overlap", setting(func_grad, enabled=False))):
+        with functp.comm_log() as log:
+            step()
+        out[name] = (step, len(log))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=7)
+    args, _ = ap.parse_known_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    g = torch.Generator().manual_seed(1 + dist.get_rank())     # each host its own batch
+    x = torch.randn(args.batch, WIDTH, generator=g)
+    y = torch.randn(args.batch, WIDTH, generator=g)
+    steps = variants(x, y)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.rounds):
+        for name, (step, _) in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med["hand (1 all-reduce)"]
+    res = {"batch_per_host": args.batch, "rounds": args.rounds,
+           "hosts": dist.get_world_size(), "torch": torch.__version__,
+           "rows": {k: {"median_s": med[k], "vs_hand": med[k] / base,
+                        "collectives_per_step": steps[k][1], "times_s": times[k]}
+                    for k in steps}}
+    if dist.get_rank() == 0:
+        print(f"batch {args.batch} per host, {dist.get_world_size()} hosts, "
+              f"median of {args.rounds} interleaved rounds")
+        print(f"{'step':36s} {'median ms':>10s} {'vs hand':>8s} {'collectives':>12s}")
+        for k, r in res["rows"].items():
+            print(f"{k:36s} {1e3 * r['median_s']:10.1f} {r['vs_hand']:7.2f}x "
+                  f"{r['collectives_per_step']:12d}")
+    from _run import save_and_leave
+    save_and_leave(f"overlap_b{args.batch}", res)
+
+
+def two_hosts(extra: list[str], rate: str) -> None:
+    """Brings up the two emulated hosts, runs one process on each, takes them down.
+    Holds /tmp/functp-netns.lock meanwhile (another session's run may use them); gives
+    up at once if it is held, rather than wait while holding the caller's locks."""
+    import fcntl
+    lock = open("/tmp/functp-netns.lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit("the emulated hosts are in use (/tmp/functp-netns.lock): try later")
+    up = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    if "fa" in up or "fb" in up:
+        raise SystemExit(f"the emulated hosts are up already (another run's?); when no one "
+                         f"uses them: {CLUSTER} down")
+    subprocess.run([CLUSTER, "up", rate], check=True)
+    try:
+        cmd = lambda node: [CLUSTER, "run", str(node), sys.executable, "-m",
+                            "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                            "--node-rank", str(node), "--master-addr", "10.200.0.1",
+                            "--master-port", "29531", os.path.abspath(__file__), *extra]
+        procs = [subprocess.Popen(cmd(node)) for node in (0, 1)]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise SystemExit(f"a host failed: exit codes {codes}")
+    finally:
+        subprocess.run([CLUSTER, "down"], check=False)
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        main()
+    elif "--local" in sys.argv:
+        from _run import main_or_launch
+        main_or_launch(main, 2, __file__, *[a for a in sys.argv[1:] if a != "--local"])
+    else:
+        rate = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rate=")),
+                    "1gbit")
+        two_hosts([a for a in sys.argv[1:] if not a.startswith("--rate=")], rate)
