@@ -37,11 +37,11 @@ import threading
 import torch
 
 from . import _context, _ops, _primitives as prim, _world
+from ._torch_compat import (TransformGrad, layer_stack_depth, peek_interpreter_stack,
+                            will_engine_execute_node)
 
 __all__ = ["set_overlap"]
 
-_functorch = torch._C._functorch
-_GRAD = _functorch.TransformType.Grad
 SINK = "_functp_sink"          # an entry output's __dict__ key: (its Sink, its index)
 _TENSORS = (torch.Tensor, torch.nn.Parameter)     # the inputs that may get a sink
 _READY = "_functp_ready"       # a grad_ready output's: made once per alias
@@ -101,10 +101,10 @@ def set_overlap(enabled: bool | None = None, bucket_mb: float | None = None,
 def _level_ok() -> bool:
     """Tape autograd, or one torch.func.grad level: where a deferred gradient can wait
     for the entry node (vmap batches it, compile schedules it itself)."""
-    interp = _functorch.peek_interpreter_stack()
+    interp = peek_interpreter_stack()
     if interp is None:
         return True
-    return _functorch.get_dynamic_layer_stack_depth() == 1 and interp.key() == _GRAD
+    return layer_stack_depth() == 1 and interp.key() == TransformGrad
 
 
 class Sink:
@@ -126,7 +126,7 @@ class Sink:
 
     def _defers(self, ct: torch.Tensor) -> bool:
         return (not _ops._differentiated(ct) and _level_ok()
-                and torch._C._will_engine_execute_node(self.node))
+                and will_engine_execute_node(self.node))
 
     def defer(self, j: int, ct: torch.Tensor, launch) -> bool:
         """Launches ``launch()`` (a collective of ``ct``, the gradient of input ``j``)

@@ -89,6 +89,8 @@ peek_interpreter_stack = _need("torch._C._functorch.peek_interpreter_stack",
                                "the torch.func transform a collective runs under")
 layer_stack_depth = _need("torch._C._functorch.get_dynamic_layer_stack_depth",
                           "whether torch.func transforms are active (grad, checkpoint)")
+TransformGrad = _need("torch._C._functorch.TransformType.Grad",
+                      "whether gradient buckets may wait for a body's entry (one grad level)")
 single_level_allowed = _need(
     "torch._C._functorch.get_single_level_autograd_function_allowed",
     "running a collective's autograd.Function at one torch.func level")
@@ -97,6 +99,8 @@ set_single_level_allowed = _need(
     "running a collective's autograd.Function at one torch.func level")
 SingleLevelFunction = _need("torch.autograd.function._SingleLevelFunction",
                             "a collective's rule at one torch.func level")
+will_engine_execute_node = _need("torch._C._will_engine_execute_node",
+                                 "whether this backward reaches a body's entry (gradient buckets)")
 DisableFuncTorch = _need("torch._C._DisableFuncTorch",
                          "plain tensors under torch.func (printing, fingerprints, rng)")
 
