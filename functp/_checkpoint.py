@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from . import _crosscheck, _safe_pickle, _world
-from ._errors import CheckpointError, ShardingError, first_line
+from ._errors import CheckpointError, ShardingError, first_line, keystr
 from ._layout import (layout, local_of, local_shape, mark_uneven, mesh_order,
                       spec_to_placements, strides)
 from ._mesh import Mesh
@@ -50,7 +50,6 @@ from ._sharding import _broadcast_pickled
 from ._spec import P
 from ._torch_compat import (CheckpointException, DefaultLoadPlanner, FileSystemReader, Metadata,
                             StorageMeta, TensorStorageMetadata)
-from ._tree import keystr
 
 __all__ = ["save", "load", "full_state_dict"]
 

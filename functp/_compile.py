@@ -27,8 +27,7 @@ import optree
 import torch
 
 from . import _torch_compat, _world
-from ._errors import ShardingError
-from ._tree import keystr
+from ._errors import ShardingError, keystr
 
 # aliases, not wrappers: asked on every shard_map call and collective
 dynamo_tracing = torch.compiler.is_dynamo_compiling

@@ -28,3 +28,9 @@ def first_line(e: BaseException) -> str:
     that reports another one quotes of it."""
     lines = str(e).strip().splitlines()
     return lines[0] if lines else ""
+
+
+def keystr(root: str, path: tuple) -> str:
+    """``('args', (0, 'w'))`` -> ``"args[0]['w']"``, the way JAX prints key paths
+    (how every message names a leaf)."""
+    return root + "".join(f"[{k!r}]" for k in path)

@@ -24,13 +24,13 @@ import torch
 from . import _compile, _context, _crosscheck, _fingerprint, _world
 from . import _layout, _ops
 from ._boundary import SumRules, VmaRules
-from ._errors import ShardingError
+from ._errors import ShardingError, keystr
 from ._interop import dtensor_to_local
 from ._mesh import Mesh
 from ._precision import MixedPrecision, floating, inexact
 from ._layout import GLOBAL_SHAPE, check_even_block
 from ._spec import P, normalize_spec
-from ._tree import keystr, match_specs
+from ._tree import match_specs
 from ._vma import Tracker
 from ._vma_mode import UnionRule
 

@@ -5,13 +5,8 @@ from typing import Any
 
 import optree
 
-from ._errors import ShardingError
+from ._errors import ShardingError, keystr
 from ._spec import is_spec
-
-
-def keystr(root: str, path: tuple) -> str:
-    """``('args', (0, 'w'))`` -> ``"args[0]['w']"``, the way JAX prints key paths."""
-    return root + "".join(f"[{k!r}]" for k in path)
 
 
 def match_specs(specs: Any, tree: Any, specs_name: str, root: str):
