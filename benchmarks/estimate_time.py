@@ -187,7 +187,7 @@ def _torchrun(name, two_hosts=False) -> dict:
 
 def _two_host_profile(cpu):
     """The calibrated profile with one rank per node and the link across measured."""
-    from functp._hardware import Hardware, fit_link
+    from functp.tools._hardware import Hardware, fit_link
     link = _torchrun("link", two_hosts=True)
     inter = fit_link(link["small"], link["large"], 4 * 2 ** 20, 2)
     return Hardware(cpu.name + ", two emulated hosts joined by a 1 Gb/s veth link",

@@ -7,35 +7,35 @@ gradients are those of the unsharded model. See ``docs/`` for the model.
 """
 from __future__ import annotations
 
-from ._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
+from .ops._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
                            axis_size, pcast, pmax, pmean, pmin, ppermute, psum, psum_scatter,
                            pvary)
-from ._autodiff import grad, value_and_grad
-from ._comm_log import CommEvent, comm_log
-from ._checkpoint import full_state_dict, load, save
-from ._crosscheck import debug_enabled, set_debug
-from ._errors import CheckpointError, ShardingError
-from ._estimate import Estimate, RankEstimate, StepTime, estimate
-from ._hardware import Hardware, calibrate
-from ._rank_meshes import MeshCandidate, MeshRanking, rank_meshes
-from ._functional import functionalize
-from ._grads import clip_by_global_norm, global_norm, reduce_unreduced
-from ._interop import from_dtensor, to_dtensor
-from ._mesh import Mesh, make_mesh
-from ._overlap import set_overlap
-from ._optim import init_optimizer_state, optimizer_specs, set_grads
-from ._precision import MixedPrecision
-from ._ragged import RaggedOffsets, ragged_all_to_all, ragged_offsets
-from ._remat import checkpoint, checkpoint_name, remat, remat_policies
-from ._plans import Parallelized, match_plan, parallelize, verify_plan
-from ._shard_map import shard_map
-from ._show import print_ranks, visualize_sharding
-from ._simulate import simulate
-from ._world import process_count, process_index
-from ._reshard import global_shapes, reshard
-from ._sharding import pad_to_multiple, shard, unpad, unshard
-from ._spec import P
-from ._styles import (Colwise, ExpertDispatch, ExpertParallel, ExpertRouter, PrepareInput,
+from .mapping._autodiff import grad, value_and_grad
+from .runtime._comm_log import CommEvent, comm_log
+from .io._checkpoint import full_state_dict, load, save
+from .runtime._crosscheck import debug_enabled, set_debug
+from .runtime._errors import CheckpointError, ShardingError
+from .tools._estimate import Estimate, RankEstimate, StepTime, estimate
+from .tools._hardware import Hardware, calibrate
+from .tools._rank_meshes import MeshCandidate, MeshRanking, rank_meshes
+from .training._functional import functionalize
+from .training._grads import clip_by_global_norm, global_norm, reduce_unreduced
+from .mapping._interop import from_dtensor, to_dtensor
+from .mesh._mesh import Mesh, make_mesh
+from .ops._overlap import set_overlap
+from .training._optim import init_optimizer_state, optimizer_specs, set_grads
+from .runtime._precision import MixedPrecision
+from .ops._ragged import RaggedOffsets, ragged_all_to_all, ragged_offsets
+from .mapping._remat import checkpoint, checkpoint_name, remat, remat_policies
+from .parallel._plans import Parallelized, match_plan, parallelize, verify_plan
+from .mapping._shard_map import shard_map
+from .mapping._show import print_ranks, visualize_sharding
+from .tools._simulate import simulate
+from .runtime._world import process_count, process_index
+from .mapping._reshard import global_shapes, reshard
+from .mapping._sharding import pad_to_multiple, shard, unpad, unshard
+from .mesh._spec import P
+from .parallel._styles import (Colwise, ExpertDispatch, ExpertParallel, ExpertRouter, PrepareInput,
                       ParameterRules, PrepareOutput, Replicated, Rowwise, SequenceParallel, Style,
                       TensorParallelExperts, LocalSizes,
                       VocabParallelEmbedding, register_style)

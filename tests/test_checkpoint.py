@@ -822,7 +822,7 @@ def test_a_tree_of_other_nodes_loads_with_like(run, tmp_path):
 def test_the_allowlist_admits_what_dcp_writes(tmp_path):
     """Every dtype and layout DCP records, as torch (this one) writes them."""
     import pickle
-    from functp import _safe_pickle
+    from functp.io import _safe_pickle
     dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
               torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
               torch.complex64, torch.complex128, torch.float8_e4m3fn]

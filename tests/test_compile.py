@@ -362,7 +362,7 @@ def test_inductor_buckets_functp_all_reduces(run):
 
 def test_only_functp_compile_asks_whether_torch_compile_traces():
     """What Dynamo traces, what it must not, and the refusal inside simulate are decided
-    in functp/_compile.py alone (the quarantine of torch internals imports Dynamo)."""
+    in functp/runtime/_compile.py alone (the quarantine of torch internals imports Dynamo)."""
     import pathlib
     import re
     pkg = pathlib.Path(functp.__file__).parent
@@ -372,4 +372,4 @@ def test_only_functp_compile_asks_whether_torch_compile_traces():
              if f.name not in ("_compile.py", "_torch_compat.py")
              for n, line in enumerate(f.read_text().splitlines(), 1)
              if asks.search(line.split("#", 1)[0])]
-    assert not found, "ask functp._compile instead:\n" + "\n".join(found)
+    assert not found, "ask functp.runtime._compile instead:\n" + "\n".join(found)

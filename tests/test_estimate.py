@@ -282,7 +282,7 @@ def test_host_reads_name_the_line():
 
 
 def test_step_time_from_the_profile():
-    from functp._hardware import HARDWARE
+    from functp.tools._hardware import HARDWARE
     hw = HARDWARE["h100-sxm"]
     m, k, n = 4096, 8192, 2048
 
@@ -349,7 +349,7 @@ def _dp_tp_step(mesh, x):
 
 
 def test_rank_meshes_sorts_what_fits_by_time():
-    from functp._rank_meshes import mesh_shapes
+    from functp.tools._rank_meshes import mesh_shapes
     assert mesh_shapes(6, 2) == [(1, 6), (2, 3), (3, 2), (6, 1)]
     x = torch.randn(40, 64)        # a batch of 40: dp 3, 6 and 12 do not divide it
     full = functp.rank_meshes(_dp_tp_step, 12, ("dp", "tp"), x, hardware="h100-sxm")

@@ -10,7 +10,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 import functp
 from functp import P, ShardingError
-from functp._interop import dtensor_to_local
+from functp.mapping._interop import dtensor_to_local
 from _oracle import randn
 
 GLOO = True     # run bodies on gloo processes: DTensor needs torch.distributed's default group

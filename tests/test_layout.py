@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 import functp
 from functp import P, ShardingError
-from functp import _layout
+from functp.mesh import _layout
 
 MESHES = [((2,), ("x",)), ((4,), ("x",)), ((3,), ("x",)), ((2, 2), ("a", "b")),
           ((2, 3), ("a", "b")), ((1, 4), ("a", "b")), ((2, 2, 2), ("a", "b", "c"))]

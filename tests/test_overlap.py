@@ -1,4 +1,4 @@
-"""Gradient collectives in flight during the backward (functp/_overlap.py).
+"""Gradient collectives in flight during the backward (functp/ops/_overlap.py).
 
 The gradient all-reduces of replicated parameters are launched in buckets as soon as
 their gradients are complete and waited on at the end of the body's backward; an
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import functp
-import functp._primitives as prim
+import functp.ops._primitives as prim
 from functp import P
 from _oracle import assert_tree_close, randn
 

@@ -12,7 +12,7 @@ import torch
 
 import functp
 from functp import P, ShardingError
-from functp._reshard_plan import plan
+from functp.mapping._reshard_plan import plan
 from _oracle import check_program, randn
 
 
@@ -242,7 +242,7 @@ def _pad_body():
         torch.testing.assert_close(full_g[k], 2 * tree[k], rtol=0, atol=1e-12)
 
     # uneven blocks made by functp are marked, so shard_map can refuse them clearly
-    from functp._layout import check_even_block
+    from functp.mesh._layout import check_even_block
     check_even_block(even["emb"], specs["emb"], mesh, "args[0]['emb']")
     with pytest.raises(ShardingError) as e:
         check_even_block(local["emb"], specs["emb"], mesh, "args[0]['emb']")

@@ -1,5 +1,5 @@
 """The torch internals functp uses: each one present in this torch, each imported only
-by ``functp/_torch_compat.py``, and a missing one reported by name, use and version."""
+by ``functp/runtime/_torch_compat.py``, and a missing one reported by name, use and version."""
 from __future__ import annotations
 
 import pathlib
@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from functp import _torch_compat
+from functp.runtime import _torch_compat
 
 PKG = pathlib.Path(_torch_compat.__file__).parent
 # a private name reached through torch: torch._C, torch.ops._c10d_functional,
@@ -59,7 +59,7 @@ def test_only_the_quarantine_reaches_torch_internals():
             code = line.split("#", 1)[0]
             if PRIVATE.search(code):
                 found.append(f"{f.relative_to(PKG)}:{n}: {line.strip()}")
-    assert not found, ("import these torch internals in functp/_torch_compat.py (listed in "
+    assert not found, ("import these torch internals in functp/runtime/_torch_compat.py (listed in "
                        "SYMBOLS) instead:\n" + "\n".join(found))
 
 

@@ -1,0 +1,1 @@
+"""Leaving and entering functp: DTensor interop and checkpoints."""

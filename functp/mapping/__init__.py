@@ -1,0 +1,1 @@
+"""shard_map and moving data between layouts: shard, unshard, reshard, remat."""

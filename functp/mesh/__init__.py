@@ -1,0 +1,1 @@
+"""Meshes, specs, and what a spec means on a mesh (every block's arithmetic)."""

@@ -1,0 +1,361 @@
+"""What a spec means on a mesh: which block of a global tensor each rank holds.
+
+The one home of functp's block arithmetic; every other module asks it. A dimension
+split over axes ``(a1, ..., ak)`` is cut the way ``torch.chunk`` cuts it, by ``a1``
+first, then each piece by ``a2``, and so on (DTensor's nesting). When the size is
+divisible by the product of the axis sizes this is the plain even split over the
+flattened axes; otherwise trailing ranks hold fewer rows, or none (10 rows over 4
+ranks: 3, 3, 3, 1; 2 rows over 4 ranks: 1, 1, 0, 0). Example (4 ranks)::
+
+    lay = layout(P("x"), 2)                       # (('x',), ())
+    local_shape((10, 2), lay, mesh)               # (3, 2) on ranks 0-2, (1, 2) on rank 3
+
+Here: global <-> local shapes, divisibility (and its errors), padding sizes, packed
+dimensions (``P(..., packed={dim: k})``, seen through a view in which they are
+ordinary splits), a rank's slices of a full tensor, ``P`` <-> DTensor placements and
+the process group of a tuple of axes. Shapes, views, narrows and zero padding only:
+moving blocks between ranks is ``_reshard``'s job. Functions that take a ``mesh``
+read only its ``shape``, ``coordinate``, ``axis_names`` and ``axis_sizes``.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..runtime._errors import ShardingError
+from ._mesh import Mesh
+from ._spec import P, format_spec
+
+Layout = tuple[tuple[str, ...], ...]       # per tensor dimension: its axes, major first
+
+# Blocks of an uneven layout made by functp carry their global shape under this
+# attribute, so that shard_map can refuse them with a clear message on every rank
+# (each rank's block of the layout is marked, whatever its own size).
+GLOBAL_SHAPE = "_functp_global_shape"
+
+
+# ---------------------------------------------------------------------------------
+# sizes and offsets
+
+
+def axes_size(sizes: Mapping[str, int], axes: Sequence[str]) -> int:
+    """Ranks along ``axes`` (the product of their sizes in ``sizes``)."""
+    return math.prod(int(sizes[a]) for a in axes)
+
+
+def uneven(n: int, k: int) -> bool:
+    """True when ``n`` rows do not split into ``k`` equal blocks."""
+    return n % k != 0
+
+
+def chunk(n: int, k: int, i: int) -> tuple[int, int]:
+    """``(offset, size)`` of piece ``i`` when ``torch.chunk`` cuts ``n`` rows into ``k``
+    pieces, counting the empty pieces it leaves out at the end."""
+    c = -(-n // k)
+    start = min(i * c, n)
+    return start, min(start + c, n) - start
+
+
+def block(n: int, axes: Sequence[str], shape: Mapping[str, int], coord: Mapping[str, int]
+          ) -> tuple[int, int]:
+    """``(offset, size)`` of the block at ``coord`` of a dimension of size ``n`` split
+    over ``axes`` (nested, major first)."""
+    off = 0
+    for a in axes:
+        o, n = chunk(n, shape[a], coord[a])
+        off += o
+    return off, n
+
+
+def piece_sizes(n: int, axes: Sequence[str], shape: Mapping[str, int]) -> list[int]:
+    """Block sizes of every member of ``axes`` (flattened index, major first)."""
+    ranges = [range(shape[a]) for a in axes]
+    return [block(n, axes, shape, dict(zip(axes, c)))[1] for c in itertools.product(*ranges)]
+
+
+def layout(spec: P, ndim: int, mesh: Mesh | None = None) -> Layout:
+    """Per-dimension axis tuples of ``spec``. Given ``mesh``, axes of size 1 are left
+    out: they split nothing, and planning without them avoids no-op collectives."""
+    lay = tuple(spec.dim_axes(d) for d in range(ndim))
+    if mesh is None:
+        return lay
+    return tuple(tuple(a for a in t if mesh.shape[a] > 1) for t in lay)
+
+
+def local_shape(shape: Sequence[int], lay: Layout, mesh: Mesh) -> tuple[int, ...]:
+    """This rank's block shape of a tensor of global ``shape`` laid out by ``lay``."""
+    return tuple(block(n, axes, mesh.shape, mesh.coordinate)[1] for n, axes in zip(shape, lay))
+
+
+def even_global_shape(shape: Sequence[int], lay: Layout, mesh: Mesh) -> tuple[int, ...]:
+    """The global shape of an even block ``shape`` (every rank's block the same)."""
+    return tuple(b * mesh.axis_size(a) if a else b for b, a in zip(shape, lay))
+
+
+def mesh_coordinates(mesh: Mesh) -> list[dict[str, int]]:
+    """Every rank's coordinate, in mesh (row-major) order."""
+    return [dict(zip(mesh.axis_names, c))
+            for c in itertools.product(*[range(s) for s in mesh.axis_sizes])]
+
+
+def size_from_blocks(sizes: Sequence[int], coords: Sequence[Mapping[str, int]],
+                     axes: Sequence[str], shape: Mapping[str, int]) -> int | None:
+    """The global size of a dimension split over ``axes`` whose block at ``coords[r]``
+    has ``sizes[r]`` rows (every rank of the mesh listed); ``None`` when no size gives
+    those torch.chunk blocks."""
+    # the blocks of ranks at coordinate 0 on every other axis tile the dimension
+    first = [n for n, c in zip(sizes, coords) if all(c[a] == 0 for a in c if a not in axes)]
+    total = sum(first) if axes else first[0]
+    if any(block(total, axes, shape, c)[1] != n for n, c in zip(sizes, coords)):
+        return None
+    return total
+
+
+def uneven_dim(shape: Sequence[int], lay: Layout, sizes: Mapping[str, int]) -> int | None:
+    """The first dimension that ``lay`` does not split evenly, or ``None``."""
+    return next((d for d, (n, axes) in enumerate(zip(shape, lay))
+                 if axes and uneven(n, axes_size(sizes, axes))), None)
+
+
+def is_even(shape: Sequence[int], lay: Layout, mesh: Mesh) -> bool:
+    return uneven_dim(shape, lay, mesh.shape) is None
+
+
+def padded_shape(shape: Sequence[int], lay: Layout, mesh: Mesh) -> tuple[int, ...]:
+    """Every split dimension rounded up to a multiple of its axes' size."""
+    return tuple(-(-s // mesh.axis_size(a)) * mesh.axis_size(a) if a else s
+                 for s, a in zip(shape, lay))
+
+
+def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` zero-padded at the end of ``dim`` to ``size`` rows (differentiable; F.pad
+    counts dimensions from the last)."""
+    extra = size - x.shape[dim]
+    if extra == 0:
+        return x
+    return F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, extra])
+
+
+def strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Contiguous strides of ``shape`` (what DTensor's ``from_local`` is given)."""
+    out, s = [], 1
+    for n in reversed(tuple(shape)):
+        out.append(s)
+        s *= max(n, 1)
+    return tuple(reversed(out))
+
+
+# ---------------------------------------------------------------------------------
+# divisibility, with the errors users see
+
+
+def check_even_dtensor(where: str, shape: Sequence[int], spec: P, mesh: Mesh) -> None:
+    """A DTensor given to shard_map as a global value must split evenly under ``spec``."""
+    lay = layout(spec, len(shape), mesh)
+    d = uneven_dim(shape, lay, mesh.shape)
+    if d is not None:
+        k = mesh.axis_size(lay[d])
+        raise ShardingError(
+            f"{where}: the DTensor has shape {tuple(shape)} and {spec!r} splits "
+            f"dimension {d} of size {shape[d]} over {lay[d]} of size {k}, which does not "
+            f"divide it; shard_map needs equal blocks on every rank: pad it to a multiple "
+            f"of {k} (functp.pad_to_multiple on the full value, then to_dtensor) and "
+            f"functp.unpad the result (mesh {mesh})")
+
+
+def check_even_block(x: torch.Tensor, spec: P, mesh: Mesh, path: str) -> None:
+    """Raises if ``x`` is a block that functp made from an uneven layout and ``spec``
+    splits a dimension of it unevenly: shard_map cannot know a global size from
+    uneven blocks. The same on every rank (every block of the layout is marked)."""
+    n = getattr(x, GLOBAL_SHAPE, None)
+    if n is None or len(n) != x.ndim:
+        return
+    d = uneven_dim(n, layout(spec, x.ndim), mesh.shape)
+    if d is not None:
+        axes = spec.dim_axes(d)
+        k = mesh.axis_size(axes)
+        raise ShardingError(
+            f"in_specs for {path} (block shape {tuple(x.shape)}, global shape "
+            f"{tuple(n)}): {spec!r} splits dimension {d} of size {n[d]} over {axes} of "
+            f"size {k} unevenly, and shard_map needs equal blocks on every rank (it "
+            f"cannot know a global size from uneven blocks); pad it to a multiple of "
+            f"{k} with functp.pad_to_multiple before sharding (functp.unpad the "
+            f"results), or choose sizes divisible by {k} (mesh {mesh})")
+
+
+def mark_uneven(t: torch.Tensor, n: Sequence[int] | None, lay: Layout, mesh: Mesh
+                ) -> torch.Tensor:
+    """Tags ``t`` with its global shape ``n`` when ``lay`` splits ``n`` unevenly."""
+    if n is not None and not is_even(n, lay, mesh):
+        setattr(t, GLOBAL_SHAPE, torch.Size(n))
+    return t
+
+
+# ---------------------------------------------------------------------------------
+# packed dimensions: P(..., packed={dim: k}) as a view in which they are plain splits
+# (x.unflatten(dim, (k, -1)) under the spec with (None, axes) in place of the entry)
+
+
+def packing(spec: P | None) -> tuple[tuple[int, int], ...]:
+    return () if spec is None else getattr(spec, "packed", ())
+
+
+def view_spec(spec: P) -> P:
+    entries = list(spec)
+    for d, _ in reversed(packing(spec)):
+        entries[d:d + 1] = [None, entries[d]]
+    return P(*entries)
+
+
+def view(x: torch.Tensor, spec: P) -> torch.Tensor:
+    for d, k in reversed(packing(spec)):
+        x = x.unflatten(d, (k, -1))
+    return x
+
+
+def unview(x: torch.Tensor, spec: P) -> torch.Tensor:
+    for d, _ in packing(spec):
+        x = x.flatten(d, d + 1)
+    return x
+
+
+def view_shape(shape: Sequence[int], spec: P) -> tuple[int, ...]:
+    out = list(shape)
+    for d, k in reversed(packing(spec)):
+        out[d:d + 1] = [k, out[d] // k]
+    return tuple(out)
+
+
+def packed_slice(x: torch.Tensor, dim: int, blocks: int, n: int, i: int) -> torch.Tensor:
+    """Rank ``i`` of ``n``'s slice of each of ``blocks`` equal blocks along ``dim``, laid
+    end to end (what a dimension packed ``{dim: blocks}`` and split ``n`` ways holds)."""
+    v = x.unflatten(dim, (blocks, -1))
+    return v.narrow(dim + 1, *chunk(v.shape[dim + 1], n, i)).flatten(dim, dim + 1)
+
+
+def check_packed(path: str, shape: Sequence[int], spec: P, sizes: Mapping[str, int]) -> None:
+    """A packed dimension must hold whole, evenly split blocks."""
+    for d, k in packing(spec):
+        n = axes_size(sizes, spec.dim_axes(d))
+        if d >= len(shape) or uneven(shape[d], k * n):
+            raise ShardingError(
+                f"{path} (shape {tuple(shape)}) under {spec!r}: dimension {d} must hold "
+                f"{k} blocks that each split evenly over {n} ranks; its size must be a "
+                f"multiple of {k * n}")
+
+
+# ---------------------------------------------------------------------------------
+# a rank's block of a full tensor
+
+
+def block_slices(shape: Sequence[int], lay: Layout, sizes: Mapping[str, int],
+                 coord: Mapping[str, int]) -> list[tuple[int, int, int]]:
+    """``[(dim, offset, size)]``: the narrows that cut the block at ``coord``."""
+    return [(d, *block(n, axes, sizes, coord)) for d, (n, axes) in enumerate(zip(shape, lay))
+            if axes]
+
+
+def local_of(x: torch.Tensor, spec: P, mesh: Mesh, path: str = "value") -> torch.Tensor:
+    """This rank's block (a view) of the full tensor ``x`` under ``spec``; a packed
+    dimension gives this rank's slice of each of its blocks."""
+    if packing(spec):
+        check_packed(path, x.shape, spec, mesh.shape)
+        return unview(local_of(view(x, spec), view_spec(spec), mesh, path), spec)
+    for d, off, size in block_slices(x.shape, layout(spec, x.ndim), mesh.shape,
+                                     mesh.coordinate):
+        x = x.narrow(d, off, size)
+    return x
+
+
+# ---------------------------------------------------------------------------------
+# P <-> DTensor placements
+
+
+def placements_to_spec(placements: Sequence[Any], axis_names: Sequence[str], where: str) -> P:
+    """``[Shard(0), Replicate()]`` on mesh axes ``(dp, tp)`` -> ``P('dp')``.
+
+    Several mesh axes sharding one dimension are listed major to minor in mesh order,
+    which is DTensor's default (left-to-right) nesting.
+    """
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+    if len(placements) != len(axis_names):
+        raise ShardingError(
+            f"{where}: placements {format_spec(placements)} give {len(placements)} entries "
+            f"but the mesh has {len(axis_names)} axes {tuple(axis_names)}; give one "
+            f"placement per mesh axis, or use P(...)")
+    dims: dict[int, list[str]] = {}
+    for name, p in zip(axis_names, placements):
+        if isinstance(p, Partial):
+            raise ShardingError(
+                f"{where}: Partial is not a valid input spec (placements "
+                f"{format_spec(placements)}); reduce the value first, or pass its local "
+                f"contribution with a spec that mentions '{name}' and psum it in the body")
+        if type(p) is Shard:
+            if p.dim < 0:
+                raise ShardingError(f"{where}: Shard({p.dim}) needs a non-negative dim")
+            dims.setdefault(p.dim, []).append(name)
+        elif not isinstance(p, Replicate):
+            raise ShardingError(
+                f"{where}: placement {p} is not supported; use Shard(d), Replicate() or P(...)")
+    n = max(dims) + 1 if dims else 0
+    return P(*[None if d not in dims else dims[d][0] if len(dims[d]) == 1
+               else tuple(dims[d]) for d in range(n)])
+
+
+def spec_to_placements(spec: P, mesh: Mesh, ndim: int, where: str) -> list:
+    """``P('dp', 'tp')`` on mesh ``(dp, tp)`` -> ``[Shard(0), Shard(1)]``.
+
+    The axes of a dimension split over several must be in mesh order, which is
+    DTensor's nesting (axes of size 1 may stand anywhere: they split nothing)."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    place: list = [Replicate()] * len(mesh.axis_names)
+    for d, axes in enumerate(layout(spec, ndim)):
+        pos = [mesh.axis_names.index(a) for a in axes]
+        real = [i for i in pos if mesh.axis_sizes[i] > 1]
+        if real != sorted(real):
+            ordered = tuple(sorted(axes, key=mesh.axis_names.index))
+            raise ShardingError(
+                f"{where}: {spec!r} splits dimension {d} over {axes}, against the mesh "
+                f"order of {mesh} (axes {mesh.axis_names}); DTensor nests the axes of one "
+                f"dimension in mesh order, so it has no placements for this layout. "
+                f"functp.reshard it to P({ordered!r}) on that dimension first")
+        for i in pos:
+            place[i] = Shard(d)
+    return place
+
+
+def axis_placement(spec: P, axis: str):
+    """The placement over the single mesh ``axis`` of a value laid out by ``spec``:
+    ``Shard(d)`` for the dimension ``axis`` splits, else ``Replicate()``."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    dims = [d for d in range(len(spec)) if axis in spec.dim_axes(d)]
+    return Shard(dims[0]) if dims else Replicate()
+
+
+def mesh_order(spec: P, ndim: int, mesh: Mesh) -> P:
+    """``spec`` with the axes of every dimension in mesh order (DTensor's nesting)."""
+    lay = layout(spec, ndim)
+    return P(*[None if not a else a[0] if len(a) == 1 else
+               tuple(sorted(a, key=mesh.axis_names.index)) for a in lay])
+
+
+# ---------------------------------------------------------------------------------
+# axes -> process group
+
+
+def axis_group(mesh: Mesh, axes: str | Sequence[str] | frozenset,
+               what: str = "collective"):
+    """The resolved ``AxisGroup`` of ``axes`` on ``mesh``: an axis name, a tuple (major
+    to minor, in the order given) or a frozenset (taken in mesh order). The mesh
+    resolved every one when it was made (``Mesh._setup``); this only looks it up, so
+    callers need no cache of their own."""
+    if isinstance(axes, set):
+        axes = frozenset(axes)
+    return mesh.axis_group(axes, what)

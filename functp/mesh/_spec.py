@@ -1,0 +1,137 @@
+"""Partition specs: ``P``, DTensor placement lists, and their checks against a mesh
+(what a spec means for block shapes and placements is ``_layout``'s)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..runtime._errors import ShardingError
+
+__all__ = ["P", "is_spec", "normalize_spec", "format_spec"]
+
+
+class P(tuple):
+    """How a tensor is split over named mesh axes: one entry per tensor dimension.
+
+    Each entry is ``None`` (that dimension is not split), a mesh axis name, or a tuple
+    of axis names (the dimension is split over their flattened product, major to
+    minor). Missing trailing entries mean ``None``. Mesh axes that the spec does not
+    mention hold the same block on every rank (the value is replicated over them).
+
+    ``packed={dim: k}`` says that dimension holds ``k`` equal blocks laid end to end
+    (a fused gate/up or q/k/v weight), each split over the dimension's axes on its
+    own: a rank holds its slice of every block (DTensor's ``_StridedShard``). Seen
+    through ``x.unflatten(dim, (k, -1))`` it is an ordinary split of the new second
+    dimension. Packing does not change block shapes, and ``==`` ignores it.
+
+    Example::
+
+        >>> from functp import P
+        >>> P("dp", None)
+        P('dp', None)
+        >>> P(("dp", "tp"))[0]
+        ('dp', 'tp')
+        >>> P("tp", None, packed={0: 2})          # [gate; up] rows, each split over tp
+        P('tp', None, packed={0: 2})
+    """
+
+    packed: tuple[tuple[int, int], ...] = ()      # (dimension, blocks), by dimension
+
+    def __new__(cls, *entries: str | tuple[str, ...] | None,
+                packed: dict[int, int] | None = None) -> "P":
+        for e in entries:
+            ok = e is None or isinstance(e, str) or (
+                isinstance(e, tuple) and all(isinstance(a, str) for a in e))
+            if not ok:
+                raise ShardingError(
+                    f"P{entries!r}: every entry must be None, a mesh axis name or a tuple "
+                    f"of axis names, got {e!r} ({type(e).__name__})")
+        self = super().__new__(cls, entries)
+        if packed:
+            for d, k in packed.items():
+                if not (isinstance(d, int) and 0 <= d < len(entries) and entries[d] is not None
+                        and isinstance(k, int) and k >= 2):
+                    raise ShardingError(
+                        f"P{entries!r}, packed={packed!r}: packing names a split dimension "
+                        f"of the spec and a block count >= 2, as {{0: 2}} for [gate; up]")
+            self.packed = tuple(sorted(packed.items()))
+        return self
+
+    def __repr__(self) -> str:
+        pk = f", packed={dict(self.packed)}" if self.packed else ""
+        return "P(" + ", ".join(repr(e) for e in self) + pk + ")"
+
+    def __reduce__(self):
+        if self.packed:
+            return (_packed_p, (tuple(self), dict(self.packed)))
+        return (P, tuple(self))
+
+    def dim_axes(self, dim: int) -> tuple[str, ...]:
+        """The mesh axes that split tensor dimension ``dim`` (``()`` if none)."""
+        if dim >= len(self):
+            return ()
+        e = self[dim]
+        return () if e is None else (e,) if isinstance(e, str) else tuple(e)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every mesh axis the spec mentions, in order of appearance."""
+        return tuple(a for d in range(len(self)) for a in self.dim_axes(d))
+
+
+def _packed_p(entries: tuple, packed: dict) -> P:
+    return P(*entries, packed=packed)
+
+
+def _is_placement(x: Any) -> bool:
+    from torch.distributed.tensor.placement_types import Placement
+    return isinstance(x, Placement)
+
+
+def is_spec(x: Any) -> bool:
+    """True for a spec leaf: a ``P`` or a non-empty list/tuple of DTensor placements."""
+    if isinstance(x, P):
+        return True
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(_is_placement(p) for p in x)
+
+
+def format_spec(spec: Any) -> str:
+    if isinstance(spec, P):
+        return repr(spec)
+    if isinstance(spec, (list, tuple)):
+        return "[" + ", ".join(map(str, spec)) + "]"
+    return repr(spec)
+
+
+def normalize_spec(spec: Any, axis_names: Sequence[str], where: str,
+                   shape: Sequence[int] | None = None) -> P:
+    """Checks ``spec`` against the mesh (and a tensor shape, if given); returns a ``P``.
+
+    ``where`` names the leaf in the error messages (``"in_specs for args[0]['w']"``).
+    """
+    shp = "" if shape is None else f" (shape {tuple(shape)})"
+    mesh_txt = f"mesh axes {tuple(axis_names)}"
+    if not isinstance(spec, P):
+        if is_spec(spec):
+            from ._layout import placements_to_spec   # (_layout builds on P: no cycle at import)
+            spec = placements_to_spec(spec, axis_names, where + shp)
+        else:
+            hint = " (use P() for a replicated value)" if spec is None else ""
+            raise ShardingError(
+                f"{where}{shp}: expected a P(...) or a list of DTensor placements, got "
+                f"{spec!r}{hint}")
+    seen: set[str] = set()
+    for name in spec.axes:
+        if name not in axis_names:
+            raise ShardingError(
+                f"{where}{shp}: {spec!r} names mesh axis '{name}', but the {mesh_txt} do "
+                f"not include it; use one of {tuple(axis_names)}")
+        if name in seen:
+            raise ShardingError(
+                f"{where}{shp}: {spec!r} uses mesh axis '{name}' twice; a mesh axis can "
+                f"split at most one dimension once")
+        seen.add(name)
+    if shape is not None and len(spec) > len(shape):
+        raise ShardingError(
+            f"{where}{shp}: {spec!r} has {len(spec)} entries but the tensor has "
+            f"{len(shape)} dimensions; give at most one entry per dimension")
+    return spec

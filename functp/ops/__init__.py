@@ -1,0 +1,1 @@
+"""The collectives: raw c10d calls, registered differentiable ops, vma tracking."""

@@ -1,0 +1,323 @@
+"""Gradient collectives in flight during the backward: buckets launched as soon as
+their gradients are complete, waited on once the rest of the backward is done.
+
+A top-level shard_map body's floating inputs that need gradients pass through one
+``functp::overlap_entry`` op on the way in (:func:`enter`). It is an identity whose
+autograd node is made before any of the body's, and the engine runs ready nodes
+latest-made first, so its backward runs after the body's whole backward, just before
+the gradients leave the body. That is where the launched collectives are waited on.
+
+Launch points:
+
+- a replicated input's vma alias (the ``pvary`` whose transpose is the gradient
+  all-reduce) passes, at its first use in the body, through ``functp::grad_ready``
+  (:func:`ready_point`). Made there, its node runs as soon as that gradient is
+  complete; its backward adds the gradient to an open bucket of its group and dtype,
+  and launches the bucket's all-reduce once it holds ``bucket_mb`` (the first one:
+  ``first_bucket_mb``, as DDP does) or once every alias's gradient has arrived.
+- an ``all_gather`` of such an input (FSDP): the reduce-scatter of its backward is
+  launched there and waited on at the entry (``_ops._ag_bwd`` asks the input's sink).
+
+A deferred result is not passed on as the launch point's gradient (the engine could
+read it at once, adding it to another contribution); it is kept by the entry's
+:class:`Sink` and added to the input's gradient after the wait. Only a backward that
+nothing differentiates further (tape ``backward()``/``autograd.grad`` without
+``create_graph``, one ``torch.func.grad``) defers, and only while the engine will run
+the entry node; otherwise each collective is waited on at once, as before. The
+values are those of the single bucketed all-reduce made otherwise (an all-reduce sums
+each element over the ranks alone, whatever the bucket it travels in). Not inside
+``torch.compile`` (inductor schedules its own collectives), nor under ``vmap``, nor
+for a body whose gradients fit in the first bucket (they would leave together anyway).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+
+from . import _context
+from . import _ops
+from . import _primitives as prim
+from ..runtime import _compile, _world
+from ..runtime._torch_compat import (TransformGrad, layer_stack_depth, peek_interpreter_stack,
+                            will_engine_execute_node)
+
+__all__ = ["set_overlap"]
+
+SINK = "_functp_sink"          # an entry output's __dict__ key: (its Sink, its index)
+_TENSORS = (torch.Tensor, torch.nn.Parameter)     # the inputs that may get a sink
+_READY = "_functp_ready"       # a grad_ready output's: made once per alias
+
+# the settings, read at each launch: the process's, or a simulated rank's own (set in
+# its thread, as a process under torchrun sets its own)
+_settings = {"enabled": True, "bucket_mb": 25.0, "first_bucket_mb": 1.0}
+
+
+class _Rank(threading.local):
+    values: dict | None = None
+
+
+_rank = _Rank()
+
+
+def _get() -> dict:
+    v = _rank.values
+    return _settings if v is None else v
+
+
+def set_overlap(enabled: bool | None = None, bucket_mb: float | None = None,
+                first_bucket_mb: float | None = None) -> dict:
+    """Sets how the gradients of a shard_map's replicated inputs are reduced during the
+    backward (functp launches each bucket's all-reduce as soon as its gradients are
+    complete, and waits at the end of the body's backward).
+
+    **Arguments:** ``enabled`` – False: one all-reduce after the body's backward, waited
+    on at once (the behaviour before overlap); ``bucket_mb`` – a bucket's size in MiB
+    (DDP's ``bucket_cap_mb``, 25 by default); ``first_bucket_mb`` – the first bucket's
+    (1 MiB: launched early, as DDP's first bucket). None leaves a setting as it is.
+    Set it alike on every rank (inside :func:`functp.simulate`, a rank's call sets its
+    own, as a process's would).
+
+    **Returns:** the previous settings, as a dict (``set_overlap(**prev)`` restores).
+    Example::
+
+        prev = functp.set_overlap(bucket_mb=4.0)
+        grads = torch.func.grad(step)(params, batch)   # 4 MiB gradient buckets
+        functp.set_overlap(**prev)
+    """
+    prev = dict(_get())
+    new = dict(prev)
+    for k, v in (("enabled", enabled), ("bucket_mb", bucket_mb),
+                 ("first_bucket_mb", first_bucket_mb)):
+        if v is not None:
+            if k != "enabled" and not v > 0:
+                raise ValueError(f"functp.set_overlap: {k} must be > 0 MiB, got {v!r}")
+            new[k] = bool(v) if k == "enabled" else float(v)
+    if _world.current_run() is not None:     # a simulated rank: its own settings
+        _rank.values = new
+    else:
+        _settings.update(new)
+    return prev
+
+
+def _level_ok() -> bool:
+    """Tape autograd, or one torch.func.grad level: where a deferred gradient can wait
+    for the entry node (vmap batches it, compile schedules it itself)."""
+    interp = peek_interpreter_stack()
+    if interp is None:
+        return True
+    return layer_stack_depth() == 1 and interp.key() == TransformGrad
+
+
+class Sink:
+    """The backward state of one body's entry: open buckets, launched collectives, and
+    the results each input's gradient still gets."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.node = None        # the entry's autograd node
+        self.expected = 0       # grad_ready points made in the forward
+        self.reset()
+
+    def reset(self) -> None:
+        self.extra: list = [[] for _ in range(self.n)]   # per input: deferred results
+        self.open: dict = {}          # (group key, dtype) -> [[(index, gradient)], bytes]
+        self.pending: list = []       # prim.Pending, in launch order
+        self.launched = 0             # buckets launched in this backward
+        self.fired = 0                # grad_ready backwards run in this backward
+
+    def _defers(self, ct: torch.Tensor) -> bool:
+        return (not _ops._differentiated(ct) and _level_ok()
+                and will_engine_execute_node(self.node))
+
+    def defer(self, j: int, ct: torch.Tensor, launch) -> bool:
+        """Launches ``launch()`` (a collective of ``ct``, the gradient of input ``j``)
+        without waiting, its result added to input ``j``'s gradient at the entry;
+        False (nothing launched) where this backward cannot defer."""
+        if not self._defers(ct):
+            return False
+        with prim.deferring() as pending:
+            out = launch()
+        self.pending.extend(pending)
+        self.extra[j].append(out)
+        return True
+
+    def add(self, j: int, key: str, ct: torch.Tensor) -> bool:
+        """Adds the gradient ``ct`` of input ``j``'s alias over group ``key`` to a
+        bucket (launched once full); False where this backward cannot defer."""
+        if not self._defers(ct):
+            self.fired += 1
+            return False
+        b = self.open.setdefault((key, ct.dtype), [[], 0])
+        b[0].append((j, ct))
+        b[1] += ct.numel() * ct.element_size()
+        cfg = _get()
+        cap = cfg["first_bucket_mb"] if self.launched == 0 else cfg["bucket_mb"]
+        if b[1] >= cap * 2**20:
+            self._launch((key, ct.dtype))
+        self.arrived()
+        return True
+
+    def arrived(self) -> None:
+        """One alias's gradient is in (or none will come); once every alias's is, the
+        open buckets need not wait for more."""
+        self.fired += 1
+        if self.fired == self.expected and self.open:
+            self.flush()
+
+    def _launch(self, k) -> None:
+        items = self.open.pop(k)[0]
+        with prim.deferring() as pending:
+            summed = _ops.bucketed_psum([ct for _, ct in items], k[0], False)
+        self.pending.extend(pending)
+        self.launched += 1
+        for (j, _), s in zip(items, summed):
+            self.extra[j].append(s)
+
+    def flush(self) -> None:
+        for k in list(self.open):
+            self._launch(k)
+
+    def finish(self, cts) -> list:
+        """At the entry's backward: the open buckets launched, every deferred collective
+        waited on (in launch order), each input's gradient with its results added."""
+        self.flush()
+        try:
+            for i, p in enumerate(self.pending):
+                try:
+                    p.wait()
+                except Exception:
+                    # the first failure is the step's error; the later buckets are
+                    # waited on too (they fail at once on a broken group), so that none
+                    # is left registered with c10d as never waited on
+                    for q in self.pending[i + 1:]:
+                        try:
+                            q.wait()
+                        except Exception:       # noqa: BLE001 - reported: the first
+                            pass
+                    raise
+            grads = []
+            for ct, extra in zip(cts, self.extra):
+                for t in extra:
+                    ct = t if ct is None else ct + t
+                grads.append(ct)
+            return grads
+        finally:
+            self.reset()      # (a retained graph's next backward starts afresh)
+
+
+# The ops take an int token for their Sink (a schema has no place for an object);
+# the token is dropped once the op has run.
+_tokens = itertools.count()
+_by_token: dict[int, tuple] = {}
+_lock = threading.Lock()
+
+
+def _put(value) -> int:
+    with _lock:
+        t = next(_tokens)
+        _by_token[t] = value
+    return t
+
+
+def _entry_ctx(ctx, args, output):
+    ctx.sink = _by_token[args[1]]
+    ctx.set_materialize_grads(False)
+
+
+def _entry_bwd(ctx, *cts):
+    return ctx.sink.finish(cts), None
+
+
+def _entry_raw(xs, token):
+    """Forward: each input as it is (``detach``: the same memory, not a view, so the
+    body may still modify an input in place, and views of it are views of the
+    caller's tensor, as without overlap). Backward: each cotangent plus the results
+    of the collectives deferred to this entry (``token``: its Sink), waited on."""
+    return [x.detach() for x in xs]
+
+
+overlap_entry = _ops._define(
+    "overlap_entry(Tensor[] xs, int token) -> Tensor[]", _entry_raw,
+    lambda xs, token: [torch.empty_like(x) for x in xs],
+    setup_context=_entry_ctx, backward=_entry_bwd,
+    jvp=lambda ctx, ts, *_: tuple(t.view_as(t) for t in ts),
+    vmap=lambda info, dims, xs, token: (overlap_entry(xs, token), list(dims[0])))
+
+
+def _ready_ctx(ctx, args, output):
+    ctx.sink, ctx.j, ctx.key = _by_token[args[1]]
+    ctx.set_materialize_grads(False)
+
+
+def _ready_bwd(ctx, ct):
+    if ct is None:
+        ctx.sink.arrived()
+    elif ctx.sink.add(ctx.j, ctx.key, ct):
+        return None, None
+    return ct, None
+
+
+def _ready_raw(x, token):
+    """Forward: ``x`` (a replicated input's vma alias) as it is. Backward: the
+    cotangent goes into a gradient bucket of the entry's Sink (``token``), launched
+    once full, and nothing is passed on; where this backward cannot defer, the
+    cotangent is passed on to the alias's pvary as it is."""
+    return x.view_as(x)
+
+
+grad_ready = _ops._define(
+    "grad_ready(Tensor x, int token) -> Tensor", _ready_raw,
+    lambda x, token: torch.empty_like(x),
+    setup_context=_ready_ctx, backward=_ready_bwd,
+    jvp=lambda ctx, t, *_: t.view_as(t),
+    vmap=lambda info, dims, x, token: (grad_ready(x, token), dims[0]))
+
+
+def enter(local: list) -> None:
+    """At a top-level body's entry: its floating inputs that need gradients replaced by
+    the entry op's outputs, each tagged with its :class:`Sink` and index. A body whose
+    gradients all fit in the first bucket is left as it is: that bucket would leave
+    with the last of them anyway, and a small step keeps its per-step cost."""
+    # (written with few calls: every step of every body passes here, and most are
+    # turned away by the size, in two calls)
+    cfg = _rank.values or _settings
+    if not cfg["enabled"] or sum([
+            x.nbytes for x in local if x.__class__ in _TENSORS and x.requires_grad
+            and (x.dtype.is_floating_point or x.dtype.is_complex)
+    ]) < cfg["first_bucket_mb"] * 2**20:
+        return
+    if (not torch.is_grad_enabled() or _context.active() or _compile.tracing()
+            or not _level_ok()):
+        return
+    idx = [i for i, x in enumerate(local) if x.__class__ in _TENSORS and x.requires_grad
+           and (x.dtype.is_floating_point or x.dtype.is_complex)]
+    sink = Sink(len(idx))
+    token = _put(sink)
+    try:
+        outs = overlap_entry([local[i] for i in idx], token)
+    finally:
+        del _by_token[token]
+    sink.node = outs[0].grad_fn
+    for j, (i, y) in enumerate(zip(idx, outs)):
+        y.__dict__[SINK] = (sink, j)
+        local[i] = y
+
+
+def ready_point(alias: torch.Tensor, entry: torch.Tensor, key: str) -> torch.Tensor:
+    """``alias`` (the pvary over group ``key`` of the entry output ``entry``) through
+    ``grad_ready``, where its gradient is to be bucketed on arrival; as it is if
+    ``entry`` has no sink or ``alias`` already went through."""
+    if SINK not in entry.__dict__ or _READY in alias.__dict__ or not torch.is_grad_enabled():
+        return alias
+    sink, j = entry.__dict__[SINK]
+    token = _put((sink, j, key))
+    try:
+        out = grad_ready(alias, token)
+    finally:
+        del _by_token[token]
+    sink.expected += 1
+    out.__dict__.update(alias.__dict__)      # (its vma tag)
+    out.__dict__[_READY] = True
+    return out

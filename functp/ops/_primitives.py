@@ -1,0 +1,213 @@
+"""The raw collectives on an ``AxisGroup``: functional c10d ops plus ``wait_tensor``.
+
+No autograd here: ``_ops.py`` registers the differentiable ops built on these. Every
+call is recorded in ``comm_log``. Each collective is launched, then waited on at once,
+except inside :func:`deferring` (a gradient bucket launched during the backward, see
+``_overlap``): there a collective whose result can be handed out before its data
+arrives (its post-processing only views the buffer) returns that unfinished result
+and leaves a :class:`Pending` to wait on before anyone reads it.
+
+A dimension argument names where the blocks are stacked; blocks are ordered by the
+index along the axis tuple, which can differ from the process group's rank order (a
+tuple of axes given out of mesh order), so we permute blocks on the way in and out
+where needed.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable
+
+import torch
+
+from ..runtime import _comm_log
+from ..runtime import _compile
+from ..runtime import _crosscheck
+from ..runtime import _world
+from ..mesh._mesh import AxisGroup
+from ..runtime._torch_compat import c10d_functional as _ops
+
+
+class _Defer(threading.local):      # per thread: simulated ranks are threads
+    pending: list | None = None
+
+
+_defer = _Defer()
+
+
+class Pending:
+    """A launched collective: ``wait()`` waits for it once (naming it if it fails) and
+    returns its finished result. ``early`` is that result before the wait (the same
+    memory, its data not there yet), or None where finishing it reads the data."""
+
+    __slots__ = ("raw", "op", "g", "finish", "early", "value")
+
+    def __init__(self, raw: torch.Tensor, op: str, g: AxisGroup,
+                 finish: Callable | None, view: bool) -> None:
+        self.raw, self.op, self.g, self.finish, self.value = raw, op, g, finish, None
+        self.early = (raw if finish is None else finish(raw)) if view else None
+
+    def wait(self) -> torch.Tensor:
+        if self.value is None:
+            y = _wait(self.raw, self.op, self.g)
+            self.value = y if self.finish is None else self.finish(y)
+            self.raw = self.finish = None
+        return self.value
+
+
+@contextlib.contextmanager
+def deferring():
+    """Collectives launched here return before their data arrives, where they can;
+    yields the list of their :class:`Pending`, in launch order, which the caller must
+    wait on before the results are read. Example::
+
+        with deferring() as pending:
+            y = all_reduce(x, g)        # launched; y's data may not be there yet
+        ...                             # compute that does not read y
+        for p in pending:
+            p.wait()                    # now y holds the sum
+    """
+    prev, _defer.pending = _defer.pending, []
+    try:
+        yield _defer.pending
+    finally:
+        _defer.pending = prev
+
+
+def _finish(raw: torch.Tensor, op: str, g: AxisGroup, finish: Callable | None = None,
+            view: bool = True) -> torch.Tensor:
+    """Inside :func:`deferring`, the result of the collective launched as ``raw``:
+    handed out unfinished, its :class:`Pending` added to the deferred list, where
+    ``finish`` only views the buffer (``view``); else waited on now."""
+    pending = _defer.pending
+    if pending is None or not view:
+        y = _wait(raw, op, g)
+        return y if finish is None else finish(y)
+    p = Pending(raw, op, g, finish, view)
+    pending.append(p)
+    return p.early
+
+
+def _record(op: str, g: AxisGroup, x: torch.Tensor, how: str = "",
+            ragged: bool = False) -> None:
+    """Before every collective: the check mode's fingerprint exchange, and comm_log.
+    ``ragged``: the ranks' row counts differ by design; only the row shape is compared."""
+    if _world.SIMULATING:
+        _compile.check_collective()
+    if _crosscheck.ENABLED:
+        _crosscheck.collective(op + how, g, x[:0] if ragged else x)
+    if _comm_log._local.active and not _compile.tracing():
+        _comm_log.record(op, g.axes, x.numel() * x.element_size())
+
+
+def _wait(t: torch.Tensor, op: str, g: AxisGroup) -> torch.Tensor:
+    try:
+        return _world.wait(t) if _world.SIMULATING else _ops.wait_tensor(t)
+    except RuntimeError as e:     # a timeout or a peer gone: say which collective
+        raise _crosscheck.failed(op, g, e) from e
+
+
+def _blocks_to_group_order(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """``x`` stacked on dim 0 by axis index -> stacked by group rank."""
+    if g.order is None:
+        return x
+    inv = [0] * g.size
+    for i, r in enumerate(g.order):
+        inv[r] = i
+    return x.unflatten(0, (g.size, -1))[list(inv)].flatten(0, 1)
+
+
+def _blocks_from_group_order(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """``x`` stacked on dim 0 by group rank -> stacked by axis index."""
+    if g.order is None:
+        return x
+    return x.unflatten(0, (g.size, -1))[list(g.order)].flatten(0, 1)
+
+
+def all_reduce(x: torch.Tensor, g: AxisGroup, op: str = "sum") -> torch.Tensor:
+    """``op`` is ``sum``, ``max`` or ``min`` (gloo has no ``avg``; pmean divides)."""
+    if g.size == 1:
+        return x.clone()
+    _record("all_reduce", g, x, f"({op})")
+    y = _ops.all_reduce(x.contiguous(), op, g.group_name)
+    if _defer.pending is None:      # (the usual case first: it costs no extra call)
+        return _wait(y, f"all_reduce({op})", g)
+    return _finish(y, f"all_reduce({op})", g)
+
+
+def all_reduce_inplace(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """The sum over the group, written into ``x`` (contiguous, and not needed
+    afterwards by anyone else: a gradient bucket) instead of a new buffer."""
+    if g.size == 1:
+        return x
+    _record("all_reduce", g, x, "(sum)")
+    # (the in-place op returns x itself: finished or not, it is the result)
+    y = _ops.all_reduce_(x, "sum", g.group_name)
+    if _defer.pending is None:
+        _wait(y, "all_reduce(sum)", g)
+    else:
+        _finish(y, "all_reduce(sum)", g)
+    return x
+
+
+def all_gather(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
+    """Concatenates every rank's ``x`` along ``dim`` (tiled all-gather)."""
+    if g.size == 1:
+        return x.clone()
+    _record("all_gather", g, x)
+    y = _ops.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), g.size, g.group_name)
+    if _defer.pending is None:
+        return _blocks_from_group_order(_wait(y, "all_gather", g), g).movedim(0, dim)
+    return _finish(y, "all_gather", g, lambda y: _blocks_from_group_order(y, g).movedim(0, dim),
+                   view=g.order is None)
+
+
+def reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
+    """Sums ``x`` over the ranks and keeps block ``index`` of ``dim`` (tiled)."""
+    if g.size == 1:
+        return x.clone()
+    _record("reduce_scatter", g, x)
+    y = _blocks_to_group_order(x.movedim(dim, 0), g).contiguous()
+    r = _ops.reduce_scatter_tensor(y, "sum", g.size, g.group_name)
+    if _defer.pending is None:
+        return _wait(r, "reduce_scatter", g).movedim(0, dim)
+    return _finish(r, "reduce_scatter", g, lambda r: r.movedim(0, dim))
+
+
+def all_to_all(x: torch.Tensor, g: AxisGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Block ``j`` of ``split_dim`` goes to rank ``j``; received blocks are
+    concatenated along ``concat_dim`` in rank order (tiled all-to-all)."""
+    if g.size == 1:
+        return x.clone()
+    _record("all_to_all", g, x)
+    y = _blocks_to_group_order(x.movedim(split_dim, 0), g).contiguous()
+    y = _wait(_ops.all_to_all_single(y, [y.shape[0] // g.size] * g.size,
+                                     [y.shape[0] // g.size] * g.size, g.group_name),
+              "all_to_all", g)
+    # y: received blocks stacked on dim 0 in group order, each shaped like a block of x
+    y = _blocks_from_group_order(y, g).unflatten(0, (g.size, -1)).movedim(1, split_dim + 1)
+    # now (size, *block shape): put the block index next to concat_dim and merge
+    return y.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+
+
+def permute(x: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Sends ``x`` from axis index ``src`` to ``dst`` for each pair; zeros where no
+    rank sends. Issued as one all-to-all with empty splits except the one pair."""
+    dst = {s: d for s, d in perm}
+    src = {d: s for s, d in perm}
+    me = g.index
+    if g.size == 1:
+        return x.clone() if dst.get(0) == 0 else torch.zeros_like(x)
+    _record("permute", g, x)
+    n = x.numel()
+    flat = x.reshape(-1)
+    send = [0] * g.size
+    recv = [0] * g.size
+    if me in dst:
+        send[g.group_rank(dst[me])] = n
+    else:
+        flat = flat[:0]
+    if me in src:
+        recv[g.group_rank(src[me])] = n
+    y = _wait(_ops.all_to_all_single(flat.contiguous(), recv, send, g.group_name), "permute", g)
+    return y.view(x.shape) if me in src else torch.zeros_like(x)

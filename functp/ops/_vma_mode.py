@@ -1,0 +1,299 @@
+"""The union rule, applied to every torch call of a vma-tracked shard_map body.
+
+While a body runs with ``check_vma=True`` a ``TorchFunctionMode`` sees every torch
+call. An op's result varies over the union of its tensor inputs' axes, and an input
+that varies over fewer axes is first passed through ``pvary`` over the missing ones
+(identity forward, ``psum`` of the gradient backward). No per-operator rule exists, so
+any torch op, custom op or ``autograd.Function`` follows the same rule.
+
+Custom ``autograd.Function``s: under ``torch.func`` transforms the mode sees them as
+one call (``custom_function_call``) and the rule applies as to any op. In eager mode
+``Function.apply`` is invisible to modes; only the ops inside its forward are seen,
+with grad off. There, the pvarys the rule asks for are added as a hook on the
+Function's backward node, which psums the gradients of its less varying inputs
+(:class:`FunctionHooks`). Nothing in torch is patched.
+
+A body runs inside ``with UnionRule(tracker):`` (``_shard_map``, and ``_remat``'s
+recompute); the tags and pvarys are the tracker's (``_vma.py``).
+"""
+from __future__ import annotations
+
+import optree
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import _ops
+from ..runtime._torch_compat import BackwardCFunction
+from ._vma import _TAG, EMPTY, Tracker, _level_of
+
+_AUTOGRAD_GRAD = torch.autograd.grad
+# classes whose instances are never tensors, and tensor classes, seen so far (set
+# membership costs no Python call; isinstance does)
+_PLAIN = {int, float, bool, complex, str, type(None), torch.dtype, torch.device,
+          torch.Size, slice, type(Ellipsis), torch.memory_format, torch.layout}
+_TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
+
+
+def _is_tensor_type(cls) -> bool:
+    """Learns whether ``cls`` is a tensor class (once per class)."""
+    if issubclass(cls, torch.Tensor):
+        _TENSOR_TYPES.add(cls)
+        return True
+    return False
+
+
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                    "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
+                    "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+_INPLACE_FUNCS: set = set()       # funcs seen, sorted by whether they mutate (by name:
+_OUTOFPLACE_FUNCS: set = set()    # decided once per func)
+
+
+def _is_inplace(func) -> bool:
+    if func in _INPLACE_FUNCS:
+        return True
+    if func in _OUTOFPLACE_FUNCS:
+        return False
+    name = getattr(func, "__name__", "")
+    if "." in name:                               # aten overloads: "add_.Tensor"
+        name = name.split(".", 1)[0]
+    inplace = (name[-1:] == "_" and name[-2:] != "__") or name in _INPLACE_DUNDERS
+    try:
+        (_INPLACE_FUNCS if inplace else _OUTOFPLACE_FUNCS).add(func)
+    except TypeError:           # an unhashable callable: decide each time
+        pass
+    return inplace
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    """Tensor arguments (not ``out=``), looking one level into lists and tuples
+    (torch.cat's list)."""
+    out = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            if not (kwargs and a is kwargs.get("out")):
+                out.append(a)
+        elif isinstance(a, (list, tuple)) and not (kwargs and a is kwargs.get("out")):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out
+
+
+def _replace(x, new: dict[int, torch.Tensor]):
+    if isinstance(x, torch.Tensor):
+        return new.get(id(x), x)
+    if isinstance(x, (list, tuple)) and any(id(t) in new for t in x):
+        return type(x)(new.get(id(t), t) for t in x)
+    return x
+
+
+class UnionRule(TorchFunctionMode):
+    """Applies the union rule to every torch call, with ``tracker``'s tags; its
+    ``with`` block is the body's run (``tracker.mode`` is this rule)."""
+
+    def __init__(self, tracker: Tracker):
+        super().__init__()
+        self.tr = tracker
+        tracker.mode = self
+        self._nograd_mixed = False    # a no-grad op mixed vmas (a custom Function?)
+        self.hooks: FunctionHooks | None = None     # made at the first such op
+
+    def _unify(self, args, kwargs, inplace: bool):
+        """Implicit pvary of the less varying inputs; returns (args, kwargs, union)."""
+        ts = _tensors(args, kwargs)
+        if not ts:
+            return args, kwargs, EMPTY
+        get = self.tr.get
+        vmas = [get(t) for t in ts]
+        union = vmas[0].union(*vmas[1:]) if len(vmas) > 1 else vmas[0]
+        if not union or all(v is union or v == union for v in vmas):
+            return args, kwargs, union
+        if not torch.is_grad_enabled():
+            # no gradient flows through this op, so no pvary is needed; but this may
+            # be the forward of a custom Function, whose inputs do get gradients
+            need = [(t, v) for t, v in zip(ts, vmas) if t.requires_grad]
+            if need:
+                if self.hooks is None:
+                    self.hooks = FunctionHooks(self.tr)
+                self._nograd_mixed = True
+                self.hooks.inputs.extend(need)
+            return args, kwargs, union
+        if inplace and isinstance(args[0], torch.Tensor):
+            self.tr.pvary_inplace(args[0], union)
+        new = {id(t): self.tr.pvary(t, union) for t, v in zip(ts, vmas)
+               if v != union and not (inplace and t is args[0])}
+        args = tuple(_replace(a, new) for a in args)
+        kwargs = {k: _replace(a, new) for k, a in kwargs.items()}
+        return args, kwargs, union
+
+    def _tag(self, out, union: frozenset) -> None:
+        if isinstance(out, torch.Tensor):
+            self.tr.set(out, union)
+        elif isinstance(out, (list, tuple)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self.tr.set(o, union)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        tr = self.tr
+        if tr._paused:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kwargs or self._nograd_mixed or func is _AUTOGRAD_GRAD:
+            return self._general(func, args, kwargs or {})
+        # The fast path, for most ops: positional arguments, tags read from the
+        # tensors' __dict__ (no Python call), nothing to do when the inputs agree.
+        token = tr.token
+        union = None
+        for a in args:
+            cls = a.__class__
+            if cls in _PLAIN:
+                continue
+            if cls not in _TENSOR_TYPES and not _is_tensor_type(cls):
+                return self._general(func, args, {})        # a list of tensors, ...
+            d = a.__dict__
+            tag = d[_TAG] if _TAG in d else None
+            if tag is not None and tag[0] == token:
+                v = tag[1]
+                base = a._base
+                if base is not None:   # a view also varies like its base (in place)
+                    d = base.__dict__
+                    b = d[_TAG] if _TAG in d else None
+                    if b is not None and b[0] == token and b[1] and b[1] is not v:
+                        v = v | b[1]
+            else:
+                v = tr.get(a)          # an untagged or a wrapped tensor
+            if union is None or v is union:
+                union = v
+            elif v != union:
+                return self._mixed(func, args)              # inputs disagree
+        if func not in _OUTOFPLACE_FUNCS and _is_inplace(func):
+            return self._general(func, args, {})
+        out = func(*args)
+        if out.__class__ in _TENSOR_TYPES:
+            out.__dict__[_TAG] = (token, union or EMPTY)
+            # made inside a torch.func transform in the body: tag what it wraps too
+            # (an invariant needs no tags there: untagged means invariant)
+            if union and _level_of(out) > tr.level:
+                tr.set(out, union)
+            if out._base is not None and tr.aliases is not None:
+                tr.aliases.follow_view(out, func, args, None, _is_inplace)
+        elif union:
+            self._tag(out, union)        # a tuple of tensors, or a tensor class not seen yet
+        return out
+
+    def _mixed(self, func, args):
+        """Positional tensors that vary over different axes (the fast path checked
+        that every argument is a tensor or a plain value): pvary the less varying
+        ones to the union, as ``_general`` would, without rescanning for lists,
+        keywords and ``out=``."""
+        if not torch.is_grad_enabled() or (func not in _OUTOFPLACE_FUNCS and _is_inplace(func)):
+            return self._general(func, args, {})
+        tr = self.tr
+        vmas = [tr.get(a) if a.__class__ in _TENSOR_TYPES else None for a in args]
+        union = EMPTY.union(*[v for v in vmas if v is not None])
+        args = [a if v is None or v == union else tr.pvary(a, union)
+                for a, v in zip(args, vmas)]
+        out = func(*args)
+        self._tag(out, union)
+        if tr.aliases is not None and isinstance(out, torch.Tensor) and out._base is not None:
+            tr.aliases.follow_view(out, func, args, None, _is_inplace)
+        return out
+
+    def _general(self, func, args, kwargs):
+        """Any call: keyword arguments, lists of tensors, in-place ops, mixed vmas."""
+        tr = self.tr
+        if func is _AUTOGRAD_GRAD:
+            return self._autograd_grad(func, args, kwargs)
+        if self._nograd_mixed and torch.is_grad_enabled():
+            self.hook_functions(_tensors(args, kwargs))
+        inplace = _is_inplace(func)
+        args, kwargs, union = self._unify(args, kwargs, inplace)
+        out = func(*args, **kwargs)
+        if tr.aliases is not None and isinstance(out, torch.Tensor) and out._base is not None:
+            tr.aliases.follow_view(out, func, args, kwargs, _is_inplace)
+        if union or inplace:
+            self._tag(out, union)
+            if inplace and isinstance(args[0], torch.Tensor) and args[0]._base is not None:
+                tr.set(args[0]._base, tr.get(args[0]._base) | union)
+        if kwargs and "out" in kwargs:
+            self._tag(kwargs["out"], union)
+        return out
+
+    def _autograd_grad(self, func, args, kwargs):
+        # a gradient varies like the input it is taken with respect to (the implicit
+        # pvary's transpose already summed it over the other axes)
+        out = func(*args, **kwargs)
+        inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        for g, x in zip(out, inputs):
+            if isinstance(g, torch.Tensor):
+                self.tr.set(g, self.tr.get(x))
+        return out
+
+    # -- custom autograd Functions in eager mode (FunctionHooks) ------------------------
+    def hook_functions(self, ts) -> None:
+        """For each of ``ts`` made by a custom Function (eager mode) whose inputs vary
+        over fewer axes than their union: psum those inputs' gradients, as the
+        implicit pvarys would have."""
+        self.hooks.hook_outputs(ts)
+        self.discard_nograd()
+
+    def discard_nograd(self) -> None:
+        """Forgets the mixed no-grad ops seen so far (hooked, or known not to be a
+        custom Function's forward: functp.checkpoint's first run)."""
+        self._nograd_mixed = False
+        if self.hooks is not None:
+            self.hooks.inputs.clear()
+
+    def finish(self, out) -> None:
+        """At the body's end: hooks for a custom Function whose output is returned."""
+        if self._nograd_mixed:
+            self.hook_functions([t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)])
+
+
+class FunctionHooks:
+    """Custom autograd Functions in eager mode, where ``Function.apply`` is invisible
+    to modes: the no-grad ops of a forward that mixed vmas are recorded (``inputs``),
+    and the Function's backward node gets a hook that psums the gradients of its less
+    varying inputs, as the implicit pvarys would have."""
+
+    def __init__(self, tracker: Tracker):
+        self.tr = tracker
+        self.inputs: list = []     # (tensor, vma) of such ops' inputs that need gradients
+        self._hooked: set[int] = set()
+
+    def hook_outputs(self, ts) -> None:
+        """Hooks the backward node of each of ``ts`` made by a custom Function."""
+        for t in ts:
+            node = t.grad_fn
+            if isinstance(node, BackwardCFunction) and id(node) not in self._hooked:
+                self._hooked.add(id(node))
+                self.hook(node, t)
+
+    def hook(self, node, out: torch.Tensor) -> None:
+        """Psums the gradients ``node`` passes to inputs less varying than ``out``."""
+        vmas = []
+        for edge, nr in node.next_functions:
+            v = None
+            if edge is not None:
+                var = getattr(edge, "variable", None)     # a leaf's AccumulateGrad
+                v = self.tr.get(var) if var is not None else self._vma_of_edge(edge, nr)
+            vmas.append(v)
+        union = self.tr.get(out).union(*[v for v in vmas if v])
+        groups = {i: self.tr.group(union - v).key for i, v in enumerate(vmas)
+                  if v is not None and union - v}
+        if not groups:
+            return
+
+        def psum_less_varying(grad_inputs, grad_outputs):
+            return tuple(_ops.psum(g, groups[i], False, False)
+                         if g is not None and i in groups else g
+                         for i, g in enumerate(grad_inputs))
+        node.register_hook(psum_less_varying)
+
+    def _vma_of_edge(self, edge, nr: int) -> frozenset | None:
+        """The vma of the non-leaf tensor behind an autograd edge: one of the inputs
+        the no-grad ops saw (None: not one of them, so not less varying)."""
+        for t, v in self.inputs:
+            if t.grad_fn is edge and t.output_nr == nr:
+                return v
+        return None

@@ -1,0 +1,1 @@
+"""Parallel styles and plans: a torch.nn model to specs and bodies."""

@@ -1,0 +1,904 @@
+"""Plans: wildcard rules over module names -> parallel styles, and ``parallelize``.
+
+A plan is a dict like transformers' ``tp_plan`` or DTensor's ``parallelize_plan``::
+
+    {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+
+Keys name modules by their dotted names; ``*`` (and ``?``, ``[...]``) match within
+one dotted component, so ``layers.*.mlp`` matches ``layers.3.mlp`` and not
+``layers.3.x.mlp``. When several rules match a module, the one with fewest
+wildcard components wins (an exact name beats a pattern), then the earlier one.
+Values are registered style names (``functp.parallel._styles``) or ``functp.Style`` objects.
+"""
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import re
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ..runtime import _world
+from ..ops._collectives import axis_size
+from ..runtime._errors import ShardingError
+from ..mesh._mesh import Mesh
+from ..mesh._layout import uneven
+from ..mapping._sharding import unshard
+from ..mesh._spec import P, normalize_spec
+from ._styles import (STYLES, Call, ExpertDispatch, ParameterRules, Replicated, Style,
+                      get_style)
+from ._verify import _example_args, check_plan
+
+__all__ = ["parallelize", "Parallelized", "match_plan", "verify_plan"]
+
+_WILD = re.compile(r"[*?\[]")
+
+
+def _matches(rule: str, name: str) -> bool:
+    r, n = rule.split(".") if rule else [], name.split(".") if name else []
+    return len(r) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, r))
+
+
+def _resolve(rule: str, value: Any) -> tuple[str, Style]:
+    """(label for messages, style) for one plan entry."""
+    if isinstance(value, str):
+        return repr(value), get_style(value)
+    if isinstance(value, Style):
+        return repr(value), value
+    raise ShardingError(
+        f"plan rule {rule!r}: the style must be a registered name (a str) or a "
+        f"functp.Style instance, got {value!r} ({type(value).__name__})")
+
+
+def match_plan(module: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, tuple[str, str, Style]], list[str]]:
+    """Which rule of ``plan`` applies to each submodule of ``module``.
+
+    **Returns:** ``(matched, unused)``: ``matched`` maps module names (in module
+    order) to ``(rule, label, style)``; ``unused`` lists the rules that matched no
+    module. Example::
+
+        matched, unused = functp.match_plan(model, {"layers.*.mlp.down_proj": "rowwise"})
+        list(matched)      # ['layers.0.mlp.down_proj', 'layers.1.mlp.down_proj']
+    """
+    if not isinstance(plan, dict):
+        raise ShardingError(f"a plan must be a dict of module-name patterns to styles, "
+                            f"got {type(plan).__name__}")
+    rules = []
+    for order, (rule, value) in enumerate(plan.items()):
+        if not isinstance(rule, str):
+            raise ShardingError(f"plan keys must be module names (str), got {rule!r}")
+        label, style = _resolve(rule, value)
+        wild = sum(bool(_WILD.search(c)) for c in rule.split("."))
+        rules.append((wild, order, rule, label, style))
+    rules.sort(key=lambda r: r[:2])
+    matched, used = {}, set()
+    for name, _ in module.named_modules():
+        for _, _, rule, label, style in rules:
+            if _matches(rule, name):
+                matched[name] = (rule, label, style)
+                used.add(rule)
+                break
+    return matched, [r for r in plan if r not in used]
+
+
+def _generic(name: str) -> str:
+    """``layers.3.mlp.weight`` -> ``layers.*.mlp.weight``: one line per layer kind."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
+
+
+def _warn_plan(module: nn.Module, unused: list[str], uncovered: list[str], axis: str,
+               params: dict) -> None:
+    if _world.process_index() != 0:
+        return
+    kind = type(module).__name__
+    if unused:
+        hints = [r for r in unused if any(_matches(r, p) for p in params)]
+        hint = (f" (rules name modules, not parameters: {hints} name parameters; "
+                f"drop the last component)" if hints else "")
+        warnings.warn(f"functp.parallelize: plan rules that matched no module of {kind}: "
+                      f"{unused}{hint}", stacklevel=3)
+    if uncovered:
+        names = list(dict.fromkeys(_generic(n) for n in uncovered))
+        warnings.warn(f"functp.parallelize: parameters of {kind} that no plan rule covers "
+                      f"(kept replicated over '{axis}'; add a rule such as 'replicated' to "
+                      f"silence this): {names}", stacklevel=3)
+
+
+class Parallelized:
+    """The ``apply`` returned by :func:`parallelize`: ``apply(params, *args, **kwargs)``
+    runs the module on local blocks inside a ``shard_map`` body, with the plan's
+    collectives at module boundaries.
+
+    ``apply.specs`` / ``apply.styles`` give each parameter's spec and rule;
+    ``apply.axes`` the plan axis (or axis tuple) of each covered parameter;
+    ``apply.batch_axes`` the mesh axes to split the batch over (those no rule splits
+    a parameter over, or only an expert dispatch does);
+    ``apply.split_share`` the share of parameter elements the plan splits (what it
+    leaves out is replicated: memory every rank pays in full);
+    ``apply.shard(full)`` turns canonical full parameters into this rank's blocks and
+    ``apply.unshard(blocks)`` (parameters or their gradients) turns blocks back into
+    canonical full tensors: packed weights come back as ``[gate; up]``, not as the
+    per-rank interleaving that a plain :func:`functp.unshard` would give.
+    """
+
+    def __init__(self, module: nn.Module, mesh: Mesh, axis: Any, specs: dict[str, P],
+                 owners: dict[str, tuple[str, Style]], hooked: list, withheld: list[str],
+                 axes: dict[str, Any] | None = None):
+        self.module, self.mesh, self.axis = module, mesh, axis
+        self.specs = specs
+        #: the plan axis (or axis tuple) of each covered parameter
+        self.axes = dict(axes or {n: axis for n in owners})
+        model = {a for n in owners if not isinstance(owners[n][1], ExpertDispatch)
+                 for a in specs[n].axes}
+        model |= {a for h in hooked if not isinstance(h[2], ExpertDispatch)
+                  for a in _axes_of(h[4])}
+        #: the mesh axes to split the batch over: those that only an expert dispatch
+        #: uses, or none (tensor-parallel axes hold the same tokens)
+        self.batch_axes = tuple(a for a in mesh.axis_names if a not in model)
+        self.styles = {n: owners[n][0] if n in owners else "not covered" for n in specs}
+        self._owners = owners
+        self._hooked = hooked
+        sizes = {n: p.numel() for n, p in module.named_parameters()}
+        split = sum(sizes[n] for n, s in specs.items() if n in sizes and s.axes)
+        #: the share of the module's parameter elements the plan splits over ``axis``
+        self.split_share = split / max(sum(sizes.values()), 1)
+        self._withheld = withheld
+        # the hooks are registered once, here, and act only while __call__ runs:
+        # registering them per call cannot be traced by torch.compile
+        self._call = _CallState()
+        for name, mod, style, pmap, ax in hooked:
+            hook = _PlanHook(name, style, pmap, ax, self._call)
+            mod.register_forward_pre_hook(hook.pre, with_kwargs=True)
+            mod.register_forward_hook(hook.post, with_kwargs=True)
+
+    def __repr__(self) -> str:
+        return (f"Parallelized({type(self.module).__name__} over '{self.axis}' of {self.mesh}, "
+                f"{len(self.specs)} parameters, {len(self._hooked)} hooked modules, "
+                f"{self.split_share:.0%} of parameter elements split)")
+
+    def _style(self, name: str) -> Style:
+        return self._owners[name][1] if name in self._owners else _REPLICATED
+
+    def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        for ax in dict.fromkeys([self.axis, *self.axes.values()]):
+            if ax is None:
+                continue
+            n = axis_size(ax)       # raises a clear error outside a shard_map body
+            if n != self.mesh.axis_size(ax):
+                raise ShardingError(
+                    f"apply of parallelize({type(self.module).__name__}) was built for "
+                    f"{ax!r} of size {self.mesh.axis_size(ax)} but runs in a shard_map "
+                    f"where it has size {n}; parallelize with the shard_map's mesh")
+        call_params = dict(params)
+        for name, zero in self._withheld:      # (a module that cannot take None: zeros)
+            call_params[name] = torch.zeros_like(params[name]) if zero else None
+        state = self._call
+        if state.params is not None:
+            raise ShardingError(
+                f"apply of parallelize({type(self.module).__name__}) was called from "
+                f"inside itself; call it once per forward")
+        state.params, state.exits = params, []
+        try:
+            return functional_call(self.module, call_params, args, kwargs,
+                                   tie_weights=True, strict=False)
+        except ShardingError:
+            raise
+        except (RuntimeError, ValueError, IndexError) as e:
+            raise self._failed(e) from e
+        finally:
+            exits = state.exits
+            state.params, state.exits, state.stacks = None, None, {}
+            for fn in reversed(exits):
+                fn()
+
+    def _failed(self, e: BaseException) -> ShardingError:
+        """A raw error from inside the module under the plan, as a ShardingError
+        naming the innermost module of ``self.module`` that was running and the
+        plan's rules inside it (a shape mismatch there means the plan split one of
+        the values it combines and not the other)."""
+        names = {id(m): n for n, m in self.module.named_modules()}
+        where, tb = None, e.__traceback__
+        while tb is not None:
+            obj = tb.tb_frame.f_locals.get("self")
+            if id(obj) in names:
+                where = names[id(obj)]
+            tb = tb.tb_next
+        if where is None:
+            where = ""
+        prefix = where + "." if where else ""
+        rules = {}
+        for pname, (desc, _) in self._owners.items():
+            if pname.startswith(prefix):
+                rules.setdefault(pname.rpartition(".")[0], desc)
+        shown = "; ".join(f"{m!r}: {r}" for m, r in list(rules.items())[:8]) or "none"
+        mod = self.module.get_submodule(where) if where else self.module
+        return ShardingError(
+            f"module {where or '(the root)'!r} ({type(mod).__name__}) raised "
+            f"{type(e).__name__} under the plan: {str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
+            f"The plan's rules inside it: {shown}. A module that combines a value the plan "
+            f"splits (its heads, its columns) with one it does not fails so; give that "
+            f"module's children rules that split both the same way, or 'replicated' (if "
+            f"the unsharded module raises the same error, the plan is not the cause)")
+
+    def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Canonical full tensors (keyed by parameter name) -> this rank's blocks."""
+        return {k: self._style(k).shard_param(k, v, self.specs[k], self.mesh,
+                                              self.axes.get(k, self.axis))
+                for k, v in full.items()}
+
+    def unshard(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's blocks (parameters or gradients) -> canonical full tensors."""
+        gathered = unshard(local, self.mesh, {k: self.specs[k] for k in local})
+        return {k: self._style(k).unshard_param(
+                    k, v, self.specs[k], self.mesh.axis_size(self.axes.get(k, self.axis))
+                    if k in self.axes or self.axis is not None else 1)
+                for k, v in gathered.items()}
+
+
+_REPLICATED = Replicated()
+
+
+def _axes_of(ax: Any) -> tuple:
+    return ax if isinstance(ax, tuple) else () if ax is None else (ax,)
+
+
+class _CallState:
+    """What the plan's hooks need during one ``apply`` call (``params`` is None
+    outside one, and the hooks then do nothing)."""
+
+    def __init__(self) -> None:
+        self.params: dict | None = None
+        self.exits: list | None = None
+        self.stacks: dict[str, list[Call]] = {}   # a module called twice: one Call each
+
+
+class _PlanHook:
+    """A plan style's forward pre/post hooks on one module."""
+
+    def __init__(self, name: str, style: Style, pmap: dict[str, str], axis: str,
+                 state: _CallState):
+        self.name, self.style, self.pmap, self.axis, self.state = name, style, pmap, axis, state
+
+    def pre(self, m, args, kwargs):
+        st = self.state
+        if st.params is None:
+            return None
+        call = Call(self.name, self.axis,
+                    {s: st.params[c] for s, c in self.pmap.items() if c in st.params}, {},
+                    st.exits)
+        st.stacks.setdefault(self.name, []).append(call)
+        return self.style.prepare_input(m, args, kwargs, call)
+
+    def post(self, m, args, kwargs, output):
+        st = self.state
+        if st.params is None:
+            return None
+        return self.style.prepare_output(m, args, kwargs, output, st.stacks[self.name].pop())
+
+
+def _check_heads(root: nn.Module, name: str, x: torch.Tensor, spec: P, mesh: Mesh,
+                 desc: str) -> None:
+    """A projection inside an attention module (one with an integer ``head_dim``, as
+    transformers' and functp's have) must split whole heads: 2 key/value heads of 64
+    rows each do divide 128 rows over 4 ranks, but each rank would hold half a head."""
+    mname = name.rpartition(".")[0]
+    parent = root.get_submodule(mname.rpartition(".")[0]) if "." in mname else root
+    hd = getattr(parent, "head_dim", None)
+    if not isinstance(hd, int) or hd < 1:
+        return
+    for d in range(len(spec)):
+        axes = spec.dim_axes(d)
+        if not axes or uneven(x.shape[d], hd):
+            continue
+        heads, n = x.shape[d] // hd, mesh.axis_size(axes)
+        if uneven(heads, n):
+            raise ShardingError(
+                f"parameter {name!r} (shape {tuple(x.shape)}), plan rule {desc}, spec "
+                f"{spec!r}: dimension {d} holds {heads} heads of {hd} (head_dim of "
+                f"{mname.rpartition('.')[0] or 'the model'!r}), which do not split over "
+                f"{n} ranks of {axes}; use a '{'/'.join(axes)}' size that divides {heads}, "
+                f"or give {mname!r} the 'replicated' style (key/value heads of GQA often "
+                f"need it)")
+
+
+def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str) -> None:
+    packed = dict(spec.packed)
+    for d in range(len(spec)):
+        axes = spec.dim_axes(d)
+        if not axes:
+            continue
+        blocks = packed.get(d, 1)
+        n = mesh.axis_size(axes) * blocks
+        if uneven(x.shape[d], n):
+            packed = f" x {blocks} packed blocks" if blocks > 1 else ""
+            raise ShardingError(
+                f"parameter {name!r} (shape {tuple(x.shape)}), plan rule {desc}, "
+                f"spec {spec!r}: dimension {d} of size {x.shape[d]} does not split "
+                f"into {mesh.axis_size(axes)} blocks over {axes}{packed}; make it a "
+                f"multiple of {n} (heads, experts, vocabulary or hidden size divisible by "
+                f"the '{'/'.join(axes)}' size), or give that module the 'replicated' style")
+
+
+# styles tried, in order, for a module that shares a weight with a module the plan
+# splits but has no rule of its own (a tied embedding and LM head)
+_TIE_CANDIDATES = {nn.Embedding: ("embedding_rowwise", "embedding_colwise"),
+                   nn.Linear: ("colwise_gather_output", "colwise", "rowwise")}
+
+
+def _param_specs(style: Style, mod: nn.Module, axis: str, own: dict, where: str) -> dict:
+    try:
+        pspecs = style.param_specs(mod, axis)
+    except ShardingError as e:
+        raise ShardingError(f"{where}: {e}") from None
+    extra = sorted(set(pspecs) - set(own))
+    if extra:
+        raise ShardingError(
+            f"{where}: the style gives specs for {extra}, which are not parameters of "
+            f"{type(mod).__name__} (it has {sorted(own)})")
+    return pspecs
+
+
+def _tied_styles(module: nn.Module, matched: dict, specs: dict, canon: dict, mesh: Mesh,
+                 axis: str) -> dict[str, tuple[str, str, Style]]:
+    """For each module without a rule holding a weight tied to one the plan splits:
+    the first style of :data:`_TIE_CANDIDATES` that splits it the same way (the
+    embedding of an LM head split over the vocabulary becomes vocab-parallel), or an
+    error naming both modules. Without this the module would take its block of the
+    shared weight for the whole of it."""
+    out: dict[str, tuple[str, str, Style]] = {}
+    uses = list(module.named_parameters(remove_duplicate=False))
+    # the module whose rule laid out each shared weight
+    ruled = {canon[id(p)]: n.rpartition(".")[0] for n, p in uses if n.rpartition(".")[0] in matched}
+    for name, p in uses:
+        c = canon[id(p)]
+        mname, _, short = name.rpartition(".")
+        if mname in matched or mname in out or c not in ruled or not specs.get(c, P()).axes:
+            continue
+        mod = module.get_submodule(mname)
+        cands = next((c for t, c in _TIE_CANDIDATES.items() if isinstance(mod, t)), ())
+        for cand in cands:
+            style = get_style(cand)
+            try:
+                got = style.param_specs(mod, axis).get(short)
+                got = got if got is None else normalize_spec(got, mesh.axis_names, cand, p.shape)
+            except ShardingError:
+                continue
+            if got == specs[c]:
+                out[mname] = (f"tied to {ruled[c]!r}", repr(cand), style)
+                break
+        else:
+            raise ShardingError(
+                f"parameter {name!r} is tied to module {ruled[c]!r}, whose rule splits it "
+                f"as {specs[c]!r}, but module {mname!r} ({type(mod).__name__}) has no rule "
+                f"and no style of {list(cands)} splits it that way; add a rule "
+                f"for {mname!r} that does, or untie the weights")
+    return out
+
+
+# transformers' style names -> functp's, where they differ (its old and new names
+# are registered functp styles too); None: no functp style yet.
+# 'replicated_with_grad_allreduce' and 'mla_kv_a_proj' need nothing more than
+# replication: vma sums the gradient of a replicated value that meets split ones.
+_HF_STYLES = {
+    "rowwise_rep": "rowwise_split_input", "colwise_rep": "colwise_gather_output",
+    "replicated_with_grad_allreduce": "replicated", "replicate": "replicated",
+    "mla_kv_a_proj": "replicated", "local_params": "replicated",
+    "grouped_gemm": None, "ep_dispatch_experts": None,
+}
+# module styles of transformers' plans that, over rules for the module's own
+# parameters, say whether its output is a partial sum (True) or not (False)
+_OWNER_STYLES = {"moe_tp_experts": True, "all_reduce": True, "local_params": False}
+
+
+# Plans functp ships for transformers classes that come without one (GPT-2's Conv1D
+# layers store their weights [in, out]: colwise/rowwise split them accordingly).
+_GPT2_BLOCKS = {"h.*.attn": "gpt2_attention", "h.*.attn.c_attn": "packed_colwise_qkv",
+                "h.*.attn.c_proj": "rowwise", "h.*.mlp.c_fc": "colwise",
+                "h.*.mlp.c_proj": "rowwise", "wte": "embedding_rowwise"}
+_SHIPPED = {"GPT2Model": _GPT2_BLOCKS,
+            "GPT2LMHeadModel": {**{f"transformer.{k}": v for k, v in _GPT2_BLOCKS.items()},
+                                "lm_head": "colwise_gather_output"}}
+
+
+def _auto_plan(module: nn.Module, size: int | None = None, override: Any = None,
+               exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """transformers' own tensor-parallel plan of ``module`` in functp's styles
+    (``override``: a config's ``tp_plan`` dict; ``exclude``: patterns of modules another
+    plan family lays out, whose rules and their children's are dropped).
+
+    Rules that name a parameter (``experts.gate_up_proj``, ``self_attn.sinks``) are
+    gathered into one :class:`ParameterRules` style for their module, which sums its
+    output when the module's own rule says so (``moe_tp_experts``, ``all_reduce``).
+    """
+    kind = type(module).__name__
+    plan = getattr(module, "_tp_plan", None)
+    if plan is not None:
+        plan = {k: v for k, v in _overridden(plan, override).items()
+                if not any(k == e or k.startswith(e + ".") for e in exclude)}
+    if plan is None:
+        if importlib.util.find_spec("transformers") is None:
+            why = "transformers is not installed, and 'auto' reads its models' plans"
+        else:
+            why = (f"{kind} carries no transformers tensor-parallel plan (the "
+                   f"'_tp_plan' a transformers PreTrainedModel has)")
+        raise ShardingError(f"parallelize(..., 'auto'): {why}; pass a plan dict "
+                            f"{{module-name pattern: style}} instead")
+    if not plan and kind in _SHIPPED:
+        return dict(_SHIPPED[kind])
+    if not plan:
+        raise ShardingError(
+            f"parallelize(..., 'auto'): transformers gives {kind} no tensor-parallel plan "
+            f"(its config's base_model_tp_plan is empty), and functp ships none for it; "
+            f"pass a plan dict {{module-name pattern: style}}")
+    modules = dict(module.named_modules())
+    params = dict(module.named_parameters())
+    out: dict[str, Any] = {}
+    owned: dict[str, dict[str, str]] = {}        # owner pattern -> {parameter: layout}
+    missing = []
+    for pattern, style in plan.items():
+        on_module = any(_matches(pattern, m) for m in modules)
+        if not on_module and any(_matches(pattern, n) for n in params):
+            owner, _, short = pattern.rpartition(".")
+            if style in ParameterRules.KINDS:
+                if "gate_up" in short and not style.startswith("packed"):
+                    # a fused [gate; up] weight: a plain split would give one rank
+                    # all of gate (Inkling's plan says 'colwise' for it)
+                    style = f"packed_{style}"
+                owned.setdefault(owner, {})[short] = style
+            else:
+                missing.append(f"{pattern!r}: {style!r} (a parameter)")
+            continue
+        if not on_module:
+            continue         # (a rule for layers this configuration lacks is ignored)
+        name = _HF_STYLES.get(style, style)
+        if name is None or (name not in STYLES and name not in _OWNER_STYLES):
+            missing.append(f"{pattern!r}: {style!r}")
+        elif name != "local_params":
+            out[pattern] = name
+    for owner, rules in owned.items():
+        reduce = _OWNER_STYLES.get(plan.get(owner))
+        contracts = any(k.endswith("rowwise") for k in rules.values())
+        if reduce is None and contracts:
+            missing.append(f"{owner!r}: its parameters' rules {rules} split a dimension "
+                           f"it contracts, and no rule of the plan sums its output")
+            continue
+        out[owner] = ParameterRules(rules, reduce_output=bool(reduce), strict=False)
+    if missing:
+        raise ShardingError(
+            f"parallelize(..., 'auto'): {kind}'s transformers plan has rules functp cannot "
+            f"apply yet: {', '.join(missing)}; pass a plan dict that covers these modules "
+            f"with functp styles (see functp.parallelize)")
+    out.update(_whole_statistics(module, out))
+    out.update(_local_heads(module, out))
+    if size is not None:
+        out.update(_left_out(module, out, size))
+    return out
+
+
+def _covered(name: str, plan: dict[str, Any]) -> bool:
+    return any(_matches(r, name) for r in plan)
+
+
+def _left_out(module: nn.Module, plan: dict[str, Any], size: int) -> dict[str, str]:
+    """Megatron rules for the standard parts a transformers plan leaves out, where
+    they split exactly over ``size`` ranks: an attention module whose only
+    projections are ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (and per-head
+    norms), none with a rule, whose heads divide; a shared expert or shared MLP
+    (``gate_proj``, ``up_proj``, ``down_proj``) without rules."""
+    extra: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        prefix = name + "." if name else ""
+        kids = dict(sub.named_children())
+        proj = [kids.get(k) for k in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        hd = getattr(sub, "head_dim", None)
+        if (all(isinstance(k, nn.Linear) for k in proj) and isinstance(hd, int) and hd > 0
+                and not any(_covered(prefix + k, plan) for k in ("q_proj", "k_proj", "v_proj",
+                                                                    "o_proj"))
+                and not any(p.numel() > hd for k, m in kids.items()
+                            if k not in ("q_proj", "k_proj", "v_proj", "o_proj")
+                            for p in m.parameters())
+                and not any(True for _ in sub.parameters(recurse=False))
+                and all(not uneven(m.out_features, hd * size) for m in proj[:3])):
+            extra.update({prefix + "q_proj": "colwise", prefix + "k_proj": "colwise",
+                          prefix + "v_proj": "colwise", prefix + "o_proj": "rowwise"})
+            continue
+        last = name.rpartition(".")[2]
+        mlp = [kids.get(k) for k in ("gate_proj", "up_proj", "down_proj")]
+        if (last in ("shared_expert", "shared_experts", "shared_mlp")
+                and all(isinstance(k, nn.Linear) for k in mlp) and len(kids) <= 4
+                and not any(_covered(prefix + k, plan) for k in ("gate_proj", "up_proj", "down_proj"))
+                and not uneven(mlp[2].in_features, size)):
+            extra.update({prefix + "gate_proj": "colwise", prefix + "up_proj": "colwise",
+                          prefix + "down_proj": "rowwise"})
+    return extra
+
+
+def _local_heads(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """Rules that give a per-head side path of an attention module this rank's heads.
+
+    Doge's attention maps its (split) value heads through a row-parallel ``dt_proj``
+    to one number per key/value head, scales it by its own ``A`` (one per head)
+    and masks the attention weights of every head with it: ``dt_proj``'s output is
+    reduce-scattered over the heads, and ``A`` split, so both match this rank's
+    heads."""
+    extra: dict[str, Any] = {}
+    for name, sub in module.named_modules():
+        a, dt = getattr(sub, "A", None), getattr(sub, "dt_proj", None)
+        if not (isinstance(a, nn.Parameter) and a.ndim == 1 and isinstance(dt, nn.Linear)
+                and dt.out_features == a.shape[0]):
+            continue
+        rule = next((r for r in plan if _matches(r, f"{name}.dt_proj")), None)
+        if rule is not None and plan[rule] == "rowwise":
+            extra[f"{name}.dt_proj"] = "rowwise_scatter_output"
+            extra[name] = ParameterRules({"A": "colwise"})
+    return extra
+
+
+def _whole_statistics(module: nn.Module, plan: dict[str, Any]) -> dict[str, str]:
+    """Rules that keep a plan from splitting a dimension a module reduces over.
+
+    Gemma-3n's MLP with ``activation_sparsity > 0`` cuts ``gate_proj``'s output at
+    its mean plus a multiple of its standard deviation, taken over the whole
+    intermediate dimension: ``gate_proj`` then gathers its output (the statistic is
+    global), and ``act_fn``'s output goes back to this rank's columns for the
+    column-parallel ``up_proj`` it is multiplied with."""
+    extra: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        if not getattr(sub, "activation_sparsity", 0) or not all(
+                isinstance(getattr(sub, c, None), nn.Module) for c in ("gate_proj", "act_fn")):
+            continue
+        gate = f"{name}.gate_proj"
+        rule = next((r for r in plan if _matches(r, gate)), None)
+        if rule is not None and plan[rule] == "colwise":
+            extra[gate] = "colwise_gather_output"
+            extra[f"{name}.act_fn"] = "local_columns"
+    return extra
+
+
+def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any] | str = "auto",
+                *, axis: str = "tp", verify: bool = False, distributed_config: Any = None
+                ) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
+    """Applies a tensor- (and expert-) parallel ``plan`` to ``module`` over ``mesh``.
+
+    **Arguments:** ``module`` – an ordinary ``torch.nn.Module``, the same on every
+    rank (its parameters are read, never changed); ``mesh`` – a :class:`Mesh`;
+    ``plan`` – ``{module-name pattern: style}``, styles by registered name
+    (``"colwise"``, ``"rowwise"``, ``"packed_colwise"``, ``"embedding_rowwise"``,
+    ``"sequence_parallel"``, ``"replicated"``, ``"ep_router"``, ...) or as
+    ``functp.Style`` objects, all over ``axis``; or plan families by mesh axis,
+    ``{"tp": tp_plan, "ep": ep_plan}`` (an axis tuple as key splits over those axes
+    together; a module matched in two families is an error); or ``"auto"``: a
+    transformers model's own plans: its tensor-parallel plan (``model._tp_plan``,
+    style names translated; for GPT-2, which has none, a plan functp ships) over
+    ``axis`` when the mesh has it, and, when the mesh has an ``ep`` axis, its
+    expert-parallel plan (``model._ep_plan``: the experts as
+    :class:`functp.ExpertDispatch` over ``ep``, each tensor-parallel rank
+    dispatching its slice of the tokens; the tensor-parallel rules on the experts
+    dropped, as transformers does); ``axis`` – the axis of a single plan dict and of
+    the tensor-parallel family; ``verify`` – first run :func:`functp.verify_plan`
+    on random token ids (a transformers language model): a plan that makes any
+    module's output or any gradient differ from the unsharded module raises a
+    ``ShardingError`` naming the first such module; ``distributed_config`` –
+    transformers' ``DistributedConfig`` (or a dict of its fields) instead of a mesh:
+    the mesh is ``("dp", "ep", "tp")``
+    (experts split over ``("ep", "tp")``, the batch over ``("dp", "ep")``); FSDP's
+    parameter sharding is not applied (``fsdp_size`` and ``dp_replicate_size`` make ``dp``,
+    over which parameters are replicated); the plans are then ``"auto"``, with the config's
+    ``tp_plan`` / ``ep_plan`` dicts overriding rules as in transformers.
+
+    **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
+    by the module's dotted parameter names), their specs, and
+    ``apply(params, *args, **kwargs)``, which runs the module with
+    ``torch.func.functional_call`` and, only during that call, the plan's hooks.
+    Call it inside a ``shard_map`` body; split the batch over ``apply.batch_axes``.
+    Parameters no rule covers are replicated; rank 0 warns about them and about
+    rules that matched nothing. A module without a rule that shares a weight with
+    one the plan splits (a tied embedding) gets the style that splits it the same
+    way (``embedding_rowwise`` for an LM head split over the vocabulary), or a
+    clear error. Other mesh axes (``dp``) are left to you: parameters are
+    replicated over them.
+
+    Model code must take local sizes from tensors (``view(b, s, -1, head_dim)``),
+    as transformers' models do, since a rank holds only its heads.
+
+    Example (``torchrun --nproc-per-node 2``)::
+
+        mesh = functp.make_mesh((2,), ("tp",))
+        mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+        apply, params, specs = functp.parallelize(mlp, mesh, {"0": "colwise", "2": "rowwise"})
+        loss = functp.shard_map(lambda p, x: apply(p, x).square().mean(), mesh,
+                                in_specs=(specs, P()), out_specs=P())
+        grads = torch.func.grad(loss)(params, torch.randn(4, 8))
+        apply.unshard(grads)["0.weight"].shape       # (32, 8): the full gradient
+    """
+    if not isinstance(module, nn.Module):
+        raise ShardingError(f"parallelize: expected a torch.nn.Module, got {type(module).__name__}")
+    config = None
+    if distributed_config is not None:
+        config = _resolve_config(distributed_config)
+        mesh = mesh if mesh is not None else _mesh_for_config(config)
+    if not isinstance(mesh, Mesh):
+        raise ShardingError(f"parallelize: mesh must be a functp.Mesh (functp.make_mesh), got "
+                            f"{mesh!r}; or pass distributed_config=")
+    if verify:
+        verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
+    families = _families(module, mesh, plan, axis, config)
+    return _lay_out(module, mesh, families)
+
+
+def _families(module: nn.Module, mesh: Mesh, plan: Any, axis: str, config: dict | None
+              ) -> list[tuple[Any, dict, bool]]:
+    """``[(axis or axis tuple, plan dict, auto)]``: the plan families to apply."""
+    if isinstance(plan, str) and plan == "auto":
+        return _auto_families(module, mesh, axis, config)
+    if config is not None:
+        raise ShardingError("parallelize(..., distributed_config=...): the plans come from the "
+                            "config (its tp_plan / ep_plan) and the model; pass plan='auto'")
+    if isinstance(plan, str):
+        raise ShardingError(f"parallelize: plan must be a dict of rules or 'auto', got {plan!r}")
+    if isinstance(plan, dict) and plan and all(isinstance(v, dict) for v in plan.values()):
+        for ax in plan:
+            for a in (ax if isinstance(ax, tuple) else (ax,)):
+                if a not in mesh.axis_names:
+                    raise ShardingError(
+                        f"parallelize: plan family {ax!r} names no axis of {mesh}; key plan "
+                        f"families by mesh axes ({mesh.axis_names}) or axis tuples")
+        return [(ax, fam, False) for ax, fam in plan.items()]
+    _need_axis(mesh, axis)
+    return [(axis, plan, False)]
+
+
+def _need_axis(mesh: Mesh, axis: str) -> None:
+    if axis not in mesh.axis_names:
+        raise ShardingError(
+            f"parallelize: axis {axis!r} is not an axis of {mesh}; pass axis= one of "
+            f"{mesh.axis_names}")
+
+
+def _match_families(module: nn.Module, families) -> tuple[dict, list]:
+    """name -> (rule, label, style, axis) over all families; a module two families
+    match is an error. Also the (family axis, unused rules) pairs."""
+    matched: dict[str, tuple] = {}
+    unused = []
+    for ax, plan, auto in families:
+        got, left = match_plan(module, plan)
+        for name, (rule, label, style) in got.items():
+            if name in matched:
+                raise ShardingError(
+                    f"module {name!r} is matched by rule {matched[name][0]!r} of the "
+                    f"{matched[name][3]!r} plan and by rule {rule!r} of the {ax!r} plan; a "
+                    f"module takes one rule: drop one of them")
+            matched[name] = (rule, label, style, ax)
+        if not auto:
+            unused.append((ax, left))
+    return matched, unused
+
+
+class _Layout:
+    """The specs, owners, hooks and withheld parameters ``parallelize`` builds."""
+
+    def __init__(self, module: nn.Module, mesh: Mesh):
+        self.module, self.mesh = module, mesh
+        self.full = dict(module.named_parameters())                 # tied parameters once
+        self.canon = {id(p): n for n, p in self.full.items()}
+        self.specs: dict[str, P] = {}
+        self.owners: dict[str, tuple[str, Style]] = {}
+        self.axes: dict[str, Any] = {}
+        self.hooked: list = []
+        self.withheld: list = []
+
+    def take(self, mname: str, rule: str, label: str, style: Style, axis) -> None:
+        mod = self.module.get_submodule(mname)
+        prefix = mname + "." if mname else ""
+        own = dict(mod.named_parameters(recurse=False))
+        pspecs = _param_specs(style, mod, axis, own, f"plan rule {rule!r} -> {label} on "
+                              f"module {mname!r}")
+        for short, spec in pspecs.items():
+            c = self.canon[id(own[short])]
+            spec = normalize_spec(spec, self.mesh.axis_names,
+                                  f"plan rule {rule!r} -> {label} for parameter {prefix + short!r}",
+                                  own[short].shape)
+            if c in self.specs and self.specs[c] != spec:
+                raise ShardingError(
+                    f"parameter {c!r} (shape {tuple(own[short].shape)}) is tied to "
+                    f"{prefix + short!r}, and the plan lays it out as {self.specs[c]!r} "
+                    f"({self.owners[c][0]}) there but {spec!r} ({label}) here; give both "
+                    f"modules styles that split the shared weight the same way")
+            self.specs[c] = spec
+            self.owners.setdefault(c, (f"{rule!r} -> {label}", style))
+            self.axes.setdefault(c, axis)
+        self.withheld.extend((prefix + s, not isinstance(mod, nn.Linear))
+                             for s in style.withheld(mod))
+        if style.has_hooks():
+            self.hooked.append((mname, mod, style,
+                                {s: self.canon[id(p)] for s, p in own.items()}, axis))
+
+
+def _lay_out(module: nn.Module, mesh: Mesh, families) -> tuple[Parallelized, dict, dict]:
+    matched, unused = _match_families(module, families)
+    lay = _Layout(module, mesh)
+    for mname, (rule, label, style, ax) in matched.items():
+        lay.take(mname, rule, label, style, ax)
+    by_axis: dict[Any, dict] = {}
+    for mname, m in matched.items():
+        by_axis.setdefault(m[3], {})[mname] = m[:3]
+    for ax, group in by_axis.items():
+        for mname, (rule, label, style) in _tied_styles(module, group, lay.specs, lay.canon,
+                                                        mesh, ax).items():
+            lay.take(mname, rule, label, style, ax)
+    uncovered = [n for n in lay.full if n not in lay.specs]
+    specs = {n: lay.specs.get(n, P()) for n in lay.full}
+    for n, p in lay.full.items():
+        desc = lay.owners[n][0] if n in lay.owners else "(none)"
+        _check_divisible(n, p, specs[n], mesh, desc)
+        _check_heads(module, n, p, specs[n], mesh, desc)
+    for i, (ax, left) in enumerate(unused):     # not for "auto": transformers replicates
+        _warn_plan(module, left, uncovered if i == 0 else [], ax, lay.full)
+    first = families[0][0] if families else None
+    apply = Parallelized(module, mesh, first, specs, lay.owners, lay.hooked, lay.withheld,
+                         lay.axes)
+    local = apply.shard({n: p.detach() for n, p in lay.full.items()})
+    return apply, local, dict(specs)
+
+
+# -- transformers' plan families and DistributedConfig ---------------------------------------
+
+_SIZES = ("tp_size", "ep_size", "fsdp_size", "dp_replicate_size", "pp_size")
+_CONFIG_FIELDS = (*_SIZES, "tp_plan", "ep_plan", "fsdp_plan", "enable_expert_parallel",
+                  "enable_sequence_parallel", "fsdp_cpu_offload", "fsdp_mixed_precision",
+                  "ep_implementation")
+
+
+def _resolve_config(dc: Any) -> dict[str, Any]:
+    """transformers' ``DistributedConfig`` (or a dict of its fields) -> its sizes and plan
+    overrides, resolved as transformers resolves them, and checked for what functp does."""
+    if isinstance(dc, dict):
+        unknown = sorted(set(dc) - set(_CONFIG_FIELDS))
+        if unknown:
+            raise ShardingError(f"distributed_config: unknown fields {unknown}; the fields of "
+                                f"transformers' DistributedConfig are {list(_CONFIG_FIELDS)}")
+        raw = dict(dc)
+    else:
+        raw = {f: getattr(dc, f) for f in _CONFIG_FIELDS if hasattr(dc, f)}
+    c = {f: raw.get(f) for f in _CONFIG_FIELDS}
+    for f in _SIZES:
+        if c[f] is not None and (not isinstance(c[f], int) or c[f] < 1):
+            raise ShardingError(f"distributed_config: {f} must be an int >= 1, got {c[f]!r}")
+    for f in ("fsdp_size", "dp_replicate_size", "pp_size"):
+        c[f] = c[f] or 1
+    if c["tp_size"] is None:      # transformers: the rest of the world when a tp_plan is set
+        c["tp_size"] = (_world.process_count() // (c["fsdp_size"] * c["dp_replicate_size"])
+                        if c["tp_plan"] is not None else 1)
+    if c["enable_expert_parallel"] and c["ep_size"] is None:
+        c["ep_size"], c["tp_plan"] = c["tp_size"], {} if c["tp_plan"] is None else c["tp_plan"]
+    c["ep_size"] = c["ep_size"] or 1
+    refuse = [f"{f}={c[f]!r}" for f in ("fsdp_cpu_offload", "fsdp_mixed_precision") if c[f]]
+    if c["pp_size"] > 1:
+        refuse.append(f"pp_size={c['pp_size']} (functp's pipeline is examples/pipeline.py)")
+    if c["ep_implementation"] not in (None, "auto", "all_to_all"):
+        refuse.append(f"ep_implementation={c['ep_implementation']!r} (functp dispatches with "
+                      f"a ragged all-to-all: 'auto' or 'all_to_all')")
+    if refuse:
+        raise ShardingError(f"distributed_config: functp does not apply {', '.join(refuse)}; "
+                            f"use functp.MixedPrecision for mixed precision")
+    tp, ep = c["tp_size"], c["ep_size"]
+    if ep > 1 and (ep % tp or (c["fsdp_size"] * tp) % ep):
+        raise ShardingError(
+            f"distributed_config: ep_size={ep} must be a multiple of tp_size={tp} and divide "
+            f"fsdp_size * tp_size = {c['fsdp_size'] * tp} (as in transformers)")
+    return c
+
+
+def _mesh_for_config(c: dict[str, Any]) -> Mesh:
+    """The mesh of a resolved config: axes ``("dp", "ep", "tp")`` of sizes
+    ``(dp_replicate * fsdp * tp / ep, ep / tp, tp)``: the experts are split over
+    ``("ep", "tp")`` (``ep_size`` shards, as transformers counts them) and the batch
+    over ``("dp", "ep")``."""
+    from ..mesh._mesh import make_mesh
+    tp, ep = c["tp_size"], c["ep_size"]
+    world = c["dp_replicate_size"] * c["fsdp_size"] * tp
+    if world != _world.process_count():
+        raise ShardingError(
+            f"distributed_config: dp_replicate_size x fsdp_size x tp_size = {world}, but "
+            f"{_world.process_count()} processes run; make the sizes multiply to the world size")
+    return make_mesh((world // max(ep, tp), max(ep, tp) // tp, tp), ("dp", "ep", "tp"))
+
+
+def _overridden(base: dict | None, override: Any) -> dict:
+    """transformers' rule: a dict override updates the model's plan; ``{}`` empties it."""
+    base = dict(base or {})
+    if isinstance(override, dict):
+        return {} if not override else {**base, **override}
+    return base
+
+
+def _auto_families(module: nn.Module, mesh: Mesh, axis: str, config: dict | None
+                   ) -> list[tuple[Any, dict, bool]]:
+    """"auto"'s plan families: the tensor-parallel plan over ``axis`` when the mesh has
+    it, the expert-parallel plan over ``ep`` (or, from a config, ``("ep", "tp")``)."""
+    if config is not None:
+        use_tp, use_ep = config["tp_size"] > 1, config["ep_size"] > 1
+        ep_axes, axis = (("ep", "tp") if config["tp_size"] > 1 else "ep"), "tp"
+        tp_over, ep_over = config["tp_plan"], config["ep_plan"]
+    else:
+        use_tp, use_ep, ep_axes = axis in mesh.axis_names, "ep" in mesh.axis_names, "ep"
+        tp_over = ep_over = None
+        if not (use_tp or use_ep):
+            _need_axis(mesh, axis)
+    families = []
+    ep_plan = _auto_ep_plan(module, (axis,) if use_tp else (), ep_over) if use_ep else {}
+    if use_tp and tp_over != {}:
+        # transformers: EP rules win over TP rules on the experts and inside them
+        families.append((axis, _auto_plan(module, mesh.shape[axis], tp_over, tuple(ep_plan)),
+                         True))
+    if ep_plan:
+        families.append((ep_axes, ep_plan, True))
+    return families
+
+
+def _auto_ep_plan(module: nn.Module, shared: tuple[str, ...], override: Any) -> dict[str, Any]:
+    """transformers' expert-parallel plan in functp's styles: an ``ep_dispatch_experts``
+    module is an :class:`ExpertDispatch` (whose parameters, the ``grouped_gemm`` rules,
+    it splits on the expert dimension)."""
+    kind = type(module).__name__
+    plan = _overridden(getattr(module, "_ep_plan", None), override)
+    if not plan:
+        raise ShardingError(
+            f"parallelize(..., 'auto'): the mesh has an 'ep' axis, but {kind} has no "
+            f"expert-parallel plan (transformers' base_model_ep_plan); use a mesh without "
+            f"'ep' (name a data-parallel axis 'dp'), or pass plan families {{'ep': ...}}")
+    dispatch = {p for p, s in plan.items() if s == "ep_dispatch_experts"}
+    style = ExpertDispatch(shared=shared)
+    out, missing = {}, []
+    for pattern, name in plan.items():
+        if name == "ep_dispatch_experts":
+            out[pattern] = style
+        elif not (name == "grouped_gemm" and pattern.rpartition(".")[0] in dispatch):
+            missing.append(f"{pattern!r}: {name!r}")
+    if missing:
+        raise ShardingError(
+            f"parallelize(..., 'auto'): {kind}'s expert-parallel plan has rules functp cannot "
+            f"apply yet: {', '.join(missing)} (functp applies 'ep_dispatch_experts' and the "
+            f"'grouped_gemm' parameters of such a module); pass plan families instead")
+    return out
+
+
+def verify_plan(module: nn.Module, mesh: Mesh | None, plan: dict[str, Any] | str, *args: Any,
+                axis: str = "tp", rtol: float | None = None, distributed_config: Any = None,
+                **kwargs: Any) -> dict[str, Any]:
+    """Checks ``plan`` on ``module`` against the unsharded module, in seconds.
+
+    Runs the module on ``args`` once unsharded and once under the plan (inside a
+    ``shard_map``, inputs replicated), gathers each submodule's output where the plan
+    split it and compares them in execution order; then compares the gradients of
+    every parameter of a scalar of the output. Call it on every rank, as
+    :func:`parallelize`; it changes nothing.
+
+    **Arguments:** ``module``, ``mesh``, ``plan``, ``axis``, ``distributed_config`` – as
+    :func:`parallelize`;
+    ``*args``/``**kwargs`` – a small example input (default, for a transformers
+    language model: random token ids of shape ``(2, 8)``); ``rtol`` – allowed error
+    relative to each tensor's largest entry (default 1e-6 for float64 parameters,
+    1e-4 otherwise: models that compute a part in float32 round there).
+
+    **Returns:** ``{"modules": n, "parameters": n, "max_error": e}`` when everything
+    matches. **Raises:** ``ShardingError`` naming the first module whose output
+    differs (and by how much), or the first parameter whose gradient does.
+
+    Example::
+
+        report = functp.verify_plan(model, mesh, "auto")
+        # ShardingError: ... first module whose output differs under the plan:
+        #   'model.layers.0.mlp.act_fn' (GELUTanh), by 3.1e-01 ...
+    """
+    if not args and not kwargs:
+        args, kwargs = _example_args(module)
+    with warnings.catch_warnings():      # (the user's own parallelize call warns)
+        warnings.simplefilter("ignore")
+        apply, local, specs = parallelize(module, mesh, plan, axis=axis,
+                                          distributed_config=distributed_config)
+    return check_plan(module, apply, local, specs, args, kwargs, rtol)

@@ -1,0 +1,197 @@
+"""The check behind ``verify_plan``: a plan's forward and backward against the
+unsharded module, module by module, on a tiny input (it takes an applied plan, so
+that ``_plans`` imports it and not the other way round): a plan that splits a dimension some module reduces over
+as a whole (a mean, a norm, a softmax over split columns) shows up as the first
+module whose output differs, instead of as a silently wrong loss."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ..ops._collectives import all_gather_invariant, axis_size, pmean
+from ..runtime._errors import ShardingError
+from ..mesh._mesh import Mesh
+from ..mapping._shard_map import shard_map
+from ..mesh._spec import P
+from ._styles import ExpertDispatch, _packed_merge
+
+__all__ = ["check_plan"]
+
+
+def _first_tensor(x: Any) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    if hasattr(x, "to_tuple"):            # transformers' ModelOutput
+        return _first_tensor(x.to_tuple())
+    return None
+
+
+def _record(module: nn.Module, into: list, transform=None, skip: tuple[str, ...] = ()) -> list:
+    """Forward hooks on every submodule (but those under a prefix in ``skip``)
+    appending ``(name, first output tensor)``."""
+    handles = []
+    for name, sub in module.named_modules():
+        if name.startswith(skip) and skip:
+            continue
+        def hook(m, args, output, name=name):
+            t = _first_tensor(output)
+            if t is not None and t.is_floating_point():
+                into.append((name, transform(name, t) if transform else t.detach()))
+        handles.append(sub.register_forward_hook(hook))
+    return handles
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _example_args(module: nn.Module) -> tuple[tuple, dict]:
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ShardingError(
+            f"verify_plan({type(module).__name__}): give example inputs (verify_plan(model, "
+            f"mesh, plan, *args)); only a module with a config.vocab_size (a transformers "
+            f"language model) gets random token ids by default")
+    g = torch.Generator().manual_seed(0)           # the same ids on every rank
+    return (torch.randint(vocab, (2, 8), generator=g),), {"use_cache": False}
+
+
+def check_plan(module: nn.Module, apply: Any, local: dict, specs: dict, args: tuple,
+               kwargs: dict, rtol: float | None = None) -> dict[str, Any]:
+    """:func:`functp.verify_plan`'s comparison, for a plan already applied
+    (``apply, local, specs`` from ``parallelize``): every module's output, then every
+    gradient, against the unsharded module on ``args``/``kwargs``."""
+    full = {n: p.detach() for n, p in module.named_parameters()}
+    if rtol is None:
+        rtol = 1e-6 if all(p.dtype == torch.float64 for p in full.values()) else 1e-4
+    was_training = module.training
+    module.eval()                              # no dropout: the two runs must agree
+    try:
+        worst, n = _compare_outputs(module, full, apply, local, specs, args, kwargs, rtol)
+        worst2, grads = _compare_grads(module, full, apply, local, specs, args, kwargs, rtol)
+    finally:
+        module.train(was_training)
+    return {"modules": n, "parameters": grads, "max_error": max(worst, worst2)}
+
+
+def _inside_dispatch(apply) -> tuple[str, ...]:
+    """Prefixes of the modules inside an expert dispatch: they run on the pairs this
+    rank received, whose number no unsharded module has (their sum is compared)."""
+    return tuple(h[0] + "." for h in apply._hooked if isinstance(h[2], ExpertDispatch))
+
+
+def _run_recorded(module, full, args, kwargs, skip) -> list:
+    reference: list = []
+    handles = _record(module, reference, skip=skip)
+    try:
+        with torch.no_grad():
+            functional_call(module, full, args, kwargs, tie_weights=True, strict=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return reference
+
+
+def _whole_fn(apply, ref_shapes):
+    """The global value of a submodule's output: gathered along the dimension the plan
+    split (the one that is the axis size times smaller than unsharded)."""
+    axis = apply.axis
+    packed = {h[0]: h[2].blocks for h in apply._hooked if getattr(h[2], "blocks", 1) > 1}
+
+    def whole(i: int, name: str, t: torch.Tensor) -> torch.Tensor:
+        want = ref_shapes[i] if i < len(ref_shapes) else t.shape
+        if t.shape == want or axis is None:
+            return t.detach()
+        n = axis_size(axis)
+        dims = [d for d in range(t.ndim) if t.ndim == len(want) and t.shape[d] * n == want[d]
+                and all(t.shape[e] == want[e] for e in range(t.ndim) if e != d)]
+        if not dims:
+            raise ShardingError(
+                f"verify_plan: module {name!r} returns shape {tuple(t.shape)} under the plan "
+                f"but {tuple(want)} unsharded, which is not a split over {axis!r} "
+                f"(size {n}); the plan changes what this module computes")
+        g = all_gather_invariant(t.detach(), axis, axis=dims[0], tiled=True)
+        if name in packed and dims[0] == t.ndim - 1:
+            g = _packed_merge(g, dims[0], packed[name], n)
+        return g
+    return whole
+
+
+def _compare_outputs(module, full, apply, local, specs, args, kwargs, rtol):
+    skip = _inside_dispatch(apply)
+    reference = _run_recorded(module, full, args, kwargs, skip)
+    whole = _whole_fn(apply, [t.shape for _, t in reference])
+    sharded: list = []
+
+    def body(p):
+        handles = _record(module, sharded, lambda name, t: whole(len(sharded), name, t),
+                          skip)
+        try:
+            with torch.no_grad():
+                apply(p, *args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        return torch.zeros(())
+
+    shard_map(body, apply.mesh, in_specs=(specs,), out_specs=P())(local)
+    worst = 0.0
+    for i, ((name, ref), (name2, got)) in enumerate(zip(reference, sharded)):
+        if name != name2 or got.shape != ref.shape:
+            raise ShardingError(
+                f"verify_plan: under the plan the modules ran in another order or shape "
+                f"(call {i}: {name2!r} {tuple(got.shape)} where the unsharded module ran "
+                f"{name!r} {tuple(ref.shape)})")
+        err = _error(got, ref)
+        worst = max(worst, err)
+        if err > rtol:
+            mod = module.get_submodule(name) if name else module
+            raise ShardingError(
+                f"verify_plan: the first module whose output differs under the plan is "
+                f"{name or '(the root)'!r} ({type(mod).__name__}), by {err:.1e} relative "
+                f"(allowed {rtol:.0e}); it, or its parent's code that computes its "
+                f"input, reduces over a dimension the plan splits (a mean, norm or softmax over "
+                f"split columns or heads), or combines split and unsplit values; give it "
+                f"or its children rules that keep that dimension whole (a gathering "
+                f"style such as 'colwise_gather_output', or 'replicated')")
+    return worst, len(reference)
+
+
+def _compare_grads(module, full, apply, local, specs, args, kwargs, rtol):
+    def scalar(out):
+        t = _first_tensor(out)
+        return (t.double() ** 2).mean()
+
+    ref_grads = torch.func.grad(
+        lambda p: scalar(functional_call(module, p, args, kwargs, tie_weights=True,
+                                         strict=False)))(full)
+    # the inputs are replicated: ranks that would hold other tokens (an expert
+    # dispatch's) hold the same ones, and the mean over them is the same scalar
+    batch = tuple(dict.fromkeys(a for h in apply._hooked if isinstance(h[2], ExpertDispatch)
+                                for a in (h[4] if isinstance(h[4], tuple) else (h[4],))))
+    step = shard_map(lambda p: pmean(scalar(apply(p, *args, **kwargs)), batch)
+                     if batch else scalar(apply(p, *args, **kwargs)), apply.mesh,
+                     in_specs=(specs,), out_specs=P())
+    grads = apply.unshard(torch.func.grad(step)(local))
+    scale = max((g.abs().max().item() for g in ref_grads.values()), default=0.0)
+    worst = 0.0
+    for name, ref in ref_grads.items():
+        err = ((grads[name].double() - ref.double()).abs().max()
+               / max(ref.abs().max().item(), 1e-6 * scale, 1e-30)).item()
+        worst = max(worst, err)
+        if err > rtol:
+            raise ShardingError(
+                f"verify_plan: every module's output matches, but the gradient of "
+                f"parameter {name!r} (spec {specs[name]!r}, rule "
+                f"{apply.styles[name]}) differs by {err:.1e} relative (allowed {rtol:.0e})")
+    return worst, len(ref_grads)

@@ -1,0 +1,236 @@
+"""Every private torch symbol functp uses, in one place.
+
+torch promises nothing about names with an underscore (``torch._C._functorch``,
+``torch.utils._python_dispatch``, gloo's ``_Options``, DCP's file format...), so a new
+torch may rename or drop one. functp imports each of them here and nowhere else: a
+torch that lacks one fails in this file, at ``import functp``, with
+``functp needs torch.X (used for Y); torch A.B lacks it``, and
+``tests/test_torch_compat.py`` checks every entry of :data:`SYMBOLS` (the lazy ones
+too), one test per symbol.
+
+Each symbol is bound once, at import, to a module-level name: a call through it costs
+what the call through ``torch._C...`` cost before (no wrapper on the hot path).
+``torch._dynamo`` alone is imported on first use (0.3 s), by :func:`dynamo`.
+
+Checked (November 2026) against torch 2.13.0 (the system python: the test suite) and
+2.14.1 (``/opt/venv214``): ``tests/test_torch_compat.py`` resolves every entry. And
+against torch 2.15.0 by reading its wheel (``torch-2.15.0-cp311-manylinux_2_28``,
+not installed: the stored pytorch/pytorch sources stop at 2.11.0a0 and its snapshot is
+too large to fetch): each entry's defining line found in its ``.py``/``.pyi`` (the
+same lines as 2.13's), and the C++ names in ``libtorch_python.so``. Changed in 2.15:
+DCP's ``TensorProperties`` gained ``strides`` (its pickled state has 6 fields, 5
+still read); gloo's ``_Options`` fields ``_devices``/``_threads`` could not be seen
+statically (run this test on 2.15 before relying on ``functp.simulate`` there).
+
+Example::
+
+    from functp.runtime._torch_compat import unwrap_functorch
+    seen = []
+    torch.func.grad(lambda x: (seen.append(unwrap_functorch(x)), x.sum())[1])(torch.ones(2))
+    type(seen[0]) is torch.Tensor      # True: the plain tensor under grad's wrapper
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# (dotted name, what functp uses it for), in the order bound below
+SYMBOLS: list[tuple[str, str]] = []
+
+
+class TorchIncompatible(ImportError):
+    """This torch lacks a private symbol functp needs."""
+
+
+def resolve(path: str, why: str) -> Any:
+    """torch's object at the dotted ``path`` (modules imported as needed); a
+    :class:`TorchIncompatible` naming it, its use and this torch's version if absent."""
+    parts = path.split(".")
+    obj, i = None, len(parts)
+    while i > 0:                      # the longest importable module prefix
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            break
+        except Exception:       # noqa: BLE001 - not a module (torch.ops's namespaces)
+            i -= 1
+    try:
+        if obj is None:
+            raise AttributeError(parts[0])
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+    except AttributeError:
+        raise TorchIncompatible(f"functp needs {path} (used for {why}); torch "
+                                f"{torch.__version__} lacks it") from None
+    return obj
+
+
+def _need(path: str, why: str) -> Any:
+    SYMBOLS.append((path, why))
+    return resolve(path, why)
+
+
+def _lazy(path: str, why: str) -> str:
+    """Recorded now, resolved at first use (an import too slow for ``import functp``)."""
+    SYMBOLS.append((path, why))
+    return path
+
+
+# -- functorch (torch.func's C++ transforms) ---------------------------------------------
+_WHY_UNWRAP = "seeing the tensor under torch.func's grad/vmap wrappers"
+is_functorch_wrapped = _need("torch._C._functorch.is_functorch_wrapped_tensor", _WHY_UNWRAP)
+get_unwrapped = _need("torch._C._functorch.get_unwrapped", _WHY_UNWRAP)
+is_batched = _need("torch._C._functorch.is_batchedtensor", _WHY_UNWRAP)
+maybe_get_level = _need("torch._C._functorch.maybe_get_level",
+                        "the torch.func level a body's tensors live at (vma tags)")
+peek_interpreter_stack = _need("torch._C._functorch.peek_interpreter_stack",
+                               "the torch.func transform a collective runs under")
+layer_stack_depth = _need("torch._C._functorch.get_dynamic_layer_stack_depth",
+                          "whether torch.func transforms are active (grad, checkpoint)")
+TransformGrad = _need("torch._C._functorch.TransformType.Grad",
+                      "whether gradient buckets may wait for a body's entry (one grad level)")
+single_level_allowed = _need(
+    "torch._C._functorch.get_single_level_autograd_function_allowed",
+    "running a collective's autograd.Function at one torch.func level")
+set_single_level_allowed = _need(
+    "torch._C._functorch.set_single_level_autograd_function_allowed",
+    "running a collective's autograd.Function at one torch.func level")
+SingleLevelFunction = _need("torch.autograd.function._SingleLevelFunction",
+                            "a collective's rule at one torch.func level")
+will_engine_execute_node = _need("torch._C._will_engine_execute_node",
+                                 "whether this backward reaches a body's entry (gradient buckets)")
+DisableFuncTorch = _need("torch._C._DisableFuncTorch",
+                         "plain tensors under torch.func (printing, fingerprints, rng)")
+
+
+def unwrap_functorch(x: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under every torch.func wrapper (grad's, vmap's, functionalize's:
+    ``is_functorch_wrapped_tensor`` is true for each): what dispatch modes see. A
+    batched value comes out with its batch dimension."""
+    while is_functorch_wrapped(x):
+        x = get_unwrapped(x)
+    return x
+
+
+# -- autograd and dispatch internals ------------------------------------------------------
+BelowAutograd = _need("torch._C._AutoDispatchBelowAutograd",
+                      "a collective's kernel where no gradient is needed")
+is_fwd_grad_enabled = _need("torch._C._is_fwd_grad_enabled", "a collective's double backward")
+set_grad_enabled = _need("torch._C._set_grad_enabled", "a collective's double backward")
+set_fwd_grad_enabled = _need("torch._C._set_fwd_grad_enabled", "a collective's double backward")
+current_graph_task_id = _need("torch._C._current_graph_task_id",
+                              "telling forward from backward (the check mode)")
+forward_ad = torch.autograd.forward_ad
+_need("torch.autograd.forward_ad._current_level",
+      "whether forward-mode AD is active (read as forward_ad._current_level)")
+BackwardCFunction = _need("torch.autograd.function.BackwardCFunction",
+                          "a custom Function's backward node (vma hooks)")
+TorchDispatchMode = _need("torch.utils._python_dispatch.TorchDispatchMode",
+                          "seeing aten ops (checkpoint policies, estimate)")
+disable_current_modes = _need("torch.utils._python_dispatch._disable_current_modes",
+                              "host work inside estimate's fake mode")
+register_pytree_constant = _need("torch.utils._pytree.register_constant",
+                                 "a None stand-in passed through nonstrict_trace")
+is_functional_tensor = _need("torch._is_functional_tensor",
+                             "telling real tensors from traced ones under torch.compile")
+FakeTensor = _need("torch._subclasses.fake_tensor.FakeTensor",
+                   "telling real tensors from traced ones under torch.compile")
+FakeTensorMode = _need("torch._subclasses.fake_tensor.FakeTensorMode", "functp.estimate")
+FunctionalTensor = _need("torch._subclasses.functional_tensor.FunctionalTensor",
+                         "telling real tensors from traced ones under torch.compile")
+DataDependentOutputException = _need(
+    "torch._subclasses.fake_tensor.DataDependentOutputException", "functp.estimate's errors")
+DynamicOutputShapeException = _need(
+    "torch._subclasses.fake_tensor.DynamicOutputShapeException", "functp.estimate's errors")
+MemTracker = _need("torch.distributed._tools.mem_tracker.MemTracker",
+                   "functp.estimate's memory")
+MemRefType = _need("torch.distributed._tools.mem_tracker._MemRefType",
+                   "functp.estimate's memory")
+for _m in ("_update_and_maybe_create_winfos", "_pre_fw_hook", "_post_fw_hook",
+           "_pre_bw_hook", "_post_bw_hook"):     # what functp.estimate's subclass overrides
+    _need(f"torch.distributed._tools.mem_tracker.MemTracker.{_m}", "functp.estimate's memory")
+
+# -- c10d: functional collectives, gloo groups made by functp.simulate -------------------
+c10d_functional = torch.ops._c10d_functional
+for _op in ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor",
+            "all_to_all_single", "broadcast", "wait_tensor"):
+    _need(f"torch.ops._c10d_functional.{_op}", "every collective functp issues")
+register_process_group = _need("torch._C._distributed_c10d._register_process_group",
+                               "functp.simulate's per-rank gloo groups")
+unregister_process_group = _need("torch._C._distributed_c10d._unregister_process_group",
+                                 "functp.simulate's per-rank gloo groups")
+resolve_process_group = _need("torch.distributed.distributed_c10d._resolve_process_group",
+                              "a process group from its c10d name")
+GlooOptions = _need("torch.distributed.ProcessGroupGloo._Options",
+                    "functp.simulate's per-rank gloo groups")
+for _m in ("_register_backend", "_set_default_backend", "_set_group_name", "_get_backend"):
+    _need(f"torch.distributed.ProcessGroup.{_m}", "functp.simulate's per-rank gloo groups")
+_need("torch.distributed.ProcessGroup._get_sequence_number_for_group",
+      "a collective's number in the check mode's errors")
+# torch 2.14 made it public (the private name warns there); 2.13 has only the private one
+_set_pg_timeout = getattr(dist, "set_timeout", None) or _need(
+    "torch.distributed.distributed_c10d._set_pg_timeout", "a process group's timeout")
+
+
+def gloo_backend(store, rank: int, size: int, device, timeout) -> Any:
+    """A gloo backend of ``size`` ranks over ``store`` on one shared ``device``, with
+    one worker thread (gloo's default is two per group: thread wake-ups on few cores)."""
+    opts = GlooOptions()
+    opts._devices = [device]
+    opts._threads = 1
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def cpu_group(store, rank: int, size: int, backend, name: str) -> dist.ProcessGroup:
+    """A process group over a gloo ``backend``, registered with c10d as ``name`` (what
+    the functional collectives look a group up by)."""
+    pg = dist.ProcessGroup(store, rank, size)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._set_group_name(name)
+    register_process_group(name, pg)
+    return pg
+
+
+def set_group_timeout(name: str, timeout) -> None:
+    """How long collectives of the c10d group ``name`` wait."""
+    _set_pg_timeout(timeout, resolve_process_group(name))
+
+
+def sequence_number(pg: dist.ProcessGroup) -> int:
+    """How many collectives ``pg`` has issued (the check mode's error messages)."""
+    return pg._get_sequence_number_for_group()
+
+
+def backend_timeout(pg: dist.ProcessGroup, device: str):
+    """The timeout of ``pg``'s backend on ``device``; raises if it has none."""
+    return pg._get_backend(torch.device(device)).options._timeout
+
+
+# -- DCP's file format (functp.save/load read and check .metadata themselves) -------------
+dcp_metadata = _need("torch.distributed.checkpoint.metadata", "functp.load's checks")
+dcp_filesystem = _need("torch.distributed.checkpoint.filesystem", "functp.load's checks")
+for _c in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+           "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+    _need(f"torch.distributed.checkpoint.metadata.{_c}", "reading a checkpoint's .metadata")
+_need("torch.distributed.checkpoint.filesystem._StorageInfo",
+      "reading a checkpoint's .metadata")
+Metadata = dcp_metadata.Metadata
+StorageMeta = dcp_metadata.StorageMeta
+TensorStorageMetadata = dcp_metadata.TensorStorageMetadata
+FileSystemReader = _need("torch.distributed.checkpoint.FileSystemReader", "functp.load")
+DefaultLoadPlanner = _need("torch.distributed.checkpoint.DefaultLoadPlanner", "functp.load")
+CheckpointException = _need("torch.distributed.checkpoint.api.CheckpointException",
+                            "functp.save/load's errors")
+
+# -- torch.compile (Dynamo) ----------------------------------------------------------------
+_DYNAMO = (_lazy("torch._dynamo.disable", "a shard_map body Dynamo must not trace"),
+           _lazy("torch._dynamo.nonstrict_trace", "a vma body as one opaque call"))
+
+
+def dynamo() -> tuple[Any, Any]:
+    """``(torch._dynamo.disable, torch._dynamo.nonstrict_trace)``, imported now."""
+    return tuple(resolve(p, why) for p, why in SYMBOLS if p in _DYNAMO)

@@ -1,0 +1,1 @@
+"""Tools around a program: simulate, estimate, hardware profiles."""

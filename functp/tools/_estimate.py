@@ -1,0 +1,508 @@
+"""``estimate``: a dry run of an SPMD program on fake tensors — what one step issues,
+computes and holds on a rank, without running it on the ranks.
+
+The program runs as it would inside :func:`functp.simulate`, for one rank at a time,
+under torch's ``FakeTensorMode``: tensors carry shapes, dtypes and devices but no
+data, and ``make_mesh`` builds a mesh with no process groups behind it (the c10d
+functional ops functp issues have fake kernels: they return the right shapes and
+move nothing). What is measured is measured with torch's own counters on that run:
+``comm_log`` for the collectives, ``FlopCounterMode`` for FLOPs, ``MemTracker`` for
+memory. They see the same operators, in the same order, as on a real run, which is
+why the collectives and FLOPs are exact and the memory close. A step time is a
+prediction from a hardware profile (``_hardware``), with two bounds.
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import linecache
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from ..runtime import _comm_log
+from ..runtime import _crosscheck
+from . import _estimate_plot
+from ..mesh import _mesh
+from ..runtime import _world
+from ..runtime._errors import ShardingError
+from ._hardware import Hardware, collective_seconds, hardware_profile, op_seconds
+from ..runtime._torch_compat import (DataDependentOutputException, DynamicOutputShapeException,
+                            FakeTensorMode, MemRefType as _MemRefType, MemTracker,
+                            TorchDispatchMode, disable_current_modes as _disable_current_modes,
+                            get_unwrapped, is_batched, is_functorch_wrapped)
+
+__all__ = ["estimate", "Estimate", "RankEstimate", "StepTime"]
+
+_ids = itertools.count()
+_PKG = _world.PACKAGE_DIR
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+# operators that move or relabel data but compute nothing: not "uncounted"
+_NO_COMPUTE = {"aten.detach", "aten.clone", "aten.copy_", "aten._to_copy", "aten.copy",
+               "aten.lift_fresh", "aten.lift_fresh_copy", "aten._local_scalar_dense",
+               "aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.full_like",
+               "aten.new_empty", "aten.new_zeros", "aten.new_ones", "aten.new_full",
+               "aten.empty_strided", "aten.zero_", "aten.fill_", "aten.cat", "aten.stack",
+               "aten.index", "aten.index_select", "aten.gather", "aten.constant_pad_nd",
+               "aten.slice_scatter", "aten.select_scatter", "aten.clone", "aten.contiguous"}
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Below ``FlopCounterMode``: every operator it lets through (after its
+    decompositions), with the FLOPs torch's formula gives this call and the bytes
+    the call reads and writes (for the time model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int, int, str]] = []   # (operator, flops, bytes, dtype)
+        self.uncounted: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(func._overloadpacket)
+        formula = flop_registry.get(func._overloadpacket)
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        tensors = [t for t in optree.tree_leaves((args, kwargs, out), none_is_leaf=True)
+                   if isinstance(t, torch.Tensor)]
+        # a view moves nothing; a collective's time is the comm model's, not memory's
+        nbytes = (0 if func.is_view or func.namespace != "aten" else
+                  sum(t.numel() * t.element_size() for t in tensors))
+        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "float32"
+        self.calls.append((name, flops, nbytes, dtype))
+        if (formula is None and not func.is_view and func.namespace == "aten"
+                and name not in _NO_COMPUTE
+                and any(isinstance(t, torch.Tensor) for t in optree.tree_leaves(args))):
+            self.uncounted[name] = self.uncounted.get(name, 0) + 1
+        return out
+
+
+class _Tracker(MemTracker):
+    """torch's ``MemTracker`` without its per-module snapshots, which a training step
+    cannot use: it refuses a second call of the root module (a second step), and it
+    reads the storage of a module's parameters, which under ``torch.func`` are
+    functorch wrappers without one. Module parameters and buffers are still filed as
+    such (the tensors the wrappers stand for); the totals are MemTracker's own."""
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        for kind, tensors in ((_MemRefType.PARAM, module.parameters(recurse=False)),
+                              (_MemRefType.BUFFER, module.buffers(recurse=False))):
+            for t in tensors:
+                while is_functorch_wrapped(t):
+                    t = get_unwrapped(t)
+                if not is_batched(t):
+                    self._update_and_maybe_create_winfos(t, kind)
+
+    def _post_fw_hook(self, module, inputs, outputs) -> None:
+        pass
+
+    def _pre_bw_hook(self, module, args) -> None:
+        pass
+
+    def _post_bw_hook(self, module, args) -> None:
+        pass
+
+
+class _DryRank:
+    """The rank an estimate traces: what ``process_index``/``process_count`` answer
+    and what ``make_mesh`` builds inside it (``_world.dry_run()`` returns it)."""
+
+    def __init__(self, rank: int, size: int, prefix: str):
+        self.rank, self.size, self.prefix = rank, size, prefix
+        self.meshes: dict[tuple, _mesh.Mesh] = {}
+        self.members: dict[frozenset, tuple[int, ...]] = {}   # axes -> group's ranks
+
+    def make_mesh(self, shape, names, device_type, timeout) -> _mesh.Mesh:
+        """make_mesh in a dry run: the mesh of a real run, over groups that are names
+        only (nothing resolves them: the fake collectives need their sizes)."""
+        if device_type not in (None, "cpu"):
+            raise ShardingError(
+                f"make_mesh(device_type={device_type!r}) inside functp.estimate: the "
+                f"dry run traces on CPU fake tensors; leave device_type out (the "
+                f"hardware profile, not the device type, says what the step costs)")
+        _mesh._check_world(shape, names, self.size)
+        mesh = self.meshes.get((shape, names))
+        if mesh is not None:
+            return mesh
+        with _disable_current_modes():       # the rank grid is host data, not the step's
+            grid = torch.arange(self.size).reshape(shape)
+            coord = tuple(int(c[0]) for c in (grid == self.rank).nonzero(as_tuple=True))
+            groups = {}
+            for sub in _mesh._subsets(names):
+                at = tuple(slice(None) if a in sub else c for a, c in zip(names, coord))
+                members = tuple(grid[at].flatten().tolist())
+                groups[frozenset(sub)] = (
+                    f"{self.prefix}{'-'.join(map(str, members))}_r{self.rank}", members)
+            mesh = _mesh.Mesh.__new__(_mesh.Mesh)
+            mesh._setup(names, grid, coord, groups, "cpu", None)
+        mesh._debug_generation = _crosscheck.GENERATION   # (the check mode is off here)
+        self.meshes[(shape, names)] = mesh
+        self.members.update({axes: m for axes, (_, m) in groups.items()})
+        return mesh
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step time (seconds) and its two bounds: ``overlapped`` if every
+    collective hides behind computation, ``serial`` if none does."""
+    compute: float
+    communication: float
+
+    @property
+    def overlapped(self) -> float:
+        return max(self.compute, self.communication)
+
+    @property
+    def serial(self) -> float:
+        return self.compute + self.communication
+
+    def __str__(self) -> str:
+        return f"{_secs(self.overlapped)} .. {_secs(self.serial)}"
+
+
+def _ranges(ranks) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    out, ranks = [], sorted(ranks)
+    for _, run in itertools.groupby(enumerate(ranks), lambda ir: ir[1] - ir[0]):
+        run = [r for _, r in run]
+        out.append(f"{run[0]}" if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ", ".join(out)
+
+
+def _secs(t: float) -> str:
+    return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.4g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+
+
+def _count(n: float) -> str:
+    for unit, k in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= k:
+            return f"{n / k:.4g} {unit}"
+    return f"{int(n)} "
+
+
+@dataclass
+class RankEstimate:
+    """What one rank's step issues, computes and holds.
+
+    ``comm``: a :class:`functp.comm_log` of every collective, as a real run records
+    it; ``flops``: the total ``FlopCounterMode`` counts, ``flops_by_op`` per operator;
+    ``uncounted``: ``{operator: calls}`` of the compute operators that have no FLOP
+    formula in torch (counted as 0 there: listed, so that a total is never silently
+    short); ``peak_bytes``: the most memory held at once, as ``MemTracker`` counts
+    it, and ``memory`` its breakdown at that moment by MemTracker's categories
+    (``Parameter``, ``Gradient``, ``Optstate``, ``Activation``, ``Temp``, ...);
+    ``seconds``: the predicted step time on the ``hardware=`` profile, or None.
+    """
+    rank: int
+    comm: _comm_log.comm_log
+    flops: int
+    flops_by_op: dict[str, int]
+    uncounted: dict[str, int]
+    peak_bytes: int
+    memory: dict[str, int]
+    seconds: StepTime | None = None
+    calls: list = field(default_factory=list, repr=False)
+    result: Any = field(default=None, repr=False)
+
+
+@dataclass
+class Estimate:
+    """The result of :func:`estimate`: one :class:`RankEstimate` per distinct rank.
+
+    ``est.ranks`` lists the ranks whose programs differ (with ``ranks=`` given: those
+    ranks); ``est[r]`` is rank ``r``'s estimate; ``est.alike[r]`` the ranks whose
+    program is rank ``r``'s (``r`` stands for them); ``est.traced`` every rank the
+    estimate ran (some were found alike and dropped). ``est.comm``, ``est.flops``,
+    ``est.peak_bytes`` (every field of :class:`RankEstimate`) are the first rank's.
+    """
+    nprocs: int
+    per_rank: dict[int, RankEstimate] = field(default_factory=dict)
+    hardware: Hardware | None = None
+    alike: dict[int, list[int]] = field(default_factory=dict)
+    traced: list[int] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.per_rank)
+
+    def __getitem__(self, rank: int) -> RankEstimate:
+        return self.per_rank[rank]
+
+    def __getattr__(self, name: str):
+        # est.comm, est.flops, est.peak_bytes, ...: those of the first traced rank
+        if name in RankEstimate.__dataclass_fields__ and self.per_rank:
+            return getattr(self.per_rank[self.ranks[0]], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def plot(self, path=None):
+        """A PNG (``path``) and a matplotlib ``Figure`` of each distinct rank's memory
+        breakdown at the peak and its predicted compute and communication time;
+        needs matplotlib (an optional extra).
+
+        **Arguments:** ``path`` – where to write the PNG, or None.
+
+        **Returns:** the ``Figure``. Example::
+
+            functp.estimate(program, 8, hardware="h100-sxm").plot("estimate.png")
+        """
+        return _estimate_plot.plot(self, path)   # (matplotlib imported there, lazily)
+
+    def __str__(self) -> str:
+        on = (f"predicted on {self.hardware.name}" if self.hardware is not None
+              else "no time: pass hardware=")
+        lines = [f"functp.estimate: {self.nprocs} ranks, {len(self.ranks)} distinct "
+                 f"(traced {_ranges(self.traced)}) ({on})",
+                 f"{'rank':>4}  {'alike':>5}  {'FLOP':>10}  {'collectives':>11}  "
+                 f"{'comm bytes':>11}  {'peak memory':>11}  step time (all overlapped .. none)"]
+        for r in self.ranks:
+            e = self.per_rank[r]
+            lines.append(f"{r:>4}  {len(self.alike.get(r, [r])):>5}  {_count(e.flops):>10}  "
+                         f"{len(e.comm):>11}  "
+                         f"{_bytes(e.comm.nbytes()):>11}  {_bytes(e.peak_bytes):>11}  "
+                         f"{e.seconds if e.seconds is not None else '-'}")
+        for r in self.ranks:
+            e = self.per_rank[r]
+            kinds = ", ".join(f"{op} over {','.join(ax)} x{k}"
+                              for (op, ax), k in e.comm.summary().items())
+            mem = ", ".join(f"{k} {_bytes(v)}" for k, v in
+                            sorted(e.memory.items(), key=lambda kv: -kv[1]))
+            lines.append(f"rank {r} (and the ranks alike: {_ranges(self.alike.get(r, [r]))}):")
+            lines.append(f"        collectives: {kinds or 'none'}")
+            lines.append(f"        memory at peak: {mem or 'none'}")
+            if e.seconds is not None:
+                lines.append(f"        compute {_secs(e.seconds.compute)}, "
+                             f"communication {_secs(e.seconds.communication)}")
+            if e.uncounted:       # the most called first; est[r].uncounted has them all
+                top = sorted(e.uncounted.items(), key=lambda kv: (-kv[1], kv[0]))
+                more = f", and {len(top) - 5} more" if len(top) > 5 else ""
+                lines.append(f"        not counted (torch has no FLOP formula): "
+                             f"{', '.join(f'{k} x{v}' for k, v in top[:5])}{more}")
+        return "\n".join(lines)
+
+
+def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
+             hardware: str | Hardware | None = None, ranks: str | Sequence[int] = "auto",
+             **kwargs: Any) -> Estimate:
+    """Runs ``fn(*args, **kwargs)`` as rank 0 (and ``ranks``) of ``nprocs`` on fake
+    tensors, and reports what each traced rank's step issues and computes.
+
+    The program is the one :func:`functp.simulate` runs: ``make_mesh``, ``shard``,
+    ``parallelize``, ``shard_map``, collectives, ``torch.func.grad`` or tape backward
+    and optimizer steps all work inside, but every tensor made inside is a fake
+    (``FakeTensorMode``: shape, dtype, device, no data), the mesh has no process
+    groups, and no byte moves. Tensors passed in ``args``/``kwargs`` are used as
+    fakes of themselves.
+
+    Which ranks to trace: ranks whose programs differ only in which block they hold
+    issue the same collectives and FLOPs, so one rank stands for all of them. With
+    ``ranks="auto"`` (the default) the estimate finds the ranks that differ: it
+    traces rank 0, then position 1 and the last position along each axis of the
+    first mesh the program makes, and crosses the axes where those differ (pipeline
+    stages, the last rank's smaller uneven block, shifts that leave the ends out);
+    positions between the second and the last are taken to be alike. That is
+    ``1 + 2 * len(mesh axes)`` traces at most when no axis differs. Give ``ranks=``
+    to trace exactly those ranks instead.
+
+    A program that needs values (``.item()``, ``.tolist()``, an ``if`` on a tensor,
+    masked indexing) cannot run without data: it raises ``ShardingError`` naming
+    the line; pass such numbers (split sizes, token counts) in as arguments.
+
+    **Arguments:** ``fn`` – the per-rank program; ``nprocs`` – the number of ranks
+    it is written for; ``hardware`` – a profile name (``"h100-sxm"``, ``"a100"``)
+    or a ``Hardware``, to predict the step time; ``ranks`` – ``"auto"`` or the
+    ranks to trace; ``*args``/``**kwargs`` – passed to ``fn``.
+
+    **Returns:** an :class:`Estimate`: ``est.comm`` (a ``comm_log``), ``est.flops``,
+    ``est.peak_bytes`` and ``est.memory`` (its breakdown), ``est.seconds`` (a
+    :class:`StepTime`, with ``hardware=``) of rank 0, ``est[r]`` for each distinct
+    rank ``r`` in ``est.ranks`` and ``est.alike[r]`` the ranks it stands for;
+    ``print(est)`` shows them as a table.
+
+    Example::
+
+        def program():
+            mesh = functp.make_mesh((4,), ("tp",))
+            w = functp.shard(torch.randn(4096, 1024), mesh, P("tp"))
+            f = functp.shard_map(lambda w, x: functp.psum(x @ w, "tp"), mesh,
+                                 in_specs=(P("tp"), P(None, "tp")), out_specs=P())
+            x = functp.shard(torch.randn(8, 4096), mesh, P(None, "tp"))
+            return f(w, x)
+
+        est = functp.estimate(program, 4, hardware="h100-sxm")
+        est.comm.summary()       # {('all_reduce', ('tp',)): 1}
+        est.flops                # 2 * 8 * 1024 * 1024 = 16777216
+        est.peak_bytes           # 20971520: the 4096 x 1024 block and its kin
+        print(est)               # a table per rank, with the predicted step time
+    """
+    ranks = _check_call(nprocs, ranks)
+    auto = ranks == "auto"
+    hw = hardware_profile(hardware) if hardware is not None else None
+    est = Estimate(nprocs, hardware=hw)
+
+    def trace(r):
+        # Python's collector frees reference cycles (and tensors they hold) when
+        # its allocation counters say so: each trace starts them from zero, so that
+        # the same program gives the same peak. The caller's objects are frozen
+        # meanwhile, which makes those collections cheap.
+        gc.collect()
+        return _trace(fn, nprocs, r, args, kwargs, hw)
+    gc.collect()
+    gc.freeze()
+    try:
+        if auto:
+            traced, stands_for = _distinct_ranks(trace, nprocs)
+            est.per_rank = {r: traced[r][0] for r in stands_for}
+            est.alike, est.traced = stands_for, sorted(traced)
+        else:
+            est.per_rank = {r: trace(r)[0] for r in ranks}
+            est.alike, est.traced = {r: [r] for r in ranks}, list(ranks)
+    finally:
+        gc.unfreeze()
+    return est
+
+
+def _check_call(nprocs, ranks):
+    """``estimate``'s arguments checked: ``"auto"`` or the sorted ranks to trace."""
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ShardingError(f"functp.estimate: nprocs must be a positive int, got {nprocs!r}")
+    if not (isinstance(ranks, str) and ranks == "auto"):
+        ranks = sorted(set(int(r) for r in ranks))
+        if not ranks or not all(0 <= r < nprocs for r in ranks):
+            raise ShardingError(f"functp.estimate: ranks={list(ranks)} must be \"auto\" "
+                                f"or ranks of the world, 0 to {nprocs - 1}")
+    if _world.current_run() is not None or _world.dry_run() is not None:
+        raise ShardingError("functp.estimate was called inside a simulated or estimated "
+                            "rank; call it once, from outside the program")
+    return ranks
+
+
+def _fingerprint(e: RankEstimate) -> tuple:
+    """What makes two ranks' steps the same for an estimate: every collective, and
+    every operator with its FLOPs and bytes, in order."""
+    return tuple((c.op, tuple(c.axes), c.nbytes) for c in e.comm.events), tuple(e.calls)
+
+
+def _alike(a: RankEstimate, b: RankEstimate) -> bool:
+    """The same collectives and operators. Not the peak memory: with the same
+    operators it differs only by when Python's garbage collector frees reference
+    cycles, which varies from run to run (71 MB of a 1 TiB peak on a 70B model, a
+    few % of a tiny model's, on the first trace in a process)."""
+    return _fingerprint(a) == _fingerprint(b)
+
+
+def _distinct_ranks(trace, nprocs: int) -> tuple[dict, dict[int, list[int]]]:
+    """Traces as few ranks as tell which ranks' programs differ, and which rank
+    stands for which. Along each axis of the first mesh the program makes, the first,
+    a middle and the last position can differ (pipeline stages, uneven last blocks,
+    shifts that leave the ends out); the middle ones are taken to be alike. Rank 0
+    is traced, then position 1 and the last along each axis (the others at 0); the
+    axes where one of them differs from rank 0 are crossed with each other.
+
+    **Returns:** ``({rank: (RankEstimate, dry rank)} of the traced ranks,
+    {representative: [ranks it stands for]})``."""
+    traced = {0: trace(0)}
+    meshes = traced[0][1].meshes
+    shape = next(iter(meshes))[0] if meshes else (nprocs,)
+    grid = torch.arange(nprocs).reshape(shape)
+    at = {(0,) * len(shape): 0}
+
+    def rank_at(pos: tuple) -> int:
+        if pos not in at:
+            at[pos] = int(grid[pos])
+            if at[pos] not in traced:
+                traced[at[pos]] = trace(at[pos])
+        return at[pos]
+
+    def where(d: int, i: int) -> int:       # the position standing for position i
+        return 0 if i == 0 else d - 1 if i == d - 1 else 1
+    uneven = []
+    for a, d in enumerate(shape):
+        for i in sorted({where(d, i) for i in range(1, d)}):
+            r = rank_at(tuple(i if b == a else 0 for b in range(len(shape))))
+            if not _alike(traced[r][0], traced[0][0]) and a not in uneven:
+                uneven.append(a)
+    rep_of: dict[int, int] = {}             # traced rank -> the first one alike it
+    stands_for: dict[int, list[int]] = {}
+    for pos in itertools.product(*map(range, shape)):
+        stand_in = rank_at(tuple(where(shape[a], i) if a in uneven else 0
+                                 for a, i in enumerate(pos)))
+        if stand_in not in rep_of:
+            rep_of[stand_in] = next((q for q in dict.fromkeys(rep_of.values())
+                                     if _alike(traced[q][0], traced[stand_in][0])), stand_in)
+        stands_for.setdefault(rep_of[stand_in], []).append(int(grid[pos]))
+    return traced, {r: sorted(v) for r, v in sorted(stands_for.items())}
+
+
+def _trace(fn, nprocs: int, rank: int, args, kwargs,
+           hw: Hardware | None) -> tuple[RankEstimate, _DryRank]:
+    """Runs ``fn`` once as ``rank``, on fake tensors, under torch's counters."""
+    prefix = f"functp_dry{next(_ids)}_"
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    caller = _world.process_state()
+    previous = _crosscheck.set_debug(False)     # no peers to compare with
+    dry = _DryRank(rank, nprocs, prefix)
+    _world.set_dry_run(dry)
+    try:
+        with mode:
+            fargs, fkwargs = optree.tree_map(
+                lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x,
+                (args, kwargs), none_is_leaf=True)
+            # (MemTracker on top, as on a real run: it sees the operators the
+            # program calls, not FlopCounterMode's decompositions of them)
+            with _comm_log.comm_log() as log, _OpRecorder() as ops, \
+                    FlopCounterMode(display=False) as flops, _Tracker() as mem:
+                try:
+                    result = fn(*fargs, **fkwargs)
+                except (DataDependentOutputException, DynamicOutputShapeException) as e:
+                    raise _host_read(e, rank) from None
+    finally:
+        _world.set_dry_run(None)
+        _crosscheck.set_debug(previous)
+        _mesh.forget_groups(prefix)
+        _world.restore_state(caller)      # the program's draws are not the caller's
+    by_op = {str(op): int(n) for op, n in flops.get_flop_counts().get("Global", {}).items()}
+    peak = mem.get_tracker_snapshot("peak")
+    snap = next(iter(peak.values()), {})
+    breakdown = {str(k.value if hasattr(k, "value") else k): int(v) for k, v in snap.items()
+                 if k != "Total" and v}
+    seconds = None
+    if hw is not None:
+        seconds = StepTime(
+            sum(op_seconds(hw, f, b, d) for _, f, b, d in ops.calls),
+            sum(collective_seconds(hw, e.op, e.nbytes, dry.members[frozenset(e.axes)])
+                for e in log.events))
+    return RankEstimate(rank, log, int(flops.get_total_flops()), by_op, ops.uncounted,
+                        int(snap.get("Total", 0)), breakdown, seconds, ops.calls, result), dry
+
+
+def _host_read(e: BaseException, rank: int) -> ShardingError:
+    """The error for a program that needs a tensor's value on the host, naming the
+    line of the user's code that asked for it."""
+    where, tb = "", e.__traceback__
+    while tb is not None:        # the innermost frame outside functp and torch
+        name = tb.tb_frame.f_code.co_filename
+        if not (name.startswith(_PKG) or name.startswith(_TORCH) or name.startswith("<frozen")):
+            src = linecache.getline(name, tb.tb_lineno).strip()
+            where = (f" at {os.path.basename(name)}:{tb.tb_lineno} in "
+                     f"{tb.tb_frame.f_code.co_name}: {src}")
+        tb = tb.tb_next
+    what = ("calls an operator whose output shape depends on the values (nonzero, "
+            "masked indexing, unique)" if isinstance(e, DynamicOutputShapeException) else
+            "reads a tensor's value on the host (.item(), .tolist(), bool(), int(), an "
+            "if on a tensor)")
+    return ShardingError(
+        f"functp.estimate (rank {rank}): the program {what}{where}; a dry run "
+        f"has shapes but no values ({e.func if hasattr(e, 'func') else e}). Make it "
+        f"depend on shapes only, or pass what it reads in as Python numbers (e.g. "
+        f"split sizes, token counts per rank) as arguments of the program")

@@ -1,0 +1,201 @@
+"""Hardware profiles and the time model of :func:`functp.estimate`.
+
+A profile is data: peak matmul throughput per dtype, memory bandwidth, and for the
+links within a node and across nodes a latency (alpha, seconds) and a bandwidth
+(beta, bytes per second per rank, one direction), each number with where it comes
+from. The model is the textbook one, and its answers are predictions, not
+measurements:
+
+- an operator takes ``max(flops / peak, bytes read and written / memory bandwidth)``
+  (roofline);
+- a collective of ``p`` ranks over ``n`` bytes takes what its algorithm needs (ring:
+  ``(p-1)`` steps of ``n/p`` for all-gather / reduce-scatter / all-to-all, twice that
+  for all-reduce; tree all-reduce: ``2 log2 p`` steps of ``n``; the faster of ring and
+  tree is taken, as NCCL does); each step costs ``alpha + bytes / beta`` over the
+  slowest link the group spans (across nodes when its ranks are in more than one).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from ..runtime._errors import ShardingError
+
+__all__ = ["Hardware", "HARDWARE", "calibrate", "hardware_profile", "op_seconds",
+           "collective_seconds", "fit_link"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and its links. ``flops``: peak dense FLOP/s by dtype name
+    (``"float32"``, ``"bfloat16"``, ...); ``memory_bandwidth``: bytes/s;
+    ``intra`` / ``inter``: ``(alpha seconds, beta bytes/s per rank and direction)``
+    within a node of ``ranks_per_node`` and across nodes; ``sources``: where each
+    number comes from; ``memory``: bytes one rank can hold (the budget
+    :func:`functp.rank_meshes` fits candidates in; 0: unknown)."""
+    name: str
+    flops: dict
+    memory_bandwidth: float
+    ranks_per_node: int
+    intra: tuple[float, float]
+    inter: tuple[float, float]
+    sources: dict = field(default_factory=dict)
+    memory: float = 0
+
+    def peak(self, dtype: str) -> float:
+        return self.flops.get(dtype, self.flops["float32"])
+
+
+_H100_DS = "NVIDIA H100 Tensor Core GPU datasheet (SXM5), nvidia.com/en-us/data-center/h100"
+_A100_DS = "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB), nvidia.com/en-us/data-center/a100"
+
+HARDWARE: dict[str, Hardware] = {
+    "h100-sxm": Hardware(
+        "H100 SXM, NVLink 4 within 8-GPU nodes, 400 Gb/s InfiniBand (NDR) per GPU",
+        # dense (no sparsity) tensor-core peaks; float32 runs as TF32 on tensor cores
+        {"float64": 67e12, "float32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12,
+         "float8_e4m3fn": 1978.9e12},
+        3.35e12, 8,
+        (3e-6, 450e9),       # NVLink 4: 900 GB/s bidirectional per GPU
+        (5e-6, 50e9),        # one 400 Gb/s NDR port per GPU
+        {"flops": _H100_DS, "memory_bandwidth": _H100_DS + " (HBM3 3.35 TB/s)",
+         "intra": _H100_DS + " (NVLink 900 GB/s); latency: NCCL tests, order of µs",
+         "inter": "NVIDIA ConnectX-7 NDR 400 Gb/s InfiniBand; latency order of µs",
+         "memory": _H100_DS + " (80 GB HBM3)"},
+        80 * 2 ** 30),
+    "a100": Hardware(
+        "A100 SXM 80GB, NVLink 3 within 8-GPU nodes, 200 Gb/s InfiniBand (HDR) per GPU",
+        {"float64": 19.5e12, "float32": 156e12, "bfloat16": 312e12, "float16": 312e12},
+        2.039e12, 8,
+        (3e-6, 300e9),       # NVLink 3: 600 GB/s bidirectional per GPU
+        (5e-6, 25e9),        # one 200 Gb/s HDR port per GPU
+        {"flops": _A100_DS, "memory_bandwidth": _A100_DS + " (HBM2e 2,039 GB/s)",
+         "intra": _A100_DS + " (NVLink 600 GB/s)",
+         "inter": "NVIDIA ConnectX-6 HDR 200 Gb/s InfiniBand",
+         "memory": _A100_DS + " (80 GB HBM2e)"},
+        80 * 2 ** 30),
+}
+
+
+def hardware_profile(hardware) -> Hardware:
+    """A :class:`Hardware` from itself or from the name of a built-in profile."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if isinstance(hardware, str) and hardware in HARDWARE:
+        return HARDWARE[hardware]
+    raise ShardingError(
+        f"functp.estimate: unknown hardware {hardware!r}; give one of "
+        f"{sorted(HARDWARE)} or a functp Hardware profile")
+
+
+def op_seconds(hw: Hardware, flops: int, nbytes: int, dtype: str) -> float:
+    """Roofline time of one operator: bound by compute or by memory traffic."""
+    return max(flops / hw.peak(dtype), nbytes / hw.memory_bandwidth)
+
+
+def collective_seconds(hw: Hardware, op: str, nbytes: int, members: tuple[int, ...]) -> float:
+    """Alpha-beta time of one collective. ``nbytes``: this rank's input buffer (as
+    ``comm_log`` records it); ``members``: the global ranks of its group."""
+    p = len(members)
+    if p <= 1:
+        return 0.0
+    nodes = {r // hw.ranks_per_node for r in members}
+    alpha, beta = hw.inter if len(nodes) > 1 else hw.intra
+    if op == "all_reduce":
+        ring = 2 * (p - 1) * (alpha + nbytes / p / beta)
+        tree = 2 * math.ceil(math.log2(p)) * (alpha + nbytes / beta)
+        return min(ring, tree)
+    if op == "all_gather":          # every rank receives p - 1 blocks of nbytes
+        return (p - 1) * (alpha + nbytes / beta)
+    if op in ("reduce_scatter", "all_to_all"):   # p - 1 blocks of nbytes / p
+        return (p - 1) * (alpha + nbytes / p / beta)
+    return alpha + nbytes / beta    # permute: one send and one receive
+
+
+def fit_link(small: float, large: float, large_bytes: int, ranks: int) -> tuple[float, float]:
+    """``(alpha, beta)`` of a link from the times of a ring all-reduce of a few bytes
+    (``small`` seconds: latency only) and of ``large_bytes`` (``large`` seconds):
+    the inverse of :func:`collective_seconds`' ring formula."""
+    steps = 2 * (ranks - 1)
+    alpha = small / steps
+    return alpha, large_bytes / ranks / max(large / steps - alpha, 1e-12)
+
+
+def calibrate(*, matmul_size: int = 1024, ranks: int = 2, repeat: int = 5) -> Hardware:
+    """Measures this machine into a :class:`Hardware` profile: matmul throughput
+    (float32 and float64), memory bandwidth (a large add into a fresh tensor, as
+    eager ops write), and the latency and
+    bandwidth of a gloo all-reduce between ``ranks`` ranks of
+    :func:`functp.simulate` (all counted as one node).
+
+    **Arguments:** ``matmul_size`` – the side of the square matmul timed (and the
+    inner size of the wide and tall ones);
+    ``ranks`` – ranks in the all-reduces; ``repeat`` – timings per measurement (the
+    fastest is kept).
+
+    **Returns:** a ``Hardware`` named after this machine, its ``sources`` saying how
+    each number was measured. Example::
+
+        cpu = functp.calibrate()
+        functp.estimate(program, 2, hardware=cpu).seconds
+    """
+    import platform
+    import time
+
+    import torch
+
+    from ..ops import _collectives
+    from ..mesh import _mesh
+    from ..mapping import _shard_map
+    from . import _simulate
+    from ..mesh._spec import P
+
+    def best(f) -> float:
+        f()                                      # warm up
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    # a step's matmuls are rarely square: a square one, a wide and a tall one of the
+    # same work (FLOPs over the total time)
+    m = matmul_size
+    shapes = [(m, m, m), (m // 4, m, 4 * m), (m // 4, 4 * m, m)]
+    flops = {}
+    for dtype in (torch.float32, torch.float64):
+        pairs = [(torch.randn(a, b, dtype=dtype), torch.randn(b, c, dtype=dtype))
+                 for a, b, c in shapes]
+        seconds = sum(best(lambda x=x, y=y: x @ y) for x, y in pairs)
+        flops[str(dtype).removeprefix("torch.")] = sum(2 * a * b * c
+                                                       for a, b, c in shapes) / seconds
+    # an eager op writes a fresh output (new pages, touched for the first time): an
+    # add of two 64 MiB tensors, not a copy into a buffer already there
+    big = torch.empty(16 * 2 ** 20, dtype=torch.float32).fill_(1)
+    bandwidth = 3 * big.numel() * 4 / best(lambda: big + big)
+
+    small_n, large_n = 1, 2 ** 20                                  # 4 B and 4 MiB
+
+    def timings():
+        mesh = _mesh.make_mesh((ranks,), ("x",))
+        reduce = _shard_map.shard_map(lambda v: _collectives.psum(v, "x"), mesh,
+                                      in_specs=P("x"), out_specs=P("x"), check_vma=False)
+        return [best(lambda: reduce(torch.ones(n))) for n in (small_n, large_n)]
+    # a collective ends when its slowest rank's does
+    small, large = (max(ts) for ts in zip(*_simulate.simulate(timings, ranks, check=False)))
+    alpha, beta = fit_link(small, large, large_n * 4, ranks)
+    where = f"functp.calibrate() on {platform.node()}"
+    return Hardware(
+        f"this machine ({platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, gloo)", flops, bandwidth, 1 << 30,
+        (alpha, beta), (alpha, beta),
+        {"flops": f"{where}: best of {repeat} of {m}x{m}x{m}, {m // 4}x{m}x{4 * m} and "
+                  f"{m // 4}x{4 * m}x{m} matmuls",
+         "memory_bandwidth": f"{where}: an add of two 64 MiB tensors into a new one",
+         "intra": f"{where}: gloo all-reduce of 4 B (latency) and 4 MiB (bandwidth) "
+                  f"over {ranks} simulated ranks",
+         "inter": "as intra: one machine",
+         "memory": f"{where}: physical memory (os.sysconf), shared by the ranks"},
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -1,0 +1,1 @@
+"""Training helpers: gradient norms and clipping, optimizer state specs."""
