@@ -413,6 +413,16 @@ def _layouts(x) -> tuple:
     return (x,) if isinstance(x, (Placement, P)) else tuple(x or ())
 
 
+def _paired_layouts(style: str, name: str, given: Any, desired: Any) -> tuple[tuple, tuple]:
+    """``given`` and ``desired`` layouts as tuples of the same length (``name`` and
+    ``desired_<name>`` are the arguments' names, for the error)."""
+    given, desired = _layouts(given), _layouts(desired)
+    if len(given) != len(desired):
+        raise ShardingError(f"{style}: {name} {given} and desired_{name} {desired} must "
+                            f"have the same length")
+    return given, desired
+
+
 class PrepareInput(Style):
     """Reshards a module's inputs: positional input ``i`` from ``input_layouts[i]`` to
     ``desired_input_layouts[i]`` (``None`` leaves it alone), keyword inputs likewise
@@ -422,12 +432,8 @@ class PrepareInput(Style):
     def __init__(self, input_layouts: Any = None, desired_input_layouts: Any = None, *,
                  input_kwarg_layouts: dict | None = None,
                  desired_input_kwarg_layouts: dict | None = None):
-        self.input_layouts = _layouts(input_layouts)
-        self.desired_input_layouts = _layouts(desired_input_layouts)
-        if len(self.input_layouts) != len(self.desired_input_layouts):
-            raise ShardingError(
-                f"PrepareInput: input_layouts {self.input_layouts} and desired_input_layouts "
-                f"{self.desired_input_layouts} must have the same length")
+        self.input_layouts, self.desired_input_layouts = _paired_layouts(
+            "PrepareInput", "input_layouts", input_layouts, desired_input_layouts)
         self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
         self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
 
@@ -453,12 +459,8 @@ class PrepareOutput(Style):
     sequence-parallel region)."""
 
     def __init__(self, output_layouts: Any, desired_output_layouts: Any):
-        self.output_layouts = _layouts(output_layouts)
-        self.desired_output_layouts = _layouts(desired_output_layouts)
-        if len(self.output_layouts) != len(self.desired_output_layouts):
-            raise ShardingError(
-                f"PrepareOutput: output_layouts {self.output_layouts} and "
-                f"desired_output_layouts {self.desired_output_layouts} must have the same length")
+        self.output_layouts, self.desired_output_layouts = _paired_layouts(
+            "PrepareOutput", "output_layouts", output_layouts, desired_output_layouts)
 
     def prepare_output(self, module, args, kwargs, output, call):
         single = not isinstance(output, tuple)

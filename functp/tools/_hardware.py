@@ -50,6 +50,14 @@ class Hardware:
 _H100_DS = "NVIDIA H100 Tensor Core GPU datasheet (SXM5), nvidia.com/en-us/data-center/h100"
 _A100_DS = "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB), nvidia.com/en-us/data-center/a100"
 
+def _datasheet(sheet: str, hbm: str, nvlink: str, nic: str, memory: str) -> dict:
+    """A built-in profile's ``sources``: its datasheet, and the network card's; the
+    latencies are the order of magnitude NCCL's tests show (µs), not a datasheet's."""
+    return {"flops": sheet, "memory_bandwidth": f"{sheet} ({hbm})",
+            "intra": f"{sheet} ({nvlink}); latency: NCCL tests, order of µs",
+            "inter": f"{nic}; latency order of µs", "memory": f"{sheet} ({memory})"}
+
+
 HARDWARE: dict[str, Hardware] = {
     "h100-sxm": Hardware(
         "H100 SXM, NVLink 4 within 8-GPU nodes, 400 Gb/s InfiniBand (NDR) per GPU",
@@ -59,10 +67,8 @@ HARDWARE: dict[str, Hardware] = {
         3.35e12, 8,
         (3e-6, 450e9),       # NVLink 4: 900 GB/s bidirectional per GPU
         (5e-6, 50e9),        # one 400 Gb/s NDR port per GPU
-        {"flops": _H100_DS, "memory_bandwidth": _H100_DS + " (HBM3 3.35 TB/s)",
-         "intra": _H100_DS + " (NVLink 900 GB/s); latency: NCCL tests, order of µs",
-         "inter": "NVIDIA ConnectX-7 NDR 400 Gb/s InfiniBand; latency order of µs",
-         "memory": _H100_DS + " (80 GB HBM3)"},
+        _datasheet(_H100_DS, "HBM3 3.35 TB/s", "NVLink 900 GB/s",
+                   "NVIDIA ConnectX-7 NDR 400 Gb/s InfiniBand", "80 GB HBM3"),
         80 * 2 ** 30),
     "a100": Hardware(
         "A100 SXM 80GB, NVLink 3 within 8-GPU nodes, 200 Gb/s InfiniBand (HDR) per GPU",
@@ -70,10 +76,8 @@ HARDWARE: dict[str, Hardware] = {
         2.039e12, 8,
         (3e-6, 300e9),       # NVLink 3: 600 GB/s bidirectional per GPU
         (5e-6, 25e9),        # one 200 Gb/s HDR port per GPU
-        {"flops": _A100_DS, "memory_bandwidth": _A100_DS + " (HBM2e 2,039 GB/s)",
-         "intra": _A100_DS + " (NVLink 600 GB/s)",
-         "inter": "NVIDIA ConnectX-6 HDR 200 Gb/s InfiniBand",
-         "memory": _A100_DS + " (80 GB HBM2e)"},
+        _datasheet(_A100_DS, "HBM2e 2,039 GB/s", "NVLink 600 GB/s",
+                   "NVIDIA ConnectX-6 HDR 200 Gb/s InfiniBand", "80 GB HBM2e"),
         80 * 2 ** 30),
 }
 
