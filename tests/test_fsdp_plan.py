@@ -171,3 +171,41 @@ def _bad_inputs():
 
 def test_bad_fsdp_inputs_raise_clearly_on_every_rank(run):
     run(4, _bad_inputs)
+
+
+def _tied_gpt2():
+    from functp.models import GPT2, GPT2Config
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config()).double()
+    (loss, grads, fwd, log, specs, apply, _), (ref_loss, ref_grads) = _step(
+        model, functp.make_mesh((2,), ("fsdp",)), {"fsdp": "auto"}, True,
+        lambda a, p, i: a(p, i % 16))
+    return _max_error(grads, ref_grads), log.summary(), len(specs)
+
+
+def test_a_tied_weight_is_gathered_by_each_module_that_uses_it(run):
+    err, log, n = run(2, _tied_gpt2)[0]
+    assert err < 1e-10
+    # the embedding and the LM head share one block: each gathers it, and the two
+    # reduce-scattered gradients add up in the block's
+    assert log[("all_gather", ("fsdp",))] == n + 1 == log[("reduce_scatter", ("fsdp",))]
+
+
+def _verify_and_auto():
+    hf = pytest.importorskip("test_hf_models")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = hf._build("llama")
+        report = functp.verify_plan(model, None, "auto",
+                                    distributed_config=dict(fsdp_size=2, dp_replicate_size=2))
+        # "auto" on a mesh with an 'fsdp' axis: the tp plan, and FSDP for the rest
+        apply, _, specs = functp.parallelize(model, functp.make_mesh((2, 2), ("fsdp", "tp")))
+    return report, {s for s in apply.styles.values()}, apply.batch_axes
+
+
+def test_verify_plan_and_auto_see_the_fsdp_family(run):
+    pytest.importorskip("transformers")
+    report, styles, batch = run(4, _verify_and_auto)[0]
+    assert report["max_error"] < 1e-10 and report["parameters"] > 0
+    assert any("FullyShard" in s for s in styles) and any("colwise" in s for s in styles)
+    assert batch == ("fsdp",)
