@@ -604,7 +604,8 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     divides, else its first dimension that does, else replicated:
     ``apply.fsdp_replicated`` says why), all-gathered in the module's forward
     pre-hook; its gradient is the block's, reduce-scattered (and, over
-    ``dp_replicate``, all-reduced). ``fsdp`` and ``dp_replicate`` stay batch axes.
+    ``dp_replicate``, all-reduced). ``fsdp`` and ``dp_replicate`` stay batch axes. A
+    config's ``fsdp_plan`` styles both keep the gathered weights for the backward.
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
     by the module's dotted parameter names), their specs, and
@@ -799,6 +800,7 @@ def _lay_out(module: nn.Module, mesh: Mesh, families) -> tuple[Parallelized, dic
 
 # -- transformers' plan families and DistributedConfig ---------------------------------------
 
+_FSDP_STYLES = ("free_full_weight", "keep_full_weight")
 _SIZES = ("tp_size", "ep_size", "fsdp_size", "dp_replicate_size", "pp_size")
 _CONFIG_FIELDS = (*_SIZES, "tp_plan", "ep_plan", "fsdp_plan", "enable_expert_parallel",
                   "enable_sequence_parallel", "fsdp_cpu_offload", "fsdp_mixed_precision",
@@ -829,6 +831,15 @@ def _resolve_config(dc: Any) -> dict[str, Any]:
         c["ep_size"], c["tp_plan"] = c["tp_size"], {} if c["tp_plan"] is None else c["tp_plan"]
     c["ep_size"] = c["ep_size"] or 1
     refuse = [f"{f}={c[f]!r}" for f in ("fsdp_cpu_offload", "fsdp_mixed_precision") if c[f]]
+    # transformers' FSDP styles say whether a module frees its gathered weights after
+    # the forward; functp's autograd keeps them for the backward either way (free them
+    # with functp.remat): both read as FullyShard
+    fp = c["fsdp_plan"]
+    bad = ({k: v for k, v in fp.items() if v not in _FSDP_STYLES} if isinstance(fp, dict)
+           else fp)
+    if bad:
+        refuse.append(f"fsdp_plan rules {bad!r} (a dict of module patterns to "
+                      f"{' or '.join(_FSDP_STYLES)})")
     if c["pp_size"] > 1:
         refuse.append(f"pp_size={c['pp_size']} (functp's pipeline is examples/pipeline.py)")
     if c["ep_implementation"] not in (None, "auto", "all_to_all"):

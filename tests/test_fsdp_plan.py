@@ -113,7 +113,8 @@ def _hf_case(config):
             len(sharded), len(specs), log.summary(), apply.batch_axes)
 
 
-@pytest.mark.parametrize("config", [dict(fsdp_size=2, dp_replicate_size=2),
+@pytest.mark.parametrize("config", [dict(fsdp_size=2, dp_replicate_size=2,
+                                         fsdp_plan={"lm_head": "keep_full_weight"}),
                                     dict(fsdp_size=2, tp_size=2)],
                          ids=["replicate2_fsdp2", "fsdp2_tp2"])
 def test_a_transformers_config_with_fsdp_size_shards_over_fsdp(run, config):
@@ -164,6 +165,8 @@ def _bad(world_mesh, plan, match, config=None):
 def _bad_inputs():
     _bad(None, "auto", "multiply to the world size", dict(fsdp_size=3))
     _bad(None, "auto", "fsdp_size must be an int", dict(fsdp_size=0))
+    _bad(None, "auto", "fsdp_plan rules {'lm_head': 'keep_weights'}",
+         dict(fsdp_size=4, fsdp_plan={"lm_head": "keep_weights", "norm": "free_full_weight"}))
     mesh = functp.make_mesh((2, 2), ("fsdp", "tp"))
     _bad(mesh, {"tp": "auto"}, "'auto' is the FSDP family's value")
     _bad(functp.make_mesh((4,), ("dp",)), {"fsdp": "auto"}, "names no axis")
