@@ -212,3 +212,30 @@ def test_verify_plan_and_auto_see_the_fsdp_family(run):
     assert report["max_error"] < 1e-10 and report["parameters"] > 0
     assert any("FullyShard" in s for s in styles) and any("colwise" in s for s in styles)
     assert batch == ("fsdp",)
+
+
+def _with_experts():
+    import test_ep
+    mesh = functp.make_mesh((2, 2), ("fsdp", "ep"))
+    module = test_ep._block(4)
+    apply, params, specs = functp.parallelize(
+        module, mesh, {"ep": {"moe.experts": functp.ExpertDispatch()}, "fsdp": "auto"})
+    batch = apply.batch_axes
+    x = test_ep._batch(2 * mesh.axis_size(batch))
+    ref_grads, ref_loss = test_ep._reference(module, x, None)
+    step = functp.shard_map(lambda p, xb: functp.pmean((apply(p, xb) ** 2).mean(), batch),
+                            mesh, in_specs=(specs, P(batch)), out_specs=P())
+    with functp.comm_log() as log:
+        grads, loss = torch.func.grad_and_value(step)(params, functp.shard(x, mesh, P(batch)))
+    sharded = [n for n, s in specs.items() if "fsdp" in s.axes]
+    return (abs(loss.item() - ref_loss.item()), _max_error(apply.unshard(grads), ref_grads),
+            {n: specs[n] for n in specs if "experts" in n}, sharded, log.summary(), batch)
+
+
+def test_fsdp_composes_with_an_expert_parallel_family(run):
+    loss_err, err, experts, sharded, log, batch = run(4, _with_experts)[0]
+    assert loss_err < 1e-12 and err < 1e-10, (loss_err, err)
+    assert experts and all(s.dim_axes(0) == ("ep",) for s in experts.values()), experts
+    assert sharded and not any("experts" in n for n in sharded)
+    assert log[("all_gather", ("fsdp",))] == len(sharded) == log[("reduce_scatter", ("fsdp",))]
+    assert batch == ("fsdp", "ep")
