@@ -29,6 +29,7 @@ from ..mesh._mesh import Mesh
 from ..mesh._layout import uneven
 from ..mapping._sharding import unshard
 from ..mesh._spec import P, normalize_spec
+from ._fsdp_style import FullyShard
 from ._styles import (STYLES, Call, ExpertDispatch, ParameterRules, Replicated, Style,
                       get_style)
 from ._verify import _example_args, check_plan
@@ -132,14 +133,21 @@ class Parallelized:
         self.specs = specs
         #: the plan axis (or axis tuple) of each covered parameter
         self.axes = dict(axes or {n: axis for n in owners})
-        model = {a for n in owners if not isinstance(owners[n][1], ExpertDispatch)
+        # an expert dispatch or a fully sharded module splits its parameters over an
+        # axis whose ranks hold their own tokens: those stay batch axes
+        batchlike = (ExpertDispatch, FullyShard)
+        model = {a for n in owners if not isinstance(owners[n][1], batchlike)
                  for a in specs[n].axes}
-        model |= {a for h in hooked if not isinstance(h[2], ExpertDispatch)
+        model |= {a for h in hooked if not isinstance(h[2], batchlike)
                   for a in _axes_of(h[4])}
         #: the mesh axes to split the batch over: those that only an expert dispatch
-        #: uses, or none (tensor-parallel axes hold the same tokens)
+        #: or FSDP uses, or none (tensor-parallel axes hold the same tokens)
         self.batch_axes = tuple(a for a in mesh.axis_names if a not in model)
         self.styles = {n: owners[n][0] if n in owners else "not covered" for n in specs}
+        sizes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        #: parameters an FSDP family kept replicated, with the reason
+        self.fsdp_replicated = {n: owners[n][1].reason(sizes[n]) for n in owners
+                                if isinstance(owners[n][1], FullyShard) and not specs[n].axes}
         self._owners = owners
         self._hooked = hooked
         sizes = {n: p.numel() for n, p in module.named_parameters()}
@@ -584,11 +592,20 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     module's output or any gradient differ from the unsharded module raises a
     ``ShardingError`` naming the first such module; ``distributed_config`` –
     transformers' ``DistributedConfig`` (or a dict of its fields) instead of a mesh:
-    the mesh is ``("dp", "ep", "tp")``
-    (experts split over ``("ep", "tp")``, the batch over ``("dp", "ep")``); FSDP's
-    parameter sharding is not applied (``fsdp_size`` and ``dp_replicate_size`` make ``dp``,
-    over which parameters are replicated); the plans are then ``"auto"``, with the config's
-    ``tp_plan`` / ``ep_plan`` dicts overriding rules as in transformers.
+    with ``ep_size`` > 1 the mesh is ``("dp", "ep", "tp")``
+    (experts split over ``("ep", "tp")``, the batch over ``("dp", "ep")``; ``fsdp_size``
+    and ``dp_replicate_size`` make ``dp``, over which parameters are replicated);
+    otherwise ``("dp_replicate", "fsdp", "tp")``, with FSDP over ``fsdp`` (HSDP with
+    ``dp_replicate``); the plans are then ``"auto"``, with the config's ``tp_plan`` /
+    ``ep_plan`` dicts overriding rules as in transformers.
+    FSDP, also as the plan family ``{"fsdp": "auto"}`` and in ``"auto"`` on a mesh
+    with an ``fsdp`` axis: every module owning parameters no other family covers gets
+    :class:`FullyShard`: each parameter stored split over ``fsdp`` (dim 0 where it
+    divides, else its first dimension that does, else replicated:
+    ``apply.fsdp_replicated`` says why), all-gathered in the module's forward
+    pre-hook; its gradient is the block's, reduce-scattered (and, over
+    ``dp_replicate``, all-reduced). ``fsdp`` and ``dp_replicate`` stay batch axes. A
+    config's ``fsdp_plan`` styles both keep the gathered weights for the backward.
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
     by the module's dotted parameter names), their specs, and
@@ -640,16 +657,47 @@ def _families(module: nn.Module, mesh: Mesh, plan: Any, axis: str, config: dict 
                             "config (its tp_plan / ep_plan) and the model; pass plan='auto'")
     if isinstance(plan, str):
         raise ShardingError(f"parallelize: plan must be a dict of rules or 'auto', got {plan!r}")
-    if isinstance(plan, dict) and plan and all(isinstance(v, dict) for v in plan.values()):
+    if isinstance(plan, dict) and plan and all(isinstance(v, dict) or v == "auto"
+                                               for v in plan.values()):
         for ax in plan:
             for a in (ax if isinstance(ax, tuple) else (ax,)):
                 if a not in mesh.axis_names:
                     raise ShardingError(
                         f"parallelize: plan family {ax!r} names no axis of {mesh}; key plan "
                         f"families by mesh axes ({mesh.axis_names}) or axis tuples")
-        return [(ax, fam, False) for ax, fam in plan.items()]
+            if plan[ax] == "auto" and ax != "fsdp":
+                raise ShardingError(
+                    f"parallelize: plan family {ax!r}: 'auto' is the FSDP family's value "
+                    f"({{'fsdp': 'auto'}}); give {ax!r} a dict of rules, or pass plan='auto'")
+        return [(ax, _fsdp_style(mesh) if fam == "auto" else fam, False)
+                for ax, fam in plan.items()]
     _need_axis(mesh, axis)
     return [(axis, plan, False)]
+
+
+def _fsdp_style(mesh: Mesh) -> FullyShard:
+    """The FSDP family's style over ``fsdp``, replicated over ``dp_replicate`` (HSDP)
+    when the mesh has it."""
+    return FullyShard(mesh.axis_size("fsdp"), ("dp_replicate",)
+                      if "dp_replicate" in mesh.axis_names else ())
+
+
+def _fsdp_rules(module: nn.Module, style: FullyShard, matched: dict) -> dict[str, Style]:
+    """The FSDP family: every module that owns parameters and that no other family's
+    rule splits (no rule, or 'replicated'), nor a parameter tied to one such a rule
+    lays out -> ``style``."""
+    split = {m for m, v in matched.items() if not _plain_replicated(v[2])}
+    taken = {id(p) for m in split for p in module.get_submodule(m).parameters(recurse=False)}
+    rules = {}
+    for name, mod in module.named_modules():
+        own = list(mod.parameters(recurse=False))
+        if own and name not in split and not any(id(p) in taken for p in own):
+            rules[name] = style
+    return rules
+
+
+def _plain_replicated(style: Style) -> bool:
+    return type(style) is Replicated
 
 
 def _need_axis(mesh: Mesh, axis: str) -> None:
@@ -664,10 +712,14 @@ def _match_families(module: nn.Module, families) -> tuple[dict, list]:
     match is an error. Also the (family axis, unused rules) pairs."""
     matched: dict[str, tuple] = {}
     unused = []
-    for ax, plan, auto in families:
+    # the FSDP family covers what the others leave: matched last
+    for ax, plan, auto in sorted(families, key=lambda f: isinstance(f[1], FullyShard)):
+        if isinstance(plan, FullyShard):
+            plan = _fsdp_rules(module, plan, matched)
         got, left = match_plan(module, plan)
         for name, (rule, label, style) in got.items():
-            if name in matched:
+            if name in matched and not (isinstance(style, FullyShard)
+                                        and _plain_replicated(matched[name][2])):
                 raise ShardingError(
                     f"module {name!r} is matched by rule {matched[name][0]!r} of the "
                     f"{matched[name][3]!r} plan and by rule {rule!r} of the {ax!r} plan; a "
@@ -735,7 +787,8 @@ def _lay_out(module: nn.Module, mesh: Mesh, families) -> tuple[Parallelized, dic
     for n, p in lay.full.items():
         desc = lay.owners[n][0] if n in lay.owners else "(none)"
         _check_divisible(n, p, specs[n], mesh, desc)
-        _check_heads(module, n, p, specs[n], mesh, desc)
+        if not isinstance(lay.owners.get(n, (None, None))[1], FullyShard):
+            _check_heads(module, n, p, specs[n], mesh, desc)    # (FSDP gathers whole heads)
     for i, (ax, left) in enumerate(unused):     # not for "auto": transformers replicates
         _warn_plan(module, left, uncovered if i == 0 else [], ax, lay.full)
     first = families[0][0] if families else None
@@ -747,6 +800,7 @@ def _lay_out(module: nn.Module, mesh: Mesh, families) -> tuple[Parallelized, dic
 
 # -- transformers' plan families and DistributedConfig ---------------------------------------
 
+_FSDP_STYLES = ("free_full_weight", "keep_full_weight")
 _SIZES = ("tp_size", "ep_size", "fsdp_size", "dp_replicate_size", "pp_size")
 _CONFIG_FIELDS = (*_SIZES, "tp_plan", "ep_plan", "fsdp_plan", "enable_expert_parallel",
                   "enable_sequence_parallel", "fsdp_cpu_offload", "fsdp_mixed_precision",
@@ -777,6 +831,15 @@ def _resolve_config(dc: Any) -> dict[str, Any]:
         c["ep_size"], c["tp_plan"] = c["tp_size"], {} if c["tp_plan"] is None else c["tp_plan"]
     c["ep_size"] = c["ep_size"] or 1
     refuse = [f"{f}={c[f]!r}" for f in ("fsdp_cpu_offload", "fsdp_mixed_precision") if c[f]]
+    # transformers' FSDP styles say whether a module frees its gathered weights after
+    # the forward; functp's autograd keeps them for the backward either way (free them
+    # with functp.remat): both read as FullyShard
+    fp = c["fsdp_plan"]
+    bad = ({k: v for k, v in fp.items() if v not in _FSDP_STYLES} if isinstance(fp, dict)
+           else fp)
+    if bad:
+        refuse.append(f"fsdp_plan rules {bad!r} (a dict of module patterns to "
+                      f"{' or '.join(_FSDP_STYLES)})")
     if c["pp_size"] > 1:
         refuse.append(f"pp_size={c['pp_size']} (functp's pipeline is examples/pipeline.py)")
     if c["ep_implementation"] not in (None, "auto", "all_to_all"):
@@ -793,11 +856,18 @@ def _resolve_config(dc: Any) -> dict[str, Any]:
     return c
 
 
+def _fsdp_config(c: dict[str, Any]) -> bool:
+    """Whether a resolved config gets FSDP / HSDP's mesh and parameter sharding
+    (data parallel without expert parallelism)."""
+    return c["ep_size"] == 1 and c["fsdp_size"] * c["dp_replicate_size"] > 1
+
+
 def _mesh_for_config(c: dict[str, Any]) -> Mesh:
-    """The mesh of a resolved config: axes ``("dp", "ep", "tp")`` of sizes
-    ``(dp_replicate * fsdp * tp / ep, ep / tp, tp)``: the experts are split over
-    ``("ep", "tp")`` (``ep_size`` shards, as transformers counts them) and the batch
-    over ``("dp", "ep")``."""
+    """The mesh of a resolved config: without expert parallelism and with data
+    parallelism, transformers' axes ``("dp_replicate", "fsdp", "tp")``; otherwise
+    ``("dp", "ep", "tp")`` of sizes ``(dp_replicate * fsdp * tp / ep, ep / tp, tp)``:
+    the experts are split over ``("ep", "tp")`` (``ep_size`` shards, as transformers
+    counts them) and the batch over ``("dp", "ep")``."""
     from ..mesh._mesh import make_mesh
     tp, ep = c["tp_size"], c["ep_size"]
     world = c["dp_replicate_size"] * c["fsdp_size"] * tp
@@ -805,6 +875,9 @@ def _mesh_for_config(c: dict[str, Any]) -> Mesh:
         raise ShardingError(
             f"distributed_config: dp_replicate_size x fsdp_size x tp_size = {world}, but "
             f"{_world.process_count()} processes run; make the sizes multiply to the world size")
+    if _fsdp_config(c):
+        return make_mesh((c["dp_replicate_size"], c["fsdp_size"], tp),
+                         ("dp_replicate", "fsdp", "tp"))
     return make_mesh((world // max(ep, tp), max(ep, tp) // tp, tp), ("dp", "ep", "tp"))
 
 
@@ -819,15 +892,18 @@ def _overridden(base: dict | None, override: Any) -> dict:
 def _auto_families(module: nn.Module, mesh: Mesh, axis: str, config: dict | None
                    ) -> list[tuple[Any, dict, bool]]:
     """"auto"'s plan families: the tensor-parallel plan over ``axis`` when the mesh has
-    it, the expert-parallel plan over ``ep`` (or, from a config, ``("ep", "tp")``)."""
+    it, the expert-parallel plan over ``ep`` (or, from a config, ``("ep", "tp")``), and
+    FSDP over ``fsdp`` (every parameter the others leave)."""
     if config is not None:
         use_tp, use_ep = config["tp_size"] > 1, config["ep_size"] > 1
         ep_axes, axis = (("ep", "tp") if config["tp_size"] > 1 else "ep"), "tp"
         tp_over, ep_over = config["tp_plan"], config["ep_plan"]
+        use_fsdp = _fsdp_config(config) and config["fsdp_size"] > 1
     else:
         use_tp, use_ep, ep_axes = axis in mesh.axis_names, "ep" in mesh.axis_names, "ep"
+        use_fsdp = "fsdp" in mesh.axis_names
         tp_over = ep_over = None
-        if not (use_tp or use_ep):
+        if not (use_tp or use_ep or use_fsdp):
             _need_axis(mesh, axis)
     families = []
     ep_plan = _auto_ep_plan(module, (axis,) if use_tp else (), ep_over) if use_ep else {}
@@ -837,6 +913,8 @@ def _auto_families(module: nn.Module, mesh: Mesh, axis: str, config: dict | None
                          True))
     if ep_plan:
         families.append((ep_axes, ep_plan, True))
+    if use_fsdp:
+        families.append(("fsdp", _fsdp_style(mesh), True))
     return families
 
 

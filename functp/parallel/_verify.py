@@ -16,6 +16,7 @@ from ..runtime._errors import ShardingError
 from ..mesh._mesh import Mesh
 from ..mapping._shard_map import shard_map
 from ..mesh._spec import P
+from ._fsdp_style import FullyShard
 from ._styles import ExpertDispatch, _packed_merge
 
 __all__ = ["check_plan"]
@@ -176,9 +177,11 @@ def _compare_grads(module, full, apply, local, specs, args, kwargs, rtol):
         lambda p: scalar(functional_call(module, p, args, kwargs, tie_weights=True,
                                          strict=False)))(full)
     # the inputs are replicated: ranks that would hold other tokens (an expert
-    # dispatch's) hold the same ones, and the mean over them is the same scalar
-    batch = tuple(dict.fromkeys(a for h in apply._hooked if isinstance(h[2], ExpertDispatch)
-                                for a in (h[4] if isinstance(h[4], tuple) else (h[4],))))
+    # dispatch's, FSDP's) hold the same ones, and the mean over them is the same scalar
+    batch = tuple(dict.fromkeys(
+        a for h in apply._hooked if isinstance(h[2], (ExpertDispatch, FullyShard))
+        for a in (*(h[4] if isinstance(h[4], tuple) else (h[4],)),
+                  *getattr(h[2], "replicate", ()))))
     step = shard_map(lambda p: pmean(scalar(apply(p, *args, **kwargs)), batch)
                      if batch else scalar(apply(p, *args, **kwargs)), apply.mesh,
                      in_specs=(specs,), out_specs=P())

@@ -1,0 +1,241 @@
+"""The FSDP / HSDP plan family of ``parallelize``: every parameter no other family
+splits is stored as its block over ``fsdp`` and gathered where its module runs.
+
+Checked against the unsharded float64 model (loss and every gradient), through
+``torch.func.grad`` and tape autograd, with the collectives each step issues."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import functp
+from functp import P
+from functp.models import LLAMA_TP_PLAN, Llama, LlamaConfig
+
+_MESHES = {"fsdp2": ((2,), ("fsdp",)), "fsdp4": ((4,), ("fsdp",)),
+           "replicate2_fsdp2": ((2, 2), ("dp_replicate", "fsdp")),
+           "fsdp2_tp2": ((2, 2), ("fsdp", "tp"))}
+
+
+def _loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _max_error(actual: dict, expected: dict) -> float:
+    return max((actual[k] - v).abs().max().item() / max(v.abs().max().item(), 1e-12)
+               for k, v in expected.items())
+
+
+def _step(model, mesh, plan, tape, forward, distributed_config=None):
+    """One step under the plan: (loss, full gradients, forward log, whole-step log,
+    specs, apply), and the unsharded float64 reference (loss, gradients)."""
+    g = torch.Generator().manual_seed(1)
+    ids, tgt = torch.randint(3, 32, (8, 6), generator=g), torch.randint(32, (8, 6), generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply, params, specs = functp.parallelize(model, mesh, plan,
+                                                  distributed_config=distributed_config)
+    batch = apply.batch_axes
+    local = functp.shard((ids, tgt), apply.mesh, P(batch))
+    step = functp.shard_map(lambda p, i, t: functp.pmean(_loss(forward(apply, p, i), t), batch),
+                            apply.mesh, in_specs=(specs, P(batch), P(batch)), out_specs=P())
+    if not tape:
+        with functp.comm_log() as fwd:      # the forward alone
+            step(params, *local)
+    with functp.comm_log() as log:
+        if tape:
+            p = {k: v.detach().requires_grad_() for k, v in params.items()}
+            with functp.comm_log() as fwd:
+                loss = step(p, *local)
+            loss.backward()
+            grads = {k: v.grad for k, v in p.items()}
+        else:
+            grads, loss = torch.func.grad_and_value(step)(params, *local)
+    ref_apply, full = functp.functionalize(model)
+    ref_grads, ref_loss = torch.func.grad_and_value(
+        lambda p: _loss(forward(ref_apply, p, ids), tgt))(full)
+    return (loss, apply.unshard(grads), fwd, log, specs, apply, params), (ref_loss, ref_grads)
+
+
+def _llama_case(mesh_name, tape):
+    shape, names = _MESHES[mesh_name]
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig()).double()
+    plan = {"fsdp": "auto", **({"tp": LLAMA_TP_PLAN} if "tp" in names else {})}
+    (loss, grads, fwd, log, specs, apply, local), (ref_loss, ref_grads) = _step(
+        model, functp.make_mesh(shape, names), plan, tape, lambda a, p, i: a(p, i))
+    sharded = [n for n, s in specs.items() if "fsdp" in s.axes]
+    block_bytes = sum(local[n].numel() * 8 for n in sharded)
+    return (abs(loss.item() - ref_loss.item()), _max_error(grads, ref_grads), sharded,
+            fwd.summary(), log.summary(), log.nbytes("all_reduce", ("dp_replicate",)),
+            block_bytes, apply.batch_axes, dict(apply.styles))
+
+
+@pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
+@pytest.mark.parametrize("mesh_name", list(_MESHES))
+def test_fsdp_family_is_exact_and_gathers_each_parameter_once(run, mesh_name, tape):
+    shape, names = _MESHES[mesh_name]
+    world = shape[0] * (shape[1] if len(shape) > 1 else 1)
+    (loss_err, grad_err, sharded, fwd, log, replicate_bytes, block_bytes, batch,
+     styles) = run(world, _llama_case, mesh_name, tape)[0]
+    assert loss_err < 1e-12 and grad_err < 1e-10, (loss_err, grad_err)
+    n = len(sharded)
+    if "tp" in names:      # the tensor-parallel plan keeps its splits; the norms go to FSDP
+        assert n == 5 and all("norm" in k for k in sharded), sharded
+        assert "fsdp" not in "".join(v for k, v in styles.items() if "proj" in k)
+    else:                  # every parameter of the tiny Llama divides
+        assert n == len(styles), sharded
+    # one gather per parameter in the forward, one reduce-scatter per parameter in the
+    # backward (nothing else over 'fsdp' but the loss's pmean and the tp-split
+    # parameters' bucketed all-reduce)
+    assert fwd.get(("all_gather", ("fsdp",))) == n and ("reduce_scatter", ("fsdp",)) not in fwd
+    assert log[("all_gather", ("fsdp",))] == n and log[("reduce_scatter", ("fsdp",))] == n
+    assert batch == tuple(a for a in names if a != "tp")
+    if "dp_replicate" in names:     # HSDP: the blocks' gradients all-reduced over replicas
+        assert log[("all_reduce", ("dp_replicate",))] >= 1
+        assert replicate_bytes == block_bytes
+    else:
+        assert ("all_reduce", ("dp_replicate",)) not in log
+
+
+def _hf_case(config):
+    hf = pytest.importorskip("test_hf_models")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = hf._build("llama")
+    forward = lambda a, p, i: a(p, input_ids=i, use_cache=False).logits
+    (loss, grads, fwd, log, specs, apply, _), (ref_loss, ref_grads) = _step(
+        model, None, "auto", False, forward, distributed_config=config)
+    sharded = [n for n, s in specs.items() if "fsdp" in s.axes]
+    return (hf._max_error(grads, ref_grads, loss, ref_loss), apply.mesh.axis_names,
+            len(sharded), len(specs), log.summary(), apply.batch_axes)
+
+
+@pytest.mark.parametrize("config", [dict(fsdp_size=2, dp_replicate_size=2,
+                                         fsdp_plan={"lm_head": "keep_full_weight"}),
+                                    dict(fsdp_size=2, tp_size=2)],
+                         ids=["replicate2_fsdp2", "fsdp2_tp2"])
+def test_a_transformers_config_with_fsdp_size_shards_over_fsdp(run, config):
+    pytest.importorskip("transformers")
+    (err, where), axes, n, total, log, batch = run(4, _hf_case, config)[0]
+    assert err < 1e-10, f"{where} differs by {err:.2e}"
+    assert axes == ("dp_replicate", "fsdp", "tp")          # transformers' axis names
+    # the batch over both data axes (and the size-1 'tp' axis without tensor parallelism)
+    assert batch == (("dp_replicate", "fsdp") if config.get("tp_size", 1) > 1
+                     else ("dp_replicate", "fsdp", "tp"))
+    assert log[("all_gather", ("fsdp",))] == n and log[("reduce_scatter", ("fsdp",))] == n
+    if config.get("tp_size", 1) > 1:
+        assert 0 < n < total          # the tp plan's splits stay; the rest is FSDP
+    else:
+        assert n == total
+
+
+def _indivisible():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(),
+                                torch.nn.Linear(3, 4)).double()
+    mesh = functp.make_mesh((2,), ("fsdp",))
+    apply, params, specs = functp.parallelize(model, mesh, {"fsdp": "auto"})
+    x = torch.randn(6, 4, dtype=torch.float64)
+    step = functp.shard_map(lambda p, x: functp.pmean(apply(p, x).square().mean(), "fsdp"),
+                            mesh, in_specs=(specs, P("fsdp")), out_specs=P())
+    grads = apply.unshard(torch.func.grad(step)(params, functp.shard(x, mesh, P("fsdp"))))
+    ref_apply, full = functp.functionalize(model)
+    ref = torch.func.grad(lambda p: ref_apply(p, x).square().mean())(full)
+    return specs, dict(apply.fsdp_replicated), _max_error(grads, ref)
+
+
+def test_a_parameter_no_dimension_of_which_divides_stays_replicated_with_its_reason(run):
+    specs, why, err = run(2, _indivisible)[0]
+    # [3, 4]: dim 0 does not divide, dim 1 does; [4, 3]: dim 0
+    assert specs["0.weight"] == P(None, "fsdp") and specs["2.weight"] == P("fsdp")
+    assert specs["0.bias"] == P() and specs["2.bias"] == P("fsdp")
+    assert set(why) == {"0.bias"} and "(3,)" in why["0.bias"] and "2 fsdp shards" in why["0.bias"]
+    assert err < 1e-12
+
+
+def _bad(world_mesh, plan, match, config=None):
+    model = Llama(LlamaConfig()).double()
+    with pytest.raises(functp.ShardingError, match=match):
+        functp.parallelize(model, world_mesh, plan, distributed_config=config)
+
+
+def _bad_inputs():
+    _bad(None, "auto", "multiply to the world size", dict(fsdp_size=3))
+    _bad(None, "auto", "fsdp_size must be an int", dict(fsdp_size=0))
+    _bad(None, "auto", "fsdp_plan rules {'lm_head': 'keep_weights'}",
+         dict(fsdp_size=4, fsdp_plan={"lm_head": "keep_weights", "norm": "free_full_weight"}))
+    mesh = functp.make_mesh((2, 2), ("fsdp", "tp"))
+    _bad(mesh, {"tp": "auto"}, "'auto' is the FSDP family's value")
+    _bad(functp.make_mesh((4,), ("dp",)), {"fsdp": "auto"}, "names no axis")
+
+
+def test_bad_fsdp_inputs_raise_clearly_on_every_rank(run):
+    run(4, _bad_inputs)
+
+
+def _tied_gpt2():
+    from functp.models import GPT2, GPT2Config
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config()).double()
+    (loss, grads, fwd, log, specs, apply, _), (ref_loss, ref_grads) = _step(
+        model, functp.make_mesh((2,), ("fsdp",)), {"fsdp": "auto"}, True,
+        lambda a, p, i: a(p, i % 16))
+    return _max_error(grads, ref_grads), log.summary(), len(specs)
+
+
+def test_a_tied_weight_is_gathered_by_each_module_that_uses_it(run):
+    err, log, n = run(2, _tied_gpt2)[0]
+    assert err < 1e-10
+    # the embedding and the LM head share one block: each gathers it, and the two
+    # reduce-scattered gradients add up in the block's
+    assert log[("all_gather", ("fsdp",))] == n + 1 == log[("reduce_scatter", ("fsdp",))]
+
+
+def _verify_and_auto():
+    hf = pytest.importorskip("test_hf_models")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = hf._build("llama")
+        report = functp.verify_plan(model, None, "auto",
+                                    distributed_config=dict(fsdp_size=2, dp_replicate_size=2))
+        # "auto" on a mesh with an 'fsdp' axis: the tp plan, and FSDP for the rest
+        apply, _, specs = functp.parallelize(model, functp.make_mesh((2, 2), ("fsdp", "tp")))
+    return report, {s for s in apply.styles.values()}, apply.batch_axes
+
+
+def test_verify_plan_and_auto_see_the_fsdp_family(run):
+    pytest.importorskip("transformers")
+    report, styles, batch = run(4, _verify_and_auto)[0]
+    assert report["max_error"] < 1e-10 and report["parameters"] > 0
+    assert any("FullyShard" in s for s in styles) and any("colwise" in s for s in styles)
+    assert batch == ("fsdp",)
+
+
+def _with_experts():
+    import test_ep
+    mesh = functp.make_mesh((2, 2), ("fsdp", "ep"))
+    module = test_ep._block(4)
+    apply, params, specs = functp.parallelize(
+        module, mesh, {"ep": {"moe.experts": functp.ExpertDispatch()}, "fsdp": "auto"})
+    batch = apply.batch_axes
+    x = test_ep._batch(2 * mesh.axis_size(batch))
+    ref_grads, ref_loss = test_ep._reference(module, x, None)
+    step = functp.shard_map(lambda p, xb: functp.pmean((apply(p, xb) ** 2).mean(), batch),
+                            mesh, in_specs=(specs, P(batch)), out_specs=P())
+    with functp.comm_log() as log:
+        grads, loss = torch.func.grad_and_value(step)(params, functp.shard(x, mesh, P(batch)))
+    sharded = [n for n, s in specs.items() if "fsdp" in s.axes]
+    return (abs(loss.item() - ref_loss.item()), _max_error(apply.unshard(grads), ref_grads),
+            {n: specs[n] for n in specs if "experts" in n}, sharded, log.summary(), batch)
+
+
+def test_fsdp_composes_with_an_expert_parallel_family(run):
+    loss_err, err, experts, sharded, log, batch = run(4, _with_experts)[0]
+    assert loss_err < 1e-12 and err < 1e-10, (loss_err, err)
+    assert experts and all(s.dim_axes(0) == ("ep",) for s in experts.values()), experts
+    assert sharded and not any("experts" in n for n in sharded)
+    assert log[("all_gather", ("fsdp",))] == len(sharded) == log[("reduce_scatter", ("fsdp",))]
+    assert batch == ("fsdp", "ep")
