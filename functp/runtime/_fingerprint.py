@@ -93,31 +93,38 @@ def _sums(table: torch.Tensor, k: int, ranks: list[int], mesh) -> str:
     return ", ".join(f"rank {r}: {float(table[at[r], k, 0]):.6g}" for r in ranks[:4])
 
 
-def _first_difference(mesh, table: torch.Tensor, idx: list[int], free_of) -> tuple | None:
-    """``(k, i, ranks, axes)`` of the first compared leaf ``leaves[i]`` (row ``k`` of
-    ``table``) whose ranks differ along the axes ``free_of(i)`` says must agree."""
+def _refuse_first_difference(mesh, table: torch.Tensor | None, idx: list[int], free_of,
+                             message) -> None:
+    """Raises, agreed on every rank, for the first compared leaf ``leaves[i]`` (row
+    ``k`` of ``table``) whose ranks differ along the axes ``free_of(i)`` says must
+    agree: ``message(i, ranks, axes, sums)`` is the text."""
+    if table is None:
+        return
     for k, i in enumerate(idx):
         free = free_of(i)
         bad = _differing(mesh, table, k, free) if free else None
         if bad is not None:
-            return k, i, *bad
-    return None
+            ranks, axes = bad
+            raise _crosscheck.agreed(ShardingError(
+                message(i, ranks, axes, _sums(table, k, ranks, mesh))))
+
+
+def _replicated(manual: tuple[str, ...], specs: list):
+    """Leaf ``i`` -> the manual axes its spec leaves out: those its ranks must agree on."""
+    return lambda i: {a for a in manual if a not in specs[i].axes}
 
 
 def check_full(mesh, paths: list[str], leaves: list, what: str) -> None:
     """``shard``: every rank's "full" tensor must be the same one."""
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     table = _exchange(mesh, leaves, idx, f"{what}: comparing full tensors")
-    bad = None if table is None else _first_difference(mesh, table, idx,
-                                                       lambda i: set(mesh.axis_names))
-    if bad is not None:
-        k, i, ranks, _ = bad
-        raise _crosscheck.agreed(ShardingError(
-            f"{what}: {paths[i]} (shape {tuple(leaves[i].shape)}) differs across ranks "
-            f"{ranks} (sums {_sums(table, k, ranks, mesh)}), but {what} takes each "
-            f"rank's block of one full tensor that every rank holds. Make it the same "
-            f"everywhere (call torch.manual_seed with one seed on every rank before "
-            f"drawing it), or pass src_rank=0 to use rank 0's. [FUNCTP_DEBUG check]"))
+    everywhere = lambda i: set(mesh.axis_names)  # noqa: E731
+    _refuse_first_difference(mesh, table, idx, everywhere, lambda i, ranks, _, sums: (
+        f"{what}: {paths[i]} (shape {tuple(leaves[i].shape)}) differs across ranks {ranks} "
+        f"(sums {sums}), but {what} takes each rank's block of one full tensor that every "
+        f"rank holds. Make it the same everywhere (call torch.manual_seed with one seed on "
+        f"every rank before drawing it), or pass src_rank=0 to use rank 0's. "
+        f"[FUNCTP_DEBUG check]"))
 
 
 def check_inputs(mesh, manual: tuple[str, ...], name: str, paths: list[str], leaves: list,
@@ -129,17 +136,14 @@ def check_inputs(mesh, manual: tuple[str, ...], name: str, paths: list[str], lea
     table = _exchange(mesh, leaves, idx, f"shard_map({name}) entry: comparing inputs")
     if table is None:
         return
-    bad = _first_difference(mesh, table, idx,
-                            lambda i: {a for a in manual if a not in specs[i].axes})
-    if bad is not None:
-        k, i, ranks, axes = bad
-        raise _crosscheck.agreed(ShardingError(
-            f"in_specs for {paths[i]} (shape {tuple(leaves[i].shape)}) of shard_map({name}): "
-            f"{specs[i]!r} says it is replicated over {tuple(axes)}, but ranks {ranks} hold "
-            f"different values (sums {_sums(table, k, ranks, mesh)}). Pass the same "
-            f"tensor on every rank along {tuple(axes)} (one seed before drawing it, or "
-            f"functp.shard(..., src_rank=0)), or name {axes[0]!r} in its spec if each "
-            f"rank's value is its own block. [FUNCTP_DEBUG check]"))
+    _refuse_first_difference(mesh, table, idx, _replicated(manual, specs),
+                             lambda i, ranks, axes, sums: (
+        f"in_specs for {paths[i]} (shape {tuple(leaves[i].shape)}) of shard_map({name}): "
+        f"{specs[i]!r} says it is replicated over {tuple(axes)}, but ranks {ranks} hold "
+        f"different values (sums {sums}). Pass the same tensor on every rank along "
+        f"{tuple(axes)} (one seed before drawing it, or functp.shard(..., src_rank=0)), or "
+        f"name {axes[0]!r} in its spec if each rank's value is its own block. "
+        f"[FUNCTP_DEBUG check]"))
     for k, i in enumerate(idx):
         _warn_if_alike(mesh, table, k, manual, name, paths[i], leaves[i], specs[i])
 
@@ -167,17 +171,12 @@ def check_outputs(mesh, manual: tuple[str, ...], name: str, paths: list[str], le
     idx = [i for i, y in enumerate(leaves) if isinstance(y, torch.Tensor) and specs[i] is not None
            and any(a not in specs[i].axes for a in manual)]
     table = _exchange(mesh, leaves, idx, f"shard_map({name}) exit: comparing outputs")
-    bad = None if table is None else _first_difference(
-        mesh, table, idx, lambda i: {a for a in manual if a not in specs[i].axes})
-    if bad is not None:
-        k, i, ranks, axes = bad
-        how = ("with check_vma=False nothing tracks which values vary" if not check_vma
-               else "it was computed from something vma tracking cannot see (a Python "
-                    "number that differs per rank, such as axis_index, or data "
-                    "from outside the body)")
-        raise _crosscheck.agreed(ShardingError(
-            f"{paths[i]} of shard_map({name}) (shape {tuple(leaves[i].shape)}) differs "
-            f"across ranks {ranks} (sums {_sums(table, k, ranks, mesh)}), but out_specs "
-            f"{specs[i]!r} says it is replicated over {tuple(axes)}; {how}. Reduce it with "
-            f"functp.psum/pmean(..., {axes[0]!r}), or name {axes[0]!r} in its out_spec. "
-            f"[FUNCTP_DEBUG check]"))
+    how = ("with check_vma=False nothing tracks which values vary" if not check_vma
+           else "it was computed from something vma tracking cannot see (a Python number "
+                "that differs per rank, such as axis_index, or data from outside the body)")
+    _refuse_first_difference(mesh, table, idx, _replicated(manual, specs),
+                             lambda i, ranks, axes, sums: (
+        f"{paths[i]} of shard_map({name}) (shape {tuple(leaves[i].shape)}) differs across "
+        f"ranks {ranks} (sums {sums}), but out_specs {specs[i]!r} says it is replicated over "
+        f"{tuple(axes)}; {how}. Reduce it with functp.psum/pmean(..., {axes[0]!r}), or name "
+        f"{axes[0]!r} in its out_spec. [FUNCTP_DEBUG check]"))
