@@ -253,7 +253,10 @@ class RankEstimate:
     formula in torch (counted as 0 there: listed, so that a total is never silently
     short); ``peak_bytes``: the most memory held at once, as ``MemTracker`` counts
     it, and ``memory`` its breakdown at that moment by MemTracker's categories
-    (``Parameter``, ``Gradient``, ``Optstate``, ``Activation``, ``Temp``, ...);
+    (``Parameter``, ``Gradient``, ``Optstate``, ``Activation``, ``Temp``, ...) and
+    ``Communication``: the buffers collectives wrote (their outputs, the gradient
+    buckets reduced in place, the contiguous copies made for them), taken out of
+    the category MemTracker filed them under (the total is MemTracker's);
     ``seconds``: the predicted step time on the ``hardware=`` profile, or None.
     """
     rank: int
