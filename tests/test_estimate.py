@@ -459,3 +459,18 @@ def test_no_communication_without_collectives():
     est = functp.estimate(program, 2)
     assert len(est.comm) == 0 and est.peak_bytes > 0
     assert "Communication" not in est.memory, est.memory
+
+
+def test_contiguous_copy_for_a_collective_is_communication():
+    def program():
+        mesh = functp.make_mesh((2,), ("tp",))
+
+        def body(x):        # x.T is not contiguous: psum reduces a copy of it
+            return functp.psum(x.T, "tp"), torch.zeros(1024, 1024)
+        return functp.shard_map(body, mesh, in_specs=P("tp"),
+                                out_specs=(P(), P()))(torch.randn(512, 128))
+    est = functp.estimate(program, 2)
+    block = 256 * 128 * 4
+    # held at the peak (the 4 MiB zeros): the all-reduce's output and the copy made for it
+    assert est.memory == {"Communication": 2 * block,
+                          "Activation": 2 * block + 4 * 2 ** 20}, est.memory   # x, zeros

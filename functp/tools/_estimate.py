@@ -124,6 +124,8 @@ class _Tracker(MemTracker):
         self.comm_at_peak: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # MemTracker's state read here (_peak_mem, _WINFO) is set in its __init__;
+        # a torch without it fails the estimate tests, not silently
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func.namespace == "_c10d_functional" and func not in _NOT_A_BUFFER:
             self._note_comm(func, args, out)
