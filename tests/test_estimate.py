@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import functp
 from functp import P, ShardingError
+from functp.tools import _estimate
 
 H, F, B = 64, 256, 32       # hidden, ffn width, batch: divisible by every mesh size used
 TP_SPECS = {"w1": P("tp", None), "b1": P("tp"), "w2": P(None, "tp"), "b2": P()}
@@ -387,3 +388,89 @@ def test_plot_writes_a_png(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)            # as if not installed
     with pytest.raises(ShardingError, match=r"needs matplotlib.*pip install matplotlib"):
         est.plot()
+
+
+def _dp_grad(n, overlap=False):
+    """Data parallel over 'dp': a replicated (256, 64) weight, torch.func.grad; its
+    gradient all-reduce's output is held at the peak (computed last)."""
+    mesh = functp.make_mesh((n,), ("dp",))
+    w = functp.shard(torch.randn(256, 64), mesh, P())
+
+    def loss(w, x):
+        return functp.pmean(((x @ w.T) ** 2).mean(), "dp")
+    step = functp.shard_map(loss, mesh, in_specs=(P(), P("dp")), out_specs=P())
+    return torch.func.grad(step)(w, torch.randn(4 * n, 64))
+
+
+class _NoCommTracker(_estimate._Tracker):
+    """estimate's tracker as it was before the communication category: MemTracker's
+    own filing of every buffer."""
+    __torch_dispatch__ = MemTracker.__torch_dispatch__
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_communication_buffers_at_the_peak(monkeypatch, n):
+    est = functp.estimate(_dp_grad, n, n)
+    # the loss's pmean (a scalar, gone at the peak) and the gradient's all-reduce
+    assert [(e.op, e.nbytes) for e in est.comm.events] == [("all_reduce", 4),
+                                                          ("all_reduce", 256 * 64 * 4)]
+    # the gradient's all-reduce output: 256 x 64 float32 (the input, the local
+    # gradient, is contiguous: no copy is made for it)
+    assert est.memory["Communication"] == 256 * 64 * 4, est.memory
+    assert sum(est.memory.values()) == est.peak_bytes
+    monkeypatch.setattr(_estimate, "_Tracker", _NoCommTracker)
+    before = functp.estimate(_dp_grad, n, n)
+    assert "Communication" not in before.memory
+    assert before.peak_bytes == est.peak_bytes
+    # the same bytes, taken out of the category MemTracker gave them (the backward's)
+    moved = {k: before.memory[k] - est.memory.get(k, 0) for k in before.memory}
+    assert moved == {**dict.fromkeys(before.memory, 0), "Temp": 256 * 64 * 4}, moved
+    assert "Communication" in str(est).split("memory at peak:")[1].splitlines()[0]
+
+
+def test_gradient_bucket_is_communication():
+    # three 512 x 512 replicated weights: the first gradient leaves alone (a 1 MiB
+    # first bucket, out of place), the other two in one 2 MiB bucket reduced in place
+    # (all_reduce_); the peak is a 16 MiB scratch made while the gradients (the
+    # collectives' buffers, or views of them) are held
+    def program():
+        mesh = functp.make_mesh((2,), ("dp",))
+        ps = functp.shard({k: torch.randn(512, 512) for k in "abc"}, mesh, P())
+
+        def loss(p, x):
+            for k in "abc":
+                x = torch.tanh(x @ p[k])
+            return functp.pmean((x ** 2).mean(), "dp")
+        step = functp.shard_map(loss, mesh, in_specs=(P(), P("dp")), out_specs=P())
+        grads = torch.func.grad(step)(ps, torch.randn(8, 512))
+        return grads, torch.zeros(4096, 1024)
+    est = functp.estimate(program, 2)
+    mib = 2 ** 20
+    assert [e.nbytes for e in est.comm.events] == [4, mib, 2 * mib]
+    assert est.memory == {"Communication": 3 * mib,
+                          "Activation": 3 * mib + 16 * mib}, est.memory   # weights, scratch
+
+
+def test_no_communication_without_collectives():
+    def program():
+        w = torch.randn(256, 64, requires_grad=True)
+        (torch.randn(8, 64) @ w.T).square().mean().backward()
+        return w.grad
+    est = functp.estimate(program, 2)
+    assert len(est.comm) == 0 and est.peak_bytes > 0
+    assert "Communication" not in est.memory, est.memory
+
+
+def test_contiguous_copy_for_a_collective_is_communication():
+    def program():
+        mesh = functp.make_mesh((2,), ("tp",))
+
+        def body(x):        # x.T is not contiguous: psum reduces a copy of it
+            return functp.psum(x.T, "tp"), torch.zeros(1024, 1024)
+        return functp.shard_map(body, mesh, in_specs=P("tp"),
+                                out_specs=(P(), P()))(torch.randn(512, 128))
+    est = functp.estimate(program, 2)
+    block = 256 * 128 * 4
+    # held at the peak (the 4 MiB zeros): the all-reduce's output and the copy made for it
+    assert est.memory == {"Communication": 2 * block,
+                          "Activation": 2 * block + 4 * 2 ** 20}, est.memory   # x, zeros

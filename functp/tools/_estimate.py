@@ -17,6 +17,7 @@ import gc
 import itertools
 import linecache
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -33,7 +34,8 @@ from ..runtime._errors import ShardingError
 from ._hardware import Hardware, collective_seconds, hardware_profile, op_seconds
 from ..runtime._torch_compat import (DataDependentOutputException, DynamicOutputShapeException,
                             FakeTensorMode, MemRefType as _MemRefType, MemTracker,
-                            TorchDispatchMode, disable_current_modes as _disable_current_modes,
+                            TorchDispatchMode, c10d_functional,
+                            disable_current_modes as _disable_current_modes,
                             get_unwrapped, is_batched, is_functorch_wrapped)
 
 __all__ = ["estimate", "Estimate", "RankEstimate", "StepTime"]
@@ -81,6 +83,13 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
 
+# collective ops that make no buffer (waiting returns its argument), those that write
+# into their input, and the copy ``x.contiguous()`` makes of a collective's input
+_NOT_A_BUFFER = {c10d_functional.wait_tensor.default}
+_IN_PLACE = {c10d_functional.all_reduce_.default}
+_COPIES = {torch.ops.aten.clone}
+
+
 class _Tracker(MemTracker):
     """torch's ``MemTracker`` without its per-module snapshots, which a training step
     cannot use: it refuses a second call of the root module (a second step), and it
@@ -105,6 +114,51 @@ class _Tracker(MemTracker):
 
     def _post_bw_hook(self, module, args) -> None:
         pass
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._comm: dict[int, tuple[Any, Any]] = {}  # id -> (weakref to storage, its winfo)
+        self._copy: Any = None        # weakref to the storage the last op copied into
+        self._peaks: dict = {}        # MemTracker's peak per device, as last seen
+        # {device: {MemTracker's category: bytes}} of communication buffers at the peak
+        self.comm_at_peak: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # MemTracker's state read here (_peak_mem, _WINFO) is set in its __init__;
+        # a torch without it fails the estimate tests, not silently
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func.namespace == "_c10d_functional" and func not in _NOT_A_BUFFER:
+            self._note_comm(func, args, out)
+        elif func._overloadpacket in _COPIES and isinstance(out, torch.Tensor):
+            self._copy = weakref.ref(out.untyped_storage())
+        else:
+            self._copy = None
+        if self._peak_mem != self._peaks:      # a new peak: this op set it
+            self._peaks = dict(self._peak_mem)
+            self.comm_at_peak = {}
+            for _, winfo in self._comm.values():
+                at = self.comm_at_peak.setdefault(winfo.device, {})
+                at[winfo.reftype] = at.get(winfo.reftype, 0) + winfo.mem_consumed
+        return out
+
+    def _note_comm(self, func, args, out) -> None:
+        """Files the buffers of a collective as communication: its outputs, the
+        buffer an in-place all-reduce writes into (a gradient bucket), and an input
+        copied just before it (the contiguous copy made for it)."""
+        ins = [t for t in optree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+        outs = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        in_st = {t.untyped_storage() for t in ins}
+        copied = self._copy() if self._copy is not None else None
+        self._copy = None
+        sts = [t.untyped_storage() for t in outs]
+        sts = [s for s in sts if s not in in_st or func in _IN_PLACE]
+        sts += [s for s in in_st if s is copied]
+        for st in sts:
+            winfo, _ = self._WINFO.get(st, (None, None))
+            if winfo is not None and id(winfo) not in self._comm:
+                key = id(winfo)
+                self._comm[key] = (weakref.ref(st, lambda _, k=key: self._comm.pop(k, None)),
+                                   winfo)
 
 
 class _DryRank:
@@ -201,7 +255,10 @@ class RankEstimate:
     formula in torch (counted as 0 there: listed, so that a total is never silently
     short); ``peak_bytes``: the most memory held at once, as ``MemTracker`` counts
     it, and ``memory`` its breakdown at that moment by MemTracker's categories
-    (``Parameter``, ``Gradient``, ``Optstate``, ``Activation``, ``Temp``, ...);
+    (``Parameter``, ``Gradient``, ``Optstate``, ``Activation``, ``Temp``, ...) and
+    ``Communication``: the buffers collectives wrote (their outputs, the gradient
+    buckets reduced in place, the contiguous copies made for them), taken out of
+    the category MemTracker filed them under (the total is MemTracker's);
     ``seconds``: the predicted step time on the ``hardware=`` profile, or None.
     """
     rank: int
@@ -473,7 +530,11 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
         _world.restore_state(caller)      # the program's draws are not the caller's
     by_op = {str(op): int(n) for op, n in flops.get_flop_counts().get("Global", {}).items()}
     peak = mem.get_tracker_snapshot("peak")
-    snap = next(iter(peak.values()), {})
+    dev, snap = next(iter(peak.items()), (None, {}))
+    # the collectives' buffers, out of the categories MemTracker filed them under
+    comm = mem.comm_at_peak.get(dev, {})
+    snap = {**{k: v - comm.get(k, 0) for k, v in snap.items()},
+            "Communication": sum(comm.values())}
     breakdown = {str(k.value if hasattr(k, "value") else k): int(v) for k, v in snap.items()
                  if k != "Total" and v}
     seconds = None
