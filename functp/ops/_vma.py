@@ -203,7 +203,9 @@ class Tracker(Tags):
         self.compiled = compiled
         self.mode = None          # the UnionRule applying the rule with these tags
         self.aliases: EntryAliases | None = None
-        self._groups: dict[frozenset, object] = {}
+        # the group over a set of axes, in mesh order: the mesh's own cache answers a
+        # frozenset (bound here: the pvary and union rule call it per op)
+        self.group = mesh.axis_group
         Tags._runs += 1
         self.token = Tags._runs
         # Keyed by id() and holding the tensor, so the id stays valid for the run
@@ -258,14 +260,6 @@ class Tracker(Tags):
             yield
         finally:
             self._paused = paused
-
-    def group(self, axes: frozenset):
-        """The group over a set of axes, in mesh order (cached by the set)."""
-        g = self._groups.get(axes)
-        if g is None:
-            g = self._groups[axes] = self.mesh.axis_group(
-                tuple(a for a in self.mesh.axis_names if a in axes))
-        return g
 
     def pvary(self, t: torch.Tensor, axes) -> torch.Tensor:
         """``t`` marked as varying over ``axes`` too (cached: one pvary per tensor and
