@@ -283,16 +283,18 @@ def enter(local: list) -> None:
     # (written with few calls: every step of every body passes here, and most are
     # turned away by the size, in two calls)
     cfg = _rank.values or _settings
-    if not cfg["enabled"] or sum([
-            x.nbytes for x in local if x.__class__ in _TENSORS and x.requires_grad
-            and (x.dtype.is_floating_point or x.dtype.is_complex)
-    ]) < cfg["first_bucket_mb"] * 2**20:
+    if not cfg["enabled"]:
+        return
+    idx = [i for i, x in enumerate(local) if x.__class__ in _TENSORS and x.requires_grad
+           and (x.dtype.is_floating_point or x.dtype.is_complex)]
+    size = 0
+    for i in idx:            # (a loop, not sum(...): no call on this per-body path)
+        size += local[i].nbytes
+    if size < cfg["first_bucket_mb"] * 2**20:
         return
     if (not torch.is_grad_enabled() or _context.active() or _compile.tracing()
             or not _level_ok()):
         return
-    idx = [i for i, x in enumerate(local) if x.__class__ in _TENSORS and x.requires_grad
-           and (x.dtype.is_floating_point or x.dtype.is_complex)]
     sink = Sink(len(idx))
     token = _put(sink)
     try:
