@@ -77,12 +77,17 @@ def variants(x, y):
     model = make_model()
     params = list(model.parameters())
 
-    def compute():
-        for q in params:
-            q.grad = None
-        mse(model(x), y).backward()
-        _sgd(params, [q.grad for q in params])
-    out["compute alone"] = (compute, 0)
+    def tape_step_of(module):
+        """A tape step of ``module``: the plain model (computation alone) or a DDP."""
+        mparams = list(module.parameters())
+
+        def step():
+            for q in mparams:
+                q.grad = None
+            mse(module(x), y).backward()
+            _sgd(mparams, [q.grad for q in mparams])
+        return step
+    out["compute alone"] = (tape_step_of(model), 0)
 
     def hand():
         for q in params:
@@ -95,16 +100,6 @@ def variants(x, y):
         _sgd(params, [f.view_as(q) for f, q in zip(pieces, params)])
     out["hand (1 all-reduce)"] = (hand, 1)
 
-    def ddp_step_of(ddp):
-        dparams = list(ddp.parameters())
-
-        def ddp_step():
-            for q in dparams:
-                q.grad = None
-            mse(ddp(x), y).backward()
-            _sgd(dparams, [q.grad for q in dparams])
-        return ddp_step
-
     # counted on a second DDP with a counting comm hook (the timed one keeps DDP's own
     # C++ all-reduce); DDP rebuilds its buckets after the first step: count the second
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -113,22 +108,18 @@ def variants(x, y):
     def counting(state, bucket):
         calls[0] += 1
         return default_hooks.allreduce_hook(state, bucket)
-    counted = nn.parallel.DistributedDataParallel(make_model())
-    counted.register_comm_hook(dist.group.WORLD, counting)
-    ddp_step_of(counted)()
-    calls[0] = 0
-    ddp_step_of(counted)()
-    ddp_step = ddp_step_of(nn.parallel.DistributedDataParallel(make_model()))
-    ddp_step()
-    out["DDP"] = (ddp_step, calls[0])
-    counted = nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=SMALL_MB)
-    counted.register_comm_hook(dist.group.WORLD, counting)
-    ddp_step_of(counted)()
-    calls[0] = 0
-    ddp_step_of(counted)()
-    small = ddp_step_of(nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=SMALL_MB))
-    small()
-    out[f"DDP, {SMALL_MB:g} MiB buckets"] = (small, calls[0])
+
+    def ddp(**options):
+        counted = nn.parallel.DistributedDataParallel(make_model(), **options)
+        counted.register_comm_hook(dist.group.WORLD, counting)
+        tape_step_of(counted)()
+        calls[0] = 0
+        tape_step_of(counted)()
+        step = tape_step_of(nn.parallel.DistributedDataParallel(make_model(), **options))
+        step()
+        return step, calls[0]
+    out["DDP"] = ddp()
+    out[f"DDP, {SMALL_MB:g} MiB buckets"] = ddp(bucket_cap_mb=SMALL_MB)
 
     mesh = functp.make_mesh((n,), ("dp",))
     loss = functp.shard_map(lambda p, x, y: functp.pmean(mse(forward(p, x), y), "dp"),
