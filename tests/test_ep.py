@@ -150,6 +150,23 @@ def test_tensor_parallel_ranks_dispatch_their_slice_of_the_shared_tokens(run):
     assert log.count("all_gather", ("tp",)) >= 1
 
 
+@pytest.mark.parametrize("shape,names,replicate", [
+    ((2, 2), ("efsdp", "ep"), ()),
+    ((2, 2, 2), ("dp_replicate", "efsdp", "ep"), ("dp_replicate",))],
+    ids=["efsdp2_ep2", "replicate2_efsdp2_ep2"])
+def test_experts_fsdp_sharded_over_efsdp_are_gathered_per_call(run, shape, names, replicate):
+    # each rank stores a slice of its experts (dim 0 over ('ep', 'efsdp')), gathers
+    # them over efsdp in the dispatch's pre-hook; the gradient comes back
+    # reduce-scattered (and, over the replicas, all-reduced on the slice)
+    dispatch = functp.ExpertDispatch(fsdp="efsdp", replicate=replicate)
+    log, _ = run(math.prod(shape), _program, shape, names, 8, dispatch)[0]
+    assert log.count("all_gather", ("efsdp",)) == 2          # gate_up_proj, down_proj
+    assert log.count("reduce_scatter", ("efsdp",)) == 2
+    if replicate:
+        assert log.count("all_reduce", ("dp_replicate",)) >= 1
+    assert log.count("ragged_all_to_all", ("ep",)) == 4
+
+
 def _to_rank_0(weights, idx):
     return weights, idx % 2            # experts 0 and 1: rank 0's of 4 experts on 2 ranks
 
@@ -230,3 +247,5 @@ def test_bad_options_are_refused():
         functp.ExpertDispatch(drop_policy="random")
     with pytest.raises(functp.ShardingError, match="never drops"):
         functp.ExpertDispatch(dispatch="padded", capacity_factor=1.0)
+    with pytest.raises(functp.ShardingError, match="give fsdp= too"):
+        functp.ExpertDispatch(replicate=("dp_replicate",))

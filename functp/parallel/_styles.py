@@ -559,7 +559,12 @@ class ExpertDispatch(Style):
     tuple over which the tokens are replicated (tensor-parallel ranks holding one
     batch): each of those ranks dispatches its slice of the tokens, and the outputs
     are gathered back, so that no token is computed twice (transformers' EP with
-    ``tp_size > 1``).
+    ``tp_size > 1``). ``fsdp``: an axis (or axes) over which the experts' parameters
+    are also sharded, on the expert dimension after the expert-parallel split, and
+    all-gathered in the pre-hook (transformers' expert FSDP over ``efsdp``; the
+    gradient comes back reduce-scattered); ``replicate``: axes over which those
+    shards are replicated (HSDP's ``dp_replicate``), whose gradients are all-reduced
+    on the shard.
 
     Host syncs: one per call, for the counts (one all-gather of ``axis_size x
     experts`` ints); none per expert. ``dropped[name]``: the pairs this rank dropped
@@ -574,7 +579,8 @@ class ExpertDispatch(Style):
     POLICIES = ("probs", "position")
 
     def __init__(self, *, capacity_factor: float | None = None, drop_policy: str = "probs",
-                 dispatch: str = "ragged", shared: tuple[str, ...] = ()):
+                 dispatch: str = "ragged", shared: tuple[str, ...] = (),
+                 fsdp: str | tuple[str, ...] | None = None, replicate: tuple[str, ...] = ()):
         if capacity_factor is not None and not capacity_factor > 0:
             raise ShardingError(f"ExpertDispatch: capacity_factor must be a positive number "
                                 f"or None (no drops), got {capacity_factor!r}")
@@ -589,11 +595,18 @@ class ExpertDispatch(Style):
                                 "dispatch='ragged' with a capacity_factor")
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.dispatch, self.shared = dispatch, tuple(shared)
+        self.fsdp = (fsdp,) if isinstance(fsdp, str) else tuple(fsdp or ())
+        if replicate and not self.fsdp:
+            raise ShardingError(f"ExpertDispatch: replicate={replicate!r} names the axes an "
+                                f"FSDP shard is replicated over; give fsdp= too")
+        self.replicate = tuple(replicate)
         self._local = threading.local()
 
     def __repr__(self) -> str:
+        extra = (f", fsdp={self.fsdp!r}, replicate={self.replicate!r}" if self.fsdp else "")
         return (f"ExpertDispatch(capacity_factor={self.capacity_factor!r}, drop_policy="
-                f"{self.drop_policy!r}, dispatch={self.dispatch!r}, shared={self.shared!r})")
+                f"{self.drop_policy!r}, dispatch={self.dispatch!r}, shared={self.shared!r}"
+                f"{extra})")
 
     @property
     def dropped(self) -> dict[str, int]:
@@ -601,14 +614,33 @@ class ExpertDispatch(Style):
             self._local.dropped = {}
         return self._local.dropped
 
-    param_specs = ExpertParallel.param_specs          # experts split on dimension 0
+    def param_specs(self, module, axis):
+        # experts split on dimension 0 over the axis, then (FSDP) over ``fsdp``: a
+        # rank's shard is a slice of its experts, as FSDP2's dim-0 shard of them
+        dim0 = axis if not self.fsdp else (*(axis if isinstance(axis, tuple) else (axis,)),
+                                           *self.fsdp)
+        return {n: P(dim0) for n, _ in module.named_parameters(recurse=False)}
+
+    def _gather_experts(self, module, call) -> int:
+        """FSDP: this rank's experts whole from their shards over ``fsdp`` (the module
+        sees them until its forward returns); the number of this rank's experts."""
+        blocks = call.params
+        if self.fsdp:
+            restore = call.state["restore"] = {}
+            for short, block in blocks.items():
+                if self.replicate:      # the gradient all-reduced on the shard (HSDP)
+                    block = pvary(block, self.replicate)
+                restore[short] = module._parameters[short]
+                module._parameters[short] = all_gather(block, self.fsdp, axis=0, tiled=True)
+            return next(iter(blocks.values())).shape[0] * axis_size(self.fsdp)
+        return next(iter(blocks.values())).shape[0]
 
     def prepare_input(self, module, args, kwargs, call):
         x, a, b = args[:3]
         idx_at = 2 if a.is_floating_point() else 1     # transformers: (x, indices, weights)
         idx, weights = args[idx_at], args[3 - idx_at]
         hidden, k = x.shape[-1], idx.shape[-1]
-        local = next(iter(call.params.values())).shape[0]
+        local = self._gather_experts(module, call)
         tokens, idx = x.reshape(-1, hidden), idx.reshape(-1, k)
         weights = weights.reshape(-1, k)
         tokens, idx, weights = (_take_slice(t, self.shared, call) for t in (tokens, idx, weights))
@@ -667,6 +699,8 @@ class ExpertDispatch(Style):
 
     def prepare_output(self, module, args, kwargs, output, call):
         st = call.state
+        for short, block in st.get("restore", {}).items():
+            module._parameters[short] = block
         if st["empty"]:
             output = output[:0]
         if self.dispatch == "padded":
