@@ -54,8 +54,8 @@ def _block(experts: int) -> Block:
     return block
 
 
-def _batch(rows: int) -> torch.Tensor:
-    return torch.randn(rows, S, H, generator=torch.Generator().manual_seed(1),
+def _batch(rows: int, seq: int = S) -> torch.Tensor:
+    return torch.randn(rows, seq, H, generator=torch.Generator().manual_seed(1),
                        dtype=torch.float64)
 
 
@@ -102,14 +102,14 @@ def _reference(module, x, drop=None):
     return grads, loss
 
 
-def _program(shape, names, experts, dispatch, drop=None, route=None):
+def _program(shape, names, experts, dispatch, drop=None, route=None, rows=2, seq=S):
     mesh = functp.make_mesh(shape, names)
     module = _block(experts)
     if route is not None:          # the same routing change for both runs
         module.moe.router.register_forward_hook(lambda m, a, out: route(*out))
     apply, params, specs = functp.parallelize(module, mesh, _plan(mesh, dispatch))
     batch = apply.batch_axes
-    x = _batch(2 * mesh.axis_size(batch))
+    x = _batch(rows * mesh.axis_size(batch), seq)
     ref_grads, ref_loss = _reference(module, x, drop)
 
     def body(p, xb):
@@ -165,6 +165,16 @@ def test_experts_fsdp_sharded_over_efsdp_are_gathered_per_call(run, shape, names
     if replicate:
         assert log.count("all_reduce", ("dp_replicate",)) >= 1
     assert log.count("ragged_all_to_all", ("ep",)) == 4
+
+
+@pytest.mark.parametrize("tp,seq", [(2, 3), (4, 5), (4, 3)])
+def test_shared_tokens_that_do_not_divide_over_tp_are_split_unevenly(run, tp, seq):
+    # seq tokens a batch rank over tp ranks: torch.chunk's blocks (3 over 2: 2 + 1;
+    # 5 over 4: 2 + 2 + 1 + 0; 3 over 4: 1 + 1 + 1 + 0), the gather padded and cut
+    log, _ = run(2 * tp, _program, (2, tp), ("ep", "tp"), 8,
+                 functp.ExpertDispatch(shared=("tp",)), None, None, 1, seq)[0]
+    assert log.count("ragged_all_to_all", ("ep",)) == 4
+    assert log.count("all_gather", ("tp",)) >= 1
 
 
 def _to_rank_0(weights, idx):

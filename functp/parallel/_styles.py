@@ -557,9 +557,10 @@ class ExpertDispatch(Style):
     (all of a rank's pairs to one destination; ``axis_size`` times the traffic of a
     balanced dispatch; kept for comparison). ``shared``: axes of the style's axis
     tuple over which the tokens are replicated (tensor-parallel ranks holding one
-    batch): each of those ranks dispatches its slice of the tokens, and the outputs
-    are gathered back, so that no token is computed twice (transformers' EP with
-    ``tp_size > 1``). ``fsdp``: an axis (or axes) over which the experts' parameters
+    batch): each of those ranks dispatches its slice of the tokens (``torch.chunk``'s
+    blocks: a count that does not divide leaves the last slices shorter, or empty),
+    and the outputs are gathered back, so that no token is computed twice
+    (transformers' EP with ``tp_size > 1``). ``fsdp``: an axis (or axes) over which the experts' parameters
     are also sharded, on the expert dimension after the expert-parallel split, and
     all-gathered in the pre-hook (transformers' expert FSDP over ``efsdp``; the
     gradient comes back reduce-scattered); ``replicate``: axes over which those
@@ -643,6 +644,7 @@ class ExpertDispatch(Style):
         local = self._gather_experts(module, call)
         tokens, idx = x.reshape(-1, hidden), idx.reshape(-1, k)
         weights = weights.reshape(-1, k)
+        call.state["rows"] = []                # the rows at each shared axis, for the gather
         tokens, idx, weights = (_take_slice(t, self.shared, call) for t in (tokens, idx, weights))
         call.state.update(weights=weights, shape=x.shape, k=k)
         if self.dispatch == "padded":
@@ -678,7 +680,7 @@ class ExpertDispatch(Style):
         plan = _expert_plan(counts, local, call)                 # the one host sync
         self.dropped[call.name] = idx.numel() - sum(plan.send)
         call.state.update(order=order, plan=plan)
-        rows = tokens[torch.div(order, idx.numel() // tokens.shape[0], rounding_mode="floor")]
+        rows = tokens[torch.div(order, call.state["k"], rounding_mode="floor")]
         recv_x = ragged_all_to_all(rows, rows.new_zeros(plan.recv_total, tokens.shape[1]),
                                    plan.in_off, plan.send, plan.out_off, plan.recv, call.axis,
                                    recv_offsets=plan.recv_off)
@@ -761,7 +763,7 @@ def _expert_plan(counts: torch.Tensor, local: int, call: Call) -> _ExpertPlan:
 def _padded_dispatch(tokens, idx, local, call):
     """Equal blocks of the worst case: every (source, destination) block holds all of
     a rank's pairs; slots no pair fills carry expert ``-1``."""
-    n, hidden, k = axis_size(call.axis), tokens.shape[-1], idx.numel() // tokens.shape[0]
+    n, hidden, k = axis_size(call.axis), tokens.shape[-1], call.state["k"]
     dest = torch.div(idx, local, rounding_mode="floor")
     cap = idx.numel()
     onehot = torch.nn.functional.one_hot(dest, n)
@@ -776,22 +778,30 @@ def _padded_dispatch(tokens, idx, local, call):
 
 
 def _take_slice(t: torch.Tensor, shared: tuple[str, ...], call: Call) -> torch.Tensor:
-    """This rank's equal slice of rows replicated over ``shared`` (Replicate -> Shard(0))."""
+    """This rank's slice of rows replicated over ``shared`` (Replicate -> Shard(0)), in
+    ``torch.chunk``'s blocks: ``ceil(rows / n)`` each, the last ones shorter (or
+    empty) when ``n`` does not divide the rows, as DTensor's ``Shard(0)``."""
+    record = len(call.state["rows"]) < len(shared)
     for a in shared:
         n, i = axis_size(a), axis_index(a)
-        if t.shape[0] % n:
-            raise ShardingError(
-                f"ExpertDispatch on {call.name!r}: {t.shape[0]} tokens do not split over "
-                f"the {n} ranks of {a!r} that share them; use a batch x sequence divisible "
-                f"by {n}")
+        rows = t.shape[0]
+        if record:
+            call.state["rows"].append(rows)
+        chunk = -(-rows // n)
+        start = min(i * chunk, rows)
         t = (pvary(t, a) if t.is_floating_point() else t).narrow(
-            0, i * (t.shape[0] // n), t.shape[0] // n)
+            0, start, min(chunk, rows - start))
     return t
 
 
 def _gather_slice(t: torch.Tensor, shared: tuple[str, ...], call: Call) -> torch.Tensor:
-    for a in reversed(shared):
-        t = all_gather_invariant(t, a, axis=0, tiled=True)
+    """The inverse of :func:`_take_slice`: every rank's slice, each padded to the
+    chunk for an equal-block gather, the padding cut off after (its gradient is
+    never used)."""
+    for a, rows in zip(reversed(shared), reversed(call.state["rows"])):
+        chunk = -(-rows // axis_size(a))
+        t = torch.nn.functional.pad(t, (0, 0, 0, chunk - t.shape[0]))
+        t = all_gather_invariant(t, a, axis=0, tiled=True).narrow(0, 0, rows)
     return t
 
 
