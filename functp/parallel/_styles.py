@@ -552,6 +552,12 @@ class ExpertDispatch(Style):
     passes the token on) and counted in ``dropped``. ``drop_policy``: which pairs an
     expert over capacity keeps: ``"probs"`` (the highest routing weights, Megatron's
     default) or ``"position"`` (the earliest tokens, as Switch Transformers).
+    ``pad_to_capacity``: with a ``capacity_factor``, every expert receives exactly its
+    capacity of rows from each rank, the unused ones zero (Megatron's
+    ``moe_pad_expert_input_to_capacity``): the exchanges' and the experts' shapes no
+    longer depend on the routing (for ``torch.compile`` and CUDA graphs), at the
+    price of sending and computing the padding: ``local experts x capacity`` rows to
+    each peer, each way.
     ``dispatch``: ``"ragged"`` (default) or ``"padded"``: the earlier equal-block
     ``all_to_all`` that pads every (source, destination) block to the worst case
     (all of a rank's pairs to one destination; ``axis_size`` times the traffic of a
@@ -581,7 +587,8 @@ class ExpertDispatch(Style):
 
     def __init__(self, *, capacity_factor: float | None = None, drop_policy: str = "probs",
                  dispatch: str = "ragged", shared: tuple[str, ...] = (),
-                 fsdp: str | tuple[str, ...] | None = None, replicate: tuple[str, ...] = ()):
+                 fsdp: str | tuple[str, ...] | None = None, replicate: tuple[str, ...] = (),
+                 pad_to_capacity: bool = False):
         if capacity_factor is not None and not capacity_factor > 0:
             raise ShardingError(f"ExpertDispatch: capacity_factor must be a positive number "
                                 f"or None (no drops), got {capacity_factor!r}")
@@ -594,7 +601,12 @@ class ExpertDispatch(Style):
         if dispatch == "padded" and capacity_factor is not None:
             raise ShardingError("ExpertDispatch: the padded dispatch never drops; use "
                                 "dispatch='ragged' with a capacity_factor")
+        if pad_to_capacity and capacity_factor is None:
+            raise ShardingError("ExpertDispatch: pad_to_capacity=True pads each expert's rows "
+                                "to its capacity, which needs a capacity_factor (Megatron's "
+                                "moe_expert_capacity_factor); give one, e.g. 1.0")
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.pad_to_capacity = pad_to_capacity
         self.dispatch, self.shared = dispatch, tuple(shared)
         self.fsdp = (fsdp,) if isinstance(fsdp, str) else tuple(fsdp or ())
         if replicate and not self.fsdp:
@@ -605,6 +617,7 @@ class ExpertDispatch(Style):
 
     def __repr__(self) -> str:
         extra = (f", fsdp={self.fsdp!r}, replicate={self.replicate!r}" if self.fsdp else "")
+        extra += ", pad_to_capacity=True" if self.pad_to_capacity else ""
         return (f"ExpertDispatch(capacity_factor={self.capacity_factor!r}, drop_policy="
                 f"{self.drop_policy!r}, dispatch={self.dispatch!r}, shared={self.shared!r}"
                 f"{extra})")
@@ -672,8 +685,11 @@ class ExpertDispatch(Style):
         experts = n * local
         bad = (idx < 0) | (idx >= experts)                       # reported with the counts
         key = torch.where(bad, experts, idx)
+        if self.pad_to_capacity:
+            return self._capacity_dispatch(tokens, key, weights, bad, local, call)
         if self.capacity_factor is not None:     # dropped pairs sort last, and stay
-            key = torch.where(self._keep(key, weights, experts), key, experts)
+            place, cap = self._place(key, weights, experts)
+            key = torch.where(place < cap, key, experts)
         order = torch.argsort(key, stable=True)                  # grouped by expert
         counts = torch.cat([torch.bincount(key, minlength=experts + 1)[:experts],
                             bad.sum().reshape(1)])
@@ -686,9 +702,33 @@ class ExpertDispatch(Style):
                                    recv_offsets=plan.recv_off)
         return recv_x, plan.recv_experts
 
-    def _keep(self, idx, weights, experts):
-        """Which pairs fit their expert's capacity (Megatron's ``get_capacity``, on this
-        rank's pairs); ``idx`` is ``experts`` for a pair that names no expert."""
+    def _capacity_dispatch(self, tokens, key, weights, bad, local, call):
+        """Pad to capacity: the pairs each expert keeps go to its ``cap`` rows of an
+        ``experts x cap`` buffer (the dropped ones to a last row, cut off), which is
+        sent in blocks of ``local x cap`` rows per peer; the counts still travel, for
+        the route check, the peers' capacities and the dropped pairs."""
+        experts = axis_size(call.axis) * local
+        place, cap = self._place(key, weights, experts)
+        kept = (place < cap) & (key < experts)
+        counts = torch.cat([torch.full((experts,), cap), bad.sum().reshape(1),
+                            kept.sum().reshape(1)])
+        plan = _expert_plan(counts, local, call)                 # the one host sync
+        self.dropped[call.name] = key.numel() - plan.extra[0]
+        slot = torch.where(kept, key * cap + place, experts * cap)
+        rows = tokens[torch.div(torch.arange(key.numel()), call.state["k"],
+                                rounding_mode="floor")]
+        buf = tokens.new_zeros(experts * cap + 1, tokens.shape[1]).index_add(0, slot, rows)
+        call.state.update(plan=plan, slot=slot, sent_rows=experts * cap)
+        recv_x = ragged_all_to_all(buf[:experts * cap], buf.new_zeros(plan.recv_total,
+                                                                      tokens.shape[1]),
+                                   plan.in_off, plan.send, plan.out_off, plan.recv, call.axis,
+                                   recv_offsets=plan.recv_off)
+        return recv_x, plan.recv_experts
+
+    def _place(self, idx, weights, experts):
+        """Each pair's place among its expert's pairs (by weight or position) and the
+        capacity (Megatron's ``get_capacity``, on this rank's pairs): the pairs placed
+        below it fit; ``idx`` is ``experts`` for a pair that names no expert."""
         cap = math.ceil(idx.numel() / experts * self.capacity_factor)
         order = torch.arange(idx.numel())
         if self.drop_policy == "probs":          # highest weight first within an expert
@@ -697,7 +737,7 @@ class ExpertDispatch(Style):
         counts = torch.bincount(idx, minlength=experts + 1)
         start = counts.cumsum(0) - counts
         rank = torch.arange(idx.numel()) - start[idx[order]]     # place within its expert
-        return torch.empty_like(rank).scatter_(0, order, rank) < cap
+        return torch.empty_like(rank).scatter_(0, order, rank), cap
 
     def prepare_output(self, module, args, kwargs, output, call):
         st = call.state
@@ -709,11 +749,13 @@ class ExpertDispatch(Style):
             back = all_to_all(output, call.axis, 0, 0, tiled=True)
             pairs = back[st["slot"]]
         else:
-            plan = st["plan"]
-            back = ragged_all_to_all(output, output.new_zeros(st["order"].numel(), output.shape[1]),
+            plan, padded = st["plan"], self.pad_to_capacity
+            rows = st["sent_rows"] if padded else st["order"].numel()
+            back = ragged_all_to_all(output, output.new_zeros(rows, output.shape[1]),
                                      plan.recv_off, plan.recv, plan.back_off, plan.send,
                                      call.axis, recv_offsets=plan.in_off)
-            pairs = torch.zeros_like(back).index_copy(0, st["order"], back)
+            pairs = (torch.nn.functional.pad(back, (0, 0, 0, 1))[st["slot"]] if padded
+                     else torch.zeros_like(back).index_copy(0, st["order"], back))
         w = st["weights"].unsqueeze(-1)
         out = (pairs.unflatten(0, (-1, st["k"])) * w).sum(1).to(output.dtype)
         return _gather_slice(out, self.shared, call).reshape(st["shape"])
@@ -729,6 +771,7 @@ class _ExpertPlan(NamedTuple):
     back_off: list[int]     # where the results for peer j land in its sorted pairs
     recv_total: int
     recv_experts: torch.Tensor     # the local expert of every received row
+    extra: list[int]        # this rank's counts after its bad routes' (as given)
 
 
 def _expert_plan(counts: torch.Tensor, local: int, call: Call) -> _ExpertPlan:
@@ -737,8 +780,8 @@ def _expert_plan(counts: torch.Tensor, local: int, call: Call) -> _ExpertPlan:
     each received row's local expert. A bad route is an error on every rank."""
     axis = call.axis
     n, me = axis_size(axis), axis_index(axis)
-    table = all_gather(counts, axis).tolist()          # [source][expert] + [bad routes]
-    bad = {s: row[-1] for s, row in enumerate(table) if row[-1]}
+    table = all_gather(counts, axis).tolist()     # [source][expert] + [bad routes, ...]
+    bad = {s: row[n * local] for s, row in enumerate(table) if row[n * local]}
     if bad:
         raise ShardingError(
             f"ExpertDispatch on {call.name!r}: routing indices outside 0..{n * local - 1} "
@@ -757,7 +800,7 @@ def _expert_plan(counts: torch.Tensor, local: int, call: Call) -> _ExpertPlan:
     return _ExpertPlan(starts(send), send, [sum(per_dest[s][j] for s in range(me))
                                             for j in range(n)],
                        recv, starts(recv), [starts(per_dest[s])[me] for s in range(n)],
-                       sum(recv), experts)
+                       sum(recv), experts, table[me][n * local + 1:])
 
 
 def _padded_dispatch(tokens, idx, local, call):
