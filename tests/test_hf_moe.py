@@ -258,6 +258,7 @@ def test_a_config_functp_cannot_apply_is_refused():
     _bad_config(dict(tp_size=2, ep_size=3), "multiple of tp_size")
     _bad_config(dict(tp_size=4), "multiply to the world size")
     _bad_config(dict(tp_sise=2), "unknown fields")
+    _bad_config(dict(ep_size=2, ep_plan="auto"), "ep_plan must be a dict of rules or None")
 
 
 def _experts_do_not_split():

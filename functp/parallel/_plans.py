@@ -826,6 +826,11 @@ def _resolve_config(dc: Any) -> dict[str, Any]:
     for f in _SIZES:
         if c[f] is not None and (not isinstance(c[f], int) or c[f] < 1):
             raise ShardingError(f"distributed_config: {f} must be an int >= 1, got {c[f]!r}")
+    for f, ok in (("tp_plan", "a dict of rules, 'auto' or None"),
+                  ("ep_plan", "a dict of rules or None"), ("fsdp_plan", "a dict of rules or None")):
+        if not (c[f] is None or isinstance(c[f], dict) or (f == "tp_plan" and c[f] == "auto")):
+            raise ShardingError(f"distributed_config: {f} must be {ok} (transformers' "
+                                f"DistributedConfig), got {c[f]!r}")
     for f in ("fsdp_size", "dp_replicate_size", "pp_size"):
         c[f] = c[f] or 1
     if c["tp_size"] is None:      # transformers: the rest of the world when a tp_plan is set
