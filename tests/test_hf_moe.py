@@ -298,8 +298,9 @@ def _verify(config):
                               distributed_config=DistributedConfig(**config))
 
 
-@pytest.mark.parametrize("config", [None, dict(tp_size=2, ep_size=4, fsdp_size=2)],
-                         ids=["ep2_tp2", "config_tp2_ep4"])
+@pytest.mark.parametrize("config", [None, dict(tp_size=2, ep_size=4, fsdp_size=2),
+                                    dict(ep_size=2, fsdp_size=4)],
+                         ids=["ep2_tp2", "config_tp2_ep4", "config_ep2_fsdp4_efsdp2"])
 def test_verify_plan_checks_an_expert_parallel_plan(run, config):
     # modules inside the experts run on the pairs a rank received: not compared one
     # by one; the experts' combined output and every gradient are

@@ -117,7 +117,8 @@ class Parallelized:
     ``apply.specs`` / ``apply.styles`` give each parameter's spec and rule;
     ``apply.axes`` the plan axis (or axis tuple) of each covered parameter;
     ``apply.batch_axes`` the mesh axes to split the batch over (those no rule splits
-    a parameter over, or only an expert dispatch does);
+    a parameter over, or only an expert dispatch or FSDP does, less the axes an
+    expert dispatch's tokens are ``shared`` over);
     ``apply.split_share`` the share of parameter elements the plan splits (what it
     leaves out is replicated: memory every rank pays in full);
     ``apply.shard(full)`` turns canonical full parameters into this rank's blocks and
