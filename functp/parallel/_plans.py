@@ -948,7 +948,7 @@ def _config_families(module: nn.Module, mesh: Mesh, c: dict[str, Any]
         style = ExpertDispatch(shared=("tp",) if tp else (), fsdp=efsdp,
                                replicate=replicate if efsdp else ())
         ep_plan = _auto_ep_plan(module, style, c["ep_plan"])
-        _check_expert_shards(module, ep_plan, mesh, c)
+        _check_expert_shards(module, ep_plan, c)
     if tp and c["tp_plan"] != {}:
         families.append(("tp", _auto_plan(module, mesh.shape["tp"], c["tp_plan"],
                                           tuple(ep_plan)), True))
@@ -961,7 +961,7 @@ def _config_families(module: nn.Module, mesh: Mesh, c: dict[str, Any]
     return families
 
 
-def _check_expert_shards(module: nn.Module, ep_plan: dict, mesh: Mesh, c: dict) -> None:
+def _check_expert_shards(module: nn.Module, ep_plan: dict, c: dict) -> None:
     """Every expert parameter must split into ``ep_size x efsdp_size`` shards on its
     expert dimension: transformers' FSDP2 pads a short shard, functp does not."""
     shards = c["ep_size"] * _efsdp(c)

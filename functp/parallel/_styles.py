@@ -566,12 +566,12 @@ class ExpertDispatch(Style):
     batch): each of those ranks dispatches its slice of the tokens (``torch.chunk``'s
     blocks: a count that does not divide leaves the last slices shorter, or empty),
     and the outputs are gathered back, so that no token is computed twice
-    (transformers' EP with ``tp_size > 1``). ``fsdp``: an axis (or axes) over which the experts' parameters
-    are also sharded, on the expert dimension after the expert-parallel split, and
-    all-gathered in the pre-hook (transformers' expert FSDP over ``efsdp``; the
-    gradient comes back reduce-scattered); ``replicate``: axes over which those
-    shards are replicated (HSDP's ``dp_replicate``), whose gradients are all-reduced
-    on the shard.
+    (transformers' EP with ``tp_size > 1``). ``fsdp``: an axis (or axes) over which
+    the experts' parameters are also sharded, on the expert dimension after the
+    expert-parallel split (``P(("ep", "efsdp"))``), and all-gathered in the pre-hook
+    (transformers' expert FSDP over ``efsdp``; the gradient comes back
+    reduce-scattered); ``replicate``: axes over which those shards are replicated
+    (HSDP's ``dp_replicate``), whose gradients are all-reduced on the shard.
 
     Host syncs: one per call, for the counts (one all-gather of ``axis_size x
     experts`` ints); none per expert. ``dropped[name]``: the pairs this rank dropped
