@@ -866,12 +866,6 @@ def _resolve_config(dc: Any) -> dict[str, Any]:
     return c
 
 
-def _fsdp_config(c: dict[str, Any]) -> bool:
-    """Whether a resolved config gets FSDP / HSDP's mesh and parameter sharding
-    (data parallel without expert parallelism)."""
-    return c["ep_size"] == 1 and c["fsdp_size"] * c["dp_replicate_size"] > 1
-
-
 def _efsdp(c: dict[str, Any]) -> int:
     """transformers' ``efsdp_size``: the ranks holding the same experts, which
     FSDP-shard them (``fsdp_size x tp_size / ep_size``)."""
