@@ -54,8 +54,8 @@ def _block(experts: int) -> Block:
     return block
 
 
-def _batch(rows: int) -> torch.Tensor:
-    return torch.randn(rows, S, H, generator=torch.Generator().manual_seed(1),
+def _batch(rows: int, seq: int = S) -> torch.Tensor:
+    return torch.randn(rows, seq, H, generator=torch.Generator().manual_seed(1),
                        dtype=torch.float64)
 
 
@@ -102,14 +102,14 @@ def _reference(module, x, drop=None):
     return grads, loss
 
 
-def _program(shape, names, experts, dispatch, drop=None, route=None):
+def _program(shape, names, experts, dispatch, drop=None, route=None, rows=2, seq=S):
     mesh = functp.make_mesh(shape, names)
     module = _block(experts)
     if route is not None:          # the same routing change for both runs
         module.moe.router.register_forward_hook(lambda m, a, out: route(*out))
     apply, params, specs = functp.parallelize(module, mesh, _plan(mesh, dispatch))
     batch = apply.batch_axes
-    x = _batch(2 * mesh.axis_size(batch))
+    x = _batch(rows * mesh.axis_size(batch), seq)
     ref_grads, ref_loss = _reference(module, x, drop)
 
     def body(p, xb):
@@ -150,6 +150,36 @@ def test_tensor_parallel_ranks_dispatch_their_slice_of_the_shared_tokens(run):
     assert log.count("all_gather", ("tp",)) >= 1
 
 
+@pytest.mark.parametrize("shape,names,replicate", [
+    ((2, 2), ("efsdp", "ep"), ()),
+    ((2, 2, 2), ("dp_replicate", "efsdp", "ep"), ("dp_replicate",))],
+    ids=["efsdp2_ep2", "replicate2_efsdp2_ep2"])
+def test_experts_fsdp_sharded_over_efsdp_are_gathered_per_call(run, shape, names, replicate):
+    # each rank stores a slice of its experts (dim 0 over ('ep', 'efsdp')), gathers
+    # them over efsdp in the dispatch's pre-hook; the gradient comes back
+    # reduce-scattered (and, over the replicas, all-reduced on the slice)
+    dispatch = functp.ExpertDispatch(fsdp="efsdp", replicate=replicate)
+    log, _ = run(math.prod(shape), _program, shape, names, 8, dispatch)[0]
+    assert log.count("all_gather", ("efsdp",)) == 2          # gate_up_proj, down_proj
+    assert log.count("reduce_scatter", ("efsdp",)) == 2
+    if replicate:
+        assert log.count("all_reduce", ("dp_replicate",)) >= 1
+    assert log.count("ragged_all_to_all", ("ep",)) == 4
+
+
+@pytest.mark.parametrize("tp,seq,pad", [(2, 3, False), (4, 5, False), (4, 3, False),
+                                        (4, 5, True)])
+def test_shared_tokens_that_do_not_divide_over_tp_are_split_unevenly(run, tp, seq, pad):
+    # seq tokens a batch rank over tp ranks: torch.chunk's blocks (3 over 2: 2 + 1;
+    # 5 over 4: 2 + 2 + 1 + 0; 3 over 4: 1 + 1 + 1 + 0), the gather padded and cut;
+    # padded to capacity, each peer's capacity is its own (0 for an empty slice)
+    extra = dict(capacity_factor=4.0, pad_to_capacity=True) if pad else {}   # (no drops)
+    log, _ = run(2 * tp, _program, (2, tp), ("ep", "tp"), 8,
+                 functp.ExpertDispatch(shared=("tp",), **extra), None, None, 1, seq)[0]
+    assert log.count("ragged_all_to_all", ("ep",)) == 4
+    assert log.count("all_gather", ("tp",)) >= 1
+
+
 def _to_rank_0(weights, idx):
     return weights, idx % 2            # experts 0 and 1: rank 0's of 4 experts on 2 ranks
 
@@ -172,6 +202,21 @@ def test_capacity_factor_drops_what_megatron_drops(run, policy):
                      functp.ExpertDispatch(capacity_factor=cf, drop_policy=policy),
                      drop)[0]
     assert dropped["moe.experts"] > 0          # a factor of 0.5 must drop something
+
+
+@pytest.mark.parametrize("cf", [0.5, 1.0, 2.0])
+def test_pad_to_capacity_drops_what_megatron_drops_and_pads_the_rest(run, cf):
+    # the same pairs dropped as without padding; the padding rows change nothing
+    experts = 4
+
+    def drop(weights, idx):
+        return _drop_by_hand(weights, idx, 4, experts, cf, "probs")
+    dispatch = functp.ExpertDispatch(capacity_factor=cf, pad_to_capacity=True)
+    log, dropped = run(4, _program, (2, 2), ("dp", "ep"), experts, dispatch, drop)[0]
+    # top-2 of 4 experts: an expert gets at most half of the pairs, so 2.0 drops none
+    if cf != 1.0:
+        assert (dropped["moe.experts"] > 0) == (cf < 1), dropped
+    assert log.count("ragged_all_to_all") == 4
 
 
 def _bytes(dispatch):
@@ -204,6 +249,24 @@ def test_comm_log_counts_exactly_the_routed_pairs(run):
         assert log.nbytes("all_to_all") == 4 * (4 * sent * row) + 4 * sent * 8
 
 
+def _padded_bytes(cf):
+    dispatch = functp.ExpertDispatch(capacity_factor=cf, pad_to_capacity=True)
+    log, sent, _ = _bytes(dispatch)
+    return log, sent, dict(dispatch.dropped)
+
+
+@pytest.mark.parametrize("cf", [0.5, 1.5])
+def test_pad_to_capacity_sends_capacity_rows_to_every_peer(run, cf):
+    # 4 ranks, 8 experts (2 a rank); each rank's 6 tokens x top-2 = 12 pairs:
+    # capacity ceil(12 / 8 * cf) rows per expert, 2 x capacity rows to each peer,
+    # whatever the routing: 4 exchanges (out, back, and both in the backward)
+    for log, sent, dropped in run(4, _padded_bytes, cf):
+        cap = math.ceil(sent / 8 * cf)
+        per_peer = 2 * cap * H * 8                  # local experts x capacity x hidden x 8 B
+        assert log.nbytes("ragged_all_to_all") == 4 * 4 * per_peer
+        assert log.count("ragged_all_to_all") == 4
+
+
 def _bad_route():
     mesh = functp.make_mesh((2,), ("ep",))
     module = _block(4)
@@ -230,3 +293,7 @@ def test_bad_options_are_refused():
         functp.ExpertDispatch(drop_policy="random")
     with pytest.raises(functp.ShardingError, match="never drops"):
         functp.ExpertDispatch(dispatch="padded", capacity_factor=1.0)
+    with pytest.raises(functp.ShardingError, match="needs a capacity_factor"):
+        functp.ExpertDispatch(pad_to_capacity=True)
+    with pytest.raises(functp.ShardingError, match="give fsdp= too"):
+        functp.ExpertDispatch(replicate=("dp_replicate",))

@@ -139,19 +139,112 @@ def test_auto_puts_experts_on_ep_exactly_or_refuses_with_its_reason(run, model_t
         assert detail[3] == tuple(a for a in names if a != "tp")
 
 
-@pytest.mark.parametrize("sizes", [dict(ep_size=2, fsdp_size=2, dp_replicate_size=2),
-                                   dict(tp_size=2, ep_size=4, fsdp_size=2)],
-                         ids=["ep2_fsdp2_replicate2", "tp2_ep4_fsdp2"])
-def test_a_transformers_distributed_config_builds_the_mesh_and_plans(run, sizes):
+def _config_step(model_type, sizes, tape):
+    """One step of ``model_type`` under ``parallelize(model, distributed_config=...)``
+    (grad or tape) against the unsharded model, with what transformers fixes: which
+    world rank holds which dense and expert shard, the specs, the collectives."""
     from transformers import DistributedConfig
-    config = DistributedConfig(**sizes)
-    outcome, detail = run(4, _survey, "qwen3_moe", None, None, config)[0]
-    # experts over ep_size ranks, as transformers counts them: ('ep', 'tp') with tp
-    _assert_exact("qwen3_moe", outcome, detail,
-                  ("ep", "tp") if sizes.get("tp_size", 1) > 1 else ("ep",))
-    # the batch over ('dp', 'ep'), and over the size-1 'tp' axis without tensor parallelism
-    assert detail[4] == ("dp", "ep", "tp")
-    assert detail[3] == (("dp", "ep") if sizes.get("tp_size", 1) > 1 else ("dp", "ep", "tp"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _build(model_type)
+        apply, params, specs = functp.parallelize(model,
+                                                  distributed_config=DistributedConfig(**sizes))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, hf.VOCAB, (hf.BATCH, hf.SEQ), generator=g)
+    tgt = torch.randint(hf.VOCAB, (hf.BATCH, hf.SEQ), generator=g)
+    forward = lambda run_model, p, i: run_model(p, input_ids=i, use_cache=False).logits
+    ref_apply, full = functp.functionalize(model)
+    ref_grads, ref_loss = torch.func.grad_and_value(
+        lambda p: hf._lm_loss(forward(ref_apply, p, ids), tgt))(full)
+    mesh, batch = apply.mesh, apply.batch_axes
+    step = functp.shard_map(lambda p, i, t: functp.pmean(hf._lm_loss(forward(apply, p, i), t),
+                                                         batch),
+                            mesh, in_specs=(specs, P(batch), P(batch)), out_specs=P())
+    local = functp.shard((ids, tgt), mesh, P(batch))
+    with functp.comm_log() as log:
+        if tape:
+            p = {k: v.detach().requires_grad_() for k, v in params.items()}
+            loss = step(p, *local)
+            loss.backward()
+            grads = {k: v.grad for k, v in p.items()}
+        else:
+            grads, loss = torch.func.grad_and_value(step)(params, *local)
+    # each rank's place in transformers' two row-major meshes, (dp_replicate, fsdp,
+    # tp) and (dp_replicate, efsdp, ep), against its index on functp's axes
+    where = functp.shard_map(lambda: tuple(functp.axis_index(a) for a in (
+        ("efsdp", "ep"), "tp", "efsdp", ("ep", "tp"))), mesh, in_specs=(), out_specs=P())()
+    return (hf._max_error(apply.unshard(grads), ref_grads, loss, ref_loss), dict(specs),
+            batch, mesh.axis_names, dict(mesh.shape), log.summary(), where)
+
+
+_CONFIGS = {"ep2_fsdp4": dict(ep_size=2, fsdp_size=4),                 # efsdp 2
+            "tp2_ep2_fsdp2": dict(tp_size=2, ep_size=2, fsdp_size=2),   # efsdp 2, ep == tp
+            "tp2_ep4_fsdp2": dict(tp_size=2, ep_size=4, fsdp_size=2),   # efsdp 1
+            "ep2_fsdp2_replicate2": dict(ep_size=2, fsdp_size=2, dp_replicate_size=2),
+            "tp2_ep2_fsdp2_replicate2": dict(tp_size=2, ep_size=2, fsdp_size=2,
+                                             dp_replicate_size=2)}
+_CONFIG_CASES = [("qwen3_moe", "ep2_fsdp4", False), ("qwen3_moe", "ep2_fsdp4", True),
+                 ("mixtral", "tp2_ep2_fsdp2", False), ("mixtral", "tp2_ep2_fsdp2", True),
+                 ("qwen3_moe", "tp2_ep4_fsdp2", False), ("mixtral", "ep2_fsdp2_replicate2", True),
+                 ("qwen3_moe", "tp2_ep2_fsdp2_replicate2", False)]
+
+
+@pytest.mark.parametrize("model_type,config,tape", _CONFIG_CASES,
+                         ids=[f"{t}-{c}-{'tape' if b else 'grad'}" for t, c, b in _CONFIG_CASES])
+def test_a_config_with_ep_and_fsdp_shards_dense_over_fsdp_and_experts_over_ep_and_efsdp(
+        run, model_type, config, tape):
+    pytest.importorskip("transformers")
+    sizes = _CONFIGS[config]
+    r, f, t, e = (sizes.get(k, 1) for k in ("dp_replicate_size", "fsdp_size", "tp_size",
+                                             "ep_size"))
+    efsdp, world = f * t // e, r * f * t
+    results = run(world, _config_step, model_type, sizes, tape)
+    (error, at), specs, batch, names, shape, log, _ = results[0]
+    assert error <= 1e-10, f"{model_type} {config}: {at} differs by {error:.2e}"
+    assert names == ("dp_replicate", "efsdp", "ep", "tp")
+    assert shape == {"dp_replicate": r, "efsdp": efsdp, "ep": e // t, "tp": t}
+    # the same world ranks hold the same shards as in transformers' meshes
+    for rank, (_, _, _, _, _, _, where) in enumerate(results):
+        assert where == ((rank // t) % f, rank % t, (rank // e) % efsdp, rank % e), (rank, where)
+    # the experts: ep_size shards, each FSDP-sharded over efsdp on the expert dimension
+    experts = {n: s for n, s in specs.items() if ".experts." in n}
+    ep_axes = ("ep", "tp") if t > 1 else ("ep",)
+    want = ep_axes + (("efsdp",) if efsdp > 1 else ())
+    assert experts and all(s.dim_axes(0) == want for s in experts.values()), experts
+    # every dense parameter the tp plan leaves is FSDP-sharded over transformers'
+    # fsdp axis, ("efsdp", "ep"), or left whole when no dimension divides
+    dense = {n: s for n, s in specs.items() if n not in experts}
+    fsdp = [n for n, s in dense.items() if ("efsdp", "ep") in s]
+    assert fsdp and all(("tp" in s.axes) != (n in fsdp) or not s.axes
+                        for n, s in dense.items()), dense
+    # one gather and one reduce-scatter per sharded parameter and layer call
+    assert log[("all_gather", ("efsdp", "ep"))] == len(fsdp)
+    assert log[("reduce_scatter", ("efsdp", "ep"))] == len(fsdp)
+    if efsdp > 1:
+        assert log[("all_gather", ("efsdp",))] == len(experts)
+        assert log[("reduce_scatter", ("efsdp",))] == len(experts)
+    else:
+        assert ("all_gather", ("efsdp",)) not in log
+    if r > 1:       # HSDP: the shards' gradients all-reduced over the replicas
+        assert log[("all_reduce", ("dp_replicate",))] >= 1
+    assert batch == (("dp_replicate", "efsdp", "ep") if t > 1
+                     else ("dp_replicate", "efsdp", "ep", "tp"))
+
+
+@pytest.mark.parametrize("fields", [dict(tp_size=2, ep_size=2, tp_plan={}),
+                                    dict(tp_size=2, enable_expert_parallel=True)],
+                         ids=["tp_plan_empty", "enable_expert_parallel"])
+def test_tp_ranks_without_a_tp_plan_still_share_one_batch_for_the_experts(run, fields):
+    # transformers' tp ranks hold one batch whether or not a tp plan splits the dense
+    # modules: the experts' dispatch slices it, so 'tp' is no batch axis (it was, and
+    # the loss was off by 99%)
+    from transformers import DistributedConfig
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")         # enable_expert_parallel is deprecated
+        config = DistributedConfig(**fields)
+    outcome, detail = run(2, _survey, "qwen3_moe", None, None, config)[0]
+    _assert_exact("qwen3_moe", outcome, detail, ("ep", "tp"))
+    assert detail[3] == ("dp_replicate", "efsdp", "ep")
 
 
 def _bad_config(fields, match):
@@ -165,6 +258,18 @@ def test_a_config_functp_cannot_apply_is_refused():
     _bad_config(dict(tp_size=2, ep_size=3), "multiple of tp_size")
     _bad_config(dict(tp_size=4), "multiply to the world size")
     _bad_config(dict(tp_sise=2), "unknown fields")
+    _bad_config(dict(ep_size=2, ep_plan="auto"), "ep_plan must be a dict of rules or None")
+
+
+def _experts_do_not_split():
+    # 4 experts over ep_size 2 x efsdp_size 4 shards (fsdp 4 x tp 2 / ep 2)
+    _bad_config(dict(tp_size=2, ep_size=2, fsdp_size=4),
+                r"4 experts, which do not split into ep_size x efsdp_size = 2 x 4 = 8 "
+                r"shards.*ep_size = fsdp_size x tp_size makes efsdp_size 1")
+
+
+def test_experts_that_do_not_split_over_ep_and_efsdp_are_refused_on_every_rank(run):
+    run(8, _experts_do_not_split)
 
 
 def _dense_on_ep():
@@ -193,8 +298,9 @@ def _verify(config):
                               distributed_config=DistributedConfig(**config))
 
 
-@pytest.mark.parametrize("config", [None, dict(tp_size=2, ep_size=4, fsdp_size=2)],
-                         ids=["ep2_tp2", "config_tp2_ep4"])
+@pytest.mark.parametrize("config", [None, dict(tp_size=2, ep_size=4, fsdp_size=2),
+                                    dict(ep_size=2, fsdp_size=4)],
+                         ids=["ep2_tp2", "config_tp2_ep4", "config_ep2_fsdp4_efsdp2"])
 def test_verify_plan_checks_an_expert_parallel_plan(run, config):
     # modules inside the experts run on the pairs a rank received: not compared one
     # by one; the experts' combined output and every gradient are

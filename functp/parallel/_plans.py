@@ -117,7 +117,8 @@ class Parallelized:
     ``apply.specs`` / ``apply.styles`` give each parameter's spec and rule;
     ``apply.axes`` the plan axis (or axis tuple) of each covered parameter;
     ``apply.batch_axes`` the mesh axes to split the batch over (those no rule splits
-    a parameter over, or only an expert dispatch does);
+    a parameter over, or only an expert dispatch or FSDP does, less the axes an
+    expert dispatch's tokens are ``shared`` over);
     ``apply.split_share`` the share of parameter elements the plan splits (what it
     leaves out is replicated: memory every rank pays in full);
     ``apply.shard(full)`` turns canonical full parameters into this rank's blocks and
@@ -140,6 +141,8 @@ class Parallelized:
                  for a in specs[n].axes}
         model |= {a for h in hooked if not isinstance(h[2], batchlike)
                   for a in _axes_of(h[4])}
+        # the axes an expert dispatch's tokens are replicated over (tp) hold one batch
+        model |= {a for h in hooked if isinstance(h[2], ExpertDispatch) for a in h[2].shared}
         #: the mesh axes to split the batch over: those that only an expert dispatch
         #: or FSDP uses, or none (tensor-parallel axes hold the same tokens)
         self.batch_axes = tuple(a for a in mesh.axis_names if a not in model)
@@ -592,12 +595,14 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     module's output or any gradient differ from the unsharded module raises a
     ``ShardingError`` naming the first such module; ``distributed_config`` –
     transformers' ``DistributedConfig`` (or a dict of its fields) instead of a mesh:
-    with ``ep_size`` > 1 the mesh is ``("dp", "ep", "tp")``
-    (experts split over ``("ep", "tp")``, the batch over ``("dp", "ep")``; ``fsdp_size``
-    and ``dp_replicate_size`` make ``dp``, over which parameters are replicated);
-    otherwise ``("dp_replicate", "fsdp", "tp")``, with FSDP over ``fsdp`` (HSDP with
-    ``dp_replicate``); the plans are then ``"auto"``, with the config's ``tp_plan`` /
-    ``ep_plan`` dicts overriding rules as in transformers.
+    without ``ep_size`` the mesh is ``("dp_replicate", "fsdp", "tp")``, with FSDP over
+    ``fsdp`` (HSDP with ``dp_replicate``); with ``ep_size`` > 1 it is
+    ``("dp_replicate", "efsdp", "ep", "tp")``, transformers' dense and expert meshes
+    in one: the experts split over ``("ep", "tp")`` (``ep_size`` shards) and
+    FSDP-sharded over ``efsdp`` (``fsdp_size x tp_size / ep_size``), the other
+    parameters FSDP-sharded over ``("efsdp", "ep")`` (transformers' ``fsdp``), the
+    batch over ``("dp_replicate", "efsdp", "ep")``; the plans are ``"auto"``, the
+    config's ``tp_plan`` / ``ep_plan`` dicts overriding rules as in transformers.
     FSDP, also as the plan family ``{"fsdp": "auto"}`` and in ``"auto"`` on a mesh
     with an ``fsdp`` axis: every module owning parameters no other family covers gets
     :class:`FullyShard`: each parameter stored split over ``fsdp`` (dim 0 where it
@@ -822,6 +827,11 @@ def _resolve_config(dc: Any) -> dict[str, Any]:
     for f in _SIZES:
         if c[f] is not None and (not isinstance(c[f], int) or c[f] < 1):
             raise ShardingError(f"distributed_config: {f} must be an int >= 1, got {c[f]!r}")
+    for f, ok in (("tp_plan", "a dict of rules, 'auto' or None"),
+                  ("ep_plan", "a dict of rules or None"), ("fsdp_plan", "a dict of rules or None")):
+        if not (c[f] is None or isinstance(c[f], dict) or (f == "tp_plan" and c[f] == "auto")):
+            raise ShardingError(f"distributed_config: {f} must be {ok} (transformers' "
+                                f"DistributedConfig), got {c[f]!r}")
     for f in ("fsdp_size", "dp_replicate_size", "pp_size"):
         c[f] = c[f] or 1
     if c["tp_size"] is None:      # transformers: the rest of the world when a tp_plan is set
@@ -856,18 +866,19 @@ def _resolve_config(dc: Any) -> dict[str, Any]:
     return c
 
 
-def _fsdp_config(c: dict[str, Any]) -> bool:
-    """Whether a resolved config gets FSDP / HSDP's mesh and parameter sharding
-    (data parallel without expert parallelism)."""
-    return c["ep_size"] == 1 and c["fsdp_size"] * c["dp_replicate_size"] > 1
+def _efsdp(c: dict[str, Any]) -> int:
+    """transformers' ``efsdp_size``: the ranks holding the same experts, which
+    FSDP-shard them (``fsdp_size x tp_size / ep_size``)."""
+    return c["fsdp_size"] * c["tp_size"] // c["ep_size"]
 
 
 def _mesh_for_config(c: dict[str, Any]) -> Mesh:
-    """The mesh of a resolved config: without expert parallelism and with data
-    parallelism, transformers' axes ``("dp_replicate", "fsdp", "tp")``; otherwise
-    ``("dp", "ep", "tp")`` of sizes ``(dp_replicate * fsdp * tp / ep, ep / tp, tp)``:
-    the experts are split over ``("ep", "tp")`` (``ep_size`` shards, as transformers
-    counts them) and the batch over ``("dp", "ep")``."""
+    """The mesh of a resolved config: without expert parallelism, transformers' axes
+    ``("dp_replicate", "fsdp", "tp")``; with it, both of transformers' views of the
+    world in one mesh, ``("dp_replicate", "efsdp", "ep", "tp")`` of sizes
+    ``(dp_replicate, efsdp, ep / tp, tp)``: transformers' dense ``fsdp`` axis is
+    ``("efsdp", "ep")`` and its expert ``ep`` axis is ``("ep", "tp")``, the same
+    ranks in the same order as its two row-major device meshes."""
     from ..mesh._mesh import make_mesh
     tp, ep = c["tp_size"], c["ep_size"]
     world = c["dp_replicate_size"] * c["fsdp_size"] * tp
@@ -875,10 +886,11 @@ def _mesh_for_config(c: dict[str, Any]) -> Mesh:
         raise ShardingError(
             f"distributed_config: dp_replicate_size x fsdp_size x tp_size = {world}, but "
             f"{_world.process_count()} processes run; make the sizes multiply to the world size")
-    if _fsdp_config(c):
+    if ep == 1:
         return make_mesh((c["dp_replicate_size"], c["fsdp_size"], tp),
                          ("dp_replicate", "fsdp", "tp"))
-    return make_mesh((world // max(ep, tp), max(ep, tp) // tp, tp), ("dp", "ep", "tp"))
+    return make_mesh((c["dp_replicate_size"], _efsdp(c), ep // tp, tp),
+                     ("dp_replicate", "efsdp", "ep", "tp"))
 
 
 def _overridden(base: dict | None, override: Any) -> dict:
@@ -895,33 +907,75 @@ def _auto_families(module: nn.Module, mesh: Mesh, axis: str, config: dict | None
     it, the expert-parallel plan over ``ep`` (or, from a config, ``("ep", "tp")``), and
     FSDP over ``fsdp`` (every parameter the others leave)."""
     if config is not None:
-        use_tp, use_ep = config["tp_size"] > 1, config["ep_size"] > 1
-        ep_axes, axis = (("ep", "tp") if config["tp_size"] > 1 else "ep"), "tp"
-        tp_over, ep_over = config["tp_plan"], config["ep_plan"]
-        use_fsdp = _fsdp_config(config) and config["fsdp_size"] > 1
-    else:
-        use_tp, use_ep, ep_axes = axis in mesh.axis_names, "ep" in mesh.axis_names, "ep"
-        use_fsdp = "fsdp" in mesh.axis_names
-        tp_over = ep_over = None
-        if not (use_tp or use_ep or use_fsdp):
-            _need_axis(mesh, axis)
+        return _config_families(module, mesh, config)
+    use_tp, use_ep = axis in mesh.axis_names, "ep" in mesh.axis_names
+    use_fsdp = "fsdp" in mesh.axis_names
+    if not (use_tp or use_ep or use_fsdp):
+        _need_axis(mesh, axis)
     families = []
-    ep_plan = _auto_ep_plan(module, (axis,) if use_tp else (), ep_over) if use_ep else {}
-    if use_tp and tp_over != {}:
+    ep_plan = _auto_ep_plan(module, ExpertDispatch(shared=(axis,) if use_tp else ()),
+                            None) if use_ep else {}
+    if use_tp:
         # transformers: EP rules win over TP rules on the experts and inside them
-        families.append((axis, _auto_plan(module, mesh.shape[axis], tp_over, tuple(ep_plan)),
+        families.append((axis, _auto_plan(module, mesh.shape[axis], None, tuple(ep_plan)),
                          True))
     if ep_plan:
-        families.append((ep_axes, ep_plan, True))
+        families.append(("ep", ep_plan, True))
     if use_fsdp:
         families.append(("fsdp", _fsdp_style(mesh), True))
     return families
 
 
-def _auto_ep_plan(module: nn.Module, shared: tuple[str, ...], override: Any) -> dict[str, Any]:
+def _config_families(module: nn.Module, mesh: Mesh, c: dict[str, Any]
+                     ) -> list[tuple[Any, dict, bool]]:
+    """A config's plan families on :func:`_mesh_for_config`'s mesh, as transformers
+    applies them: TP over ``tp``; the experts over ``("ep", "tp")`` (each tp rank
+    dispatching its slice of the shared tokens) and FSDP-sharded over ``efsdp``; every
+    other parameter FSDP-sharded over the dense ``fsdp`` axis, ``("efsdp", "ep")``
+    with expert parallelism; HSDP replicas over ``dp_replicate``."""
+    tp, ep = c["tp_size"] > 1, c["ep_size"] > 1
+    replicate = ("dp_replicate",) if c["dp_replicate_size"] > 1 else ()
+    families = []
+    ep_plan = {}
+    if ep:
+        efsdp = ("efsdp",) if _efsdp(c) > 1 else None
+        style = ExpertDispatch(shared=("tp",) if tp else (), fsdp=efsdp,
+                               replicate=replicate if efsdp else ())
+        ep_plan = _auto_ep_plan(module, style, c["ep_plan"])
+        _check_expert_shards(module, ep_plan, c)
+    if tp and c["tp_plan"] != {}:
+        families.append(("tp", _auto_plan(module, mesh.shape["tp"], c["tp_plan"],
+                                          tuple(ep_plan)), True))
+    if ep_plan:
+        families.append((("ep", "tp") if tp else "ep", ep_plan, True))
+    if c["fsdp_size"] > 1 and not ep:
+        families.append(("fsdp", _fsdp_style(mesh), True))
+    elif c["fsdp_size"] > 1:
+        families.append((("efsdp", "ep"), FullyShard(c["fsdp_size"], replicate), True))
+    return families
+
+
+def _check_expert_shards(module: nn.Module, ep_plan: dict, c: dict) -> None:
+    """Every expert parameter must split into ``ep_size x efsdp_size`` shards on its
+    expert dimension: transformers' FSDP2 pads a short shard, functp does not."""
+    shards = c["ep_size"] * _efsdp(c)
+    for name, _ in match_plan(module, ep_plan)[0].items():
+        for short, p in module.get_submodule(name).named_parameters(recurse=False):
+            if p.shape[0] % shards:
+                raise ShardingError(
+                    f"distributed_config: {name}.{short} (shape {tuple(p.shape)}) holds "
+                    f"{p.shape[0]} experts, which do not split into ep_size x efsdp_size = "
+                    f"{c['ep_size']} x {_efsdp(c)} = {shards} shards (efsdp_size = fsdp_size "
+                    f"x tp_size / ep_size = {c['fsdp_size']} x {c['tp_size']} / "
+                    f"{c['ep_size']}); transformers pads the short FSDP shard, functp does "
+                    f"not: pick ep_size and fsdp_size so that {p.shape[0]} divides by "
+                    f"fsdp_size x tp_size (ep_size = fsdp_size x tp_size makes efsdp_size 1)")
+
+
+def _auto_ep_plan(module: nn.Module, style: ExpertDispatch, override: Any) -> dict[str, Any]:
     """transformers' expert-parallel plan in functp's styles: an ``ep_dispatch_experts``
-    module is an :class:`ExpertDispatch` (whose parameters, the ``grouped_gemm`` rules,
-    it splits on the expert dimension)."""
+    module is ``style`` (an :class:`ExpertDispatch`, whose parameters, the
+    ``grouped_gemm`` rules, it splits on the expert dimension)."""
     kind = type(module).__name__
     plan = _overridden(getattr(module, "_ep_plan", None), override)
     if not plan:
@@ -930,7 +984,6 @@ def _auto_ep_plan(module: nn.Module, shared: tuple[str, ...], override: Any) -> 
             f"expert-parallel plan (transformers' base_model_ep_plan); use a mesh without "
             f"'ep' (name a data-parallel axis 'dp'), or pass plan families {{'ep': ...}}")
     dispatch = {p for p, s in plan.items() if s == "ep_dispatch_experts"}
-    style = ExpertDispatch(shared=shared)
     out, missing = {}, []
     for pattern, name in plan.items():
         if name == "ep_dispatch_experts":
