@@ -36,7 +36,7 @@ from ..runtime._torch_compat import (DataDependentOutputException, DynamicOutput
                             FakeTensorMode, MemRefType as _MemRefType, MemTracker,
                             TorchDispatchMode, c10d_functional,
                             disable_current_modes as _disable_current_modes,
-                            get_unwrapped, is_batched, is_functorch_wrapped)
+                            unwrap_functorch)
 
 __all__ = ["estimate", "Estimate", "RankEstimate", "StepTime"]
 
@@ -101,10 +101,9 @@ class _Tracker(MemTracker):
         for kind, tensors in ((_MemRefType.PARAM, module.parameters(recurse=False)),
                               (_MemRefType.BUFFER, module.buffers(recurse=False))):
             for t in tensors:
-                while is_functorch_wrapped(t):
-                    t = get_unwrapped(t)
-                if not is_batched(t):
-                    self._update_and_maybe_create_winfos(t, kind)
+                # the storage under every torch.func wrapper (vmap's too: a batched
+                # parameter's memory is the stacked tensor, filed once as the parameter)
+                self._update_and_maybe_create_winfos(unwrap_functorch(t), kind)
 
     def _post_fw_hook(self, module, inputs, outputs) -> None:
         pass
