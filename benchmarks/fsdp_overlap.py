@@ -75,7 +75,7 @@ def _functp(x, y, prefetch: bool):
     """functp's FSDP family: (tape step, torch.func.grad step, value_and_grad step)."""
     import functp
     from functp import P
-    from functp.parallel._fsdp_style import FullyShard
+    from functp import FullyShard
     n = dist.get_world_size()
     mesh = functp.make_mesh((n,), ("fsdp",))
     family = "auto" if prefetch else FullyShard(n, prefetch=False)
@@ -115,7 +115,7 @@ def _no_overlap(step):
 def variants(x, y) -> dict:
     """name -> (a step, functp's collectives per step or None)."""
     import functp
-    from functp.parallel._fsdp_style import FullyShard
+    from functp import FullyShard
     out = {"compute alone": (_tape_step(make_model(), x, y), 0),
            "FSDP2, reshard_after_forward=False": (_fsdp2(x, y, False), None),
            "FSDP2, reshard_after_forward=True": (_fsdp2(x, y, True), None)}

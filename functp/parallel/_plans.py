@@ -657,7 +657,7 @@ def _families(module: nn.Module, mesh: Mesh, plan: Any, axis: str, config: dict 
                             "config (its tp_plan / ep_plan) and the model; pass plan='auto'")
     if isinstance(plan, str):
         raise ShardingError(f"parallelize: plan must be a dict of rules or 'auto', got {plan!r}")
-    if isinstance(plan, dict) and plan and all(isinstance(v, dict) or v == "auto"
+    if isinstance(plan, dict) and plan and all(isinstance(v, (dict, FullyShard)) or v == "auto"
                                                for v in plan.values()):
         for ax in plan:
             for a in (ax if isinstance(ax, tuple) else (ax,)):
@@ -665,6 +665,10 @@ def _families(module: nn.Module, mesh: Mesh, plan: Any, axis: str, config: dict 
                     raise ShardingError(
                         f"parallelize: plan family {ax!r} names no axis of {mesh}; key plan "
                         f"families by mesh axes ({mesh.axis_names}) or axis tuples")
+            if isinstance(plan[ax], FullyShard) and plan[ax].size != mesh.axis_size(ax):
+                raise ShardingError(
+                    f"parallelize: plan family {ax!r}: {plan[ax]!r} is for an axis of size "
+                    f"{plan[ax].size}, but {ax!r} has size {mesh.axis_size(ax)} in {mesh}")
             if plan[ax] == "auto" and ax != "fsdp":
                 raise ShardingError(
                     f"parallelize: plan family {ax!r}: 'auto' is the FSDP family's value "
