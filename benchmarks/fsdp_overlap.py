@@ -28,7 +28,6 @@ share the model, the hosts and the timing loop, not their variants.)
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import statistics
 import subprocess
@@ -115,18 +114,16 @@ def _no_overlap(step):
 def variants(x, y) -> dict:
     """name -> (a step, functp's collectives per step or None)."""
     import functp
-    from functp import FullyShard
     out = {"compute alone": (_tape_step(make_model(), x, y), 0),
            "FSDP2, reshard_after_forward=False": (_fsdp2(x, y, False), None),
            "FSDP2, reshard_after_forward=True": (_fsdp2(x, y, True), None)}
     tape, func_grad, vag = _functp(x, y, True)
-    rows = [("functp tape", tape), ("functp torch.func.grad", func_grad),
-            ("functp.value_and_grad", vag)]
-    if "prefetch" in inspect.signature(FullyShard).parameters:
-        tape0, func_grad0, _ = _functp(x, y, False)
-        rows += [("functp tape, no prefetch", tape0),
-                 ("functp torch.func.grad, no prefetch", func_grad0)]
-    for name, step in rows + [("functp tape, no overlap", _no_overlap(tape))]:
+    tape0, func_grad0, _ = _functp(x, y, False)
+    for name, step in (("functp tape", tape), ("functp torch.func.grad", func_grad),
+                       ("functp.value_and_grad", vag),
+                       ("functp tape, no prefetch", tape0),
+                       ("functp torch.func.grad, no prefetch", func_grad0),
+                       ("functp tape, no overlap", _no_overlap(tape))):
         step()                       # the first call checks the modules' order
         with functp.comm_log() as log:
             step()

@@ -194,3 +194,13 @@ def test_a_layer_that_runs_out_of_order_after_the_check(run, order, seen, counts
     assert steps[1][1] == seen and steps[1][2:] == counts
     # a pair seen out of order prefetches no more
     assert steps[2][1] == after and steps[2][2] == steps[2][3] == counts[1]
+
+
+def _wrong_size():
+    mesh = functp.make_mesh((2,), ("fsdp",))
+    with pytest.raises(functp.ShardingError, match=r"FullyShard\(size=4.*'fsdp' has size 2"):
+        functp.parallelize(_Stack(), mesh, {"fsdp": FullyShard(4)})
+
+
+def test_a_fully_shard_family_of_the_wrong_size_raises_on_every_rank(run):
+    run(2, _wrong_size)
