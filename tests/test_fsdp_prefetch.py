@@ -80,8 +80,9 @@ def _llama_case(mesh_name, tape, prefetch):
     ref_grads, ref_loss = torch.func.grad_and_value(
         lambda p: _loss(ref_apply(p, ids), tgt))(full)
     n = sum(1 for s in specs.values() if "fsdp" in s.axes)
-    return (abs(loss.item() - ref_loss.item()), _max_error(apply.unshard(grads), ref_grads),
-            first, seen, own, log.summary(), n)
+    full_grads = apply.unshard(grads)
+    return (abs(loss.item() - ref_loss.item()), _max_error(full_grads, ref_grads),
+            first, seen, own, log.summary(), n, full_grads)
 
 
 @pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
@@ -89,7 +90,7 @@ def _llama_case(mesh_name, tape, prefetch):
 def test_prefetch_is_exact_and_gathers_one_module_ahead(run, mesh_name, tape):
     shape, _ = _MESHES[mesh_name]
     world = shape[0] * (shape[1] if len(shape) > 1 else 1)
-    loss_err, grad_err, first, seen, own, log, n = run(world, _llama_case, mesh_name, tape,
+    loss_err, grad_err, first, seen, own, log, n, _ = run(world, _llama_case, mesh_name, tape,
                                                        True)[0]
     assert loss_err < 1e-12 and grad_err < 1e-10, (loss_err, grad_err)
     assert len(seen) == len(own) > 2
@@ -100,13 +101,15 @@ def test_prefetch_is_exact_and_gathers_one_module_ahead(run, mesh_name, tape):
     assert log[("all_gather", ("fsdp",))] == n == log[("reduce_scatter", ("fsdp",))]
 
 
-def test_prefetch_off_gathers_at_use_with_the_same_gradients(run):
-    on = run(2, _llama_case, "fsdp2", False, True)[0]
-    off = run(2, _llama_case, "fsdp2", False, False)[0]
+@pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
+def test_prefetch_off_gathers_at_use_with_the_same_gradients(run, tape):
+    on = run(2, _llama_case, "fsdp2", tape, True)[0]
+    off = run(2, _llama_case, "fsdp2", tape, False)[0]
     assert off[1] < 1e-10 and on[1] < 1e-10
     assert [c for _, c in off[3]] == _cumulative(off[3], off[4], 0)
     assert [c for _, c in on[3]] != [c for _, c in off[3]]
     assert off[5] == on[5]           # the same collectives, in number
+    assert all(torch.equal(on[7][k], off[7][k]) for k in off[7])     # bit for bit
 
 
 class _Stack(torch.nn.Module):
