@@ -8,6 +8,7 @@ the fall-back to gathering at use where modules run out of the plan's order."""
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -207,3 +208,100 @@ def _wrong_size():
 
 def test_a_fully_shard_family_of_the_wrong_size_raises_on_every_rank(run):
     run(2, _wrong_size)
+
+
+# -- free after forward (transformers' free_full_weight) -------------------------------------
+
+def _free_case(mesh_name, how, free=True):
+    """A 4-layer step whose modules free their gathered weights after the forward:
+    the error against the unsharded model, how many gathered weights' storages are
+    still alive between forward and backward, and the collectives of the step."""
+    shape, names = _MESHES[mesh_name]
+    mesh = functp.make_mesh(shape, names)
+    torch.manual_seed(0)
+    model = _Stack().double()
+    style = FullyShard(mesh.axis_size("fsdp"), ("dp_replicate",) if "dp_replicate" in names
+                       else (), free=free)
+    apply, params, specs = functp.parallelize(model, mesh, {"fsdp": style})
+    stores, watch = [], [True]
+    for layer in model.layers:       # (a storage's Python object lives as long as it)
+        layer.register_forward_pre_hook(lambda m, _: stores.append(
+            weakref.ref(m.weight.untyped_storage())) if watch and how == "tape" else None)
+    batch = apply.batch_axes
+    x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    step = functp.shard_map(lambda p, x: functp.pmean(torch.tanh(apply(p, x)).square().mean(),
+                                                      batch),
+                            mesh, in_specs=(specs, P(batch)), out_specs=P())
+    xs = functp.shard(x.detach(), mesh, P(batch)).requires_grad_()
+    alive = None
+    with functp.comm_log() as log:
+        if how == "func_grad":
+            grads = torch.func.grad(step)(params, xs)
+        else:
+            p = {k: v.detach().requires_grad_() for k, v in params.items()}
+            loss = step(p, xs)
+            alive = sum(r() is not None for r in stores)
+            if how == "create_graph":
+                return torch.autograd.grad(loss, list(p.values()), create_graph=True)
+            loss.backward()
+            grads = {k: v.grad for k, v in p.items()}
+    watch.clear()
+    ref_apply, full = functp.functionalize(model)
+    ref = torch.func.grad(lambda p: torch.tanh(ref_apply(p, x)).square().mean())(full)
+    s = log.summary()
+    return (_max_error(apply.unshard(grads), ref), alive, s.get(("all_gather", ("fsdp",))),
+            s.get(("reduce_scatter", ("fsdp",))), s.get(("all_reduce", ("dp_replicate",)), 0))
+
+
+@pytest.mark.parametrize("mesh_name", ["fsdp2", "replicate2_fsdp2"])
+def test_free_full_weight_gathers_again_in_the_tape_backward(run, mesh_name):
+    world = 2 if mesh_name == "fsdp2" else 4
+    err, alive, ag, rs, hsdp = run(world, _free_case, mesh_name, "tape")[0]
+    keep = run(world, _free_case, mesh_name, "tape", False)[0]
+    assert err < 1e-12 and keep[0] < 1e-12
+    # kept: the 4 weights autograd saves; freed: none outlives the forward
+    assert keep[1] == 4 and alive == 0
+    # 8 gathers in the forward, and each saved weight's again in the backward; one
+    # reduce-scatter per parameter either way (HSDP: the blocks' all-reduces as kept)
+    assert keep[2] == 8 and ag == 12 and rs == keep[3] == 8 and hsdp == keep[4]
+
+
+def test_free_full_weight_keeps_the_weights_under_torch_func(run):
+    err, _, ag, rs, _ = run(2, _free_case, "fsdp2", "func_grad")[0]
+    assert err < 1e-12 and ag == 8 == rs
+
+
+def _free_create_graph():
+    with pytest.raises(functp.ShardingError, match="'layers.3' frees its gathered weights.*"
+                                                   "create_graph=True"):
+        _free_case("fsdp2", "create_graph")
+
+
+def test_free_full_weight_refuses_a_differentiated_backward(run):
+    run(2, _free_create_graph)
+
+
+def _hf_free(fsdp_plan):
+    hf = pytest.importorskip("test_hf_models")
+    from test_fsdp_plan import _step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = hf._build("llama")
+    config = dict(fsdp_size=2, **({} if fsdp_plan is None else {"fsdp_plan": fsdp_plan}))
+    (loss, grads, fwd, log, specs, apply, _), (ref_loss, ref_grads) = _step(
+        model, None, "auto", True, lambda a, p, i: a(p, input_ids=i, use_cache=False).logits,
+        distributed_config=config)
+    n = sum(1 for s in specs.values() if "fsdp" in s.axes)
+    return (hf._max_error(grads, ref_grads, loss, ref_loss), n, fwd.summary(), log.summary())
+
+
+def test_a_transformers_fsdp_plan_frees_its_layers_weights_under_tape(run):
+    pytest.importorskip("transformers")
+    (err, where), n, fwd, log = run(2, _hf_free, None)[0]
+    assert err < 1e-10, f"{where} differs by {err:.2e}"
+    # the model's plan frees the layers' (and the embedding's) weights: the backward
+    # gathers the layers' again (the embedding's backward reads no weight)
+    assert fwd[("all_gather", ("fsdp",))] == n == log[("reduce_scatter", ("fsdp",))]
+    assert log[("all_gather", ("fsdp",))] > n
+    (err, _), n, fwd, log = run(2, _hf_free, {"model.layers.*": "keep_full_weight"})[0]
+    assert err < 1e-10 and log[("all_gather", ("fsdp",))] == n      # the config keeps them

@@ -17,17 +17,31 @@ against the one the modules run in; a module whose successor did not run right a
 it never prefetches, so every rank issues the same collectives in the same order. A
 prefetched gather is the very op the module would have issued itself, on the same
 block: values, gradients and the reduce-scatter per parameter are unchanged.
+
+**Free after forward** (transformers' ``free_full_weight``, FSDP2's
+``reshard_after_forward=True``). Under tape autograd, a module that frees its weights
+runs its forward under saved-tensor hooks: what autograd saves that is a view of a
+gathered weight is kept as the block, and gathered again when the backward unpacks
+it (in the same order on every rank), so the gathered weights go with the forward.
+``torch.func``'s transforms take no saved-tensor hooks: under them the weights are
+kept, as with ``keep_full_weight``.
 """
 from __future__ import annotations
 
+import re
 import threading
 
+import torch
 from torch import nn
 
+from ..ops import _context
+from ..ops import _primitives as prim
 from ..ops._collectives import all_gather, pvary
 from ..mesh._layout import uneven
 from ..mesh._spec import P
 from ..runtime import _compile
+from ..runtime._errors import ShardingError
+from ..runtime._torch_compat import peek_interpreter_stack
 from ._styles import Style
 
 __all__ = ["FullyShard"]
@@ -64,6 +78,67 @@ class _Run(threading.local):
     pending: dict | None = None     # id(module) -> {short: (block, its gather)}
 
 
+class _Freed:
+    """A saved tensor that was a view of a gathered weight, dropped after the forward:
+    the block, how to gather it, and the view's geometry in the gathered weight."""
+
+    __slots__ = ("block", "group", "dim", "size", "stride", "offset", "name")
+
+    def __init__(self, block, group, dim, view, full, name):
+        self.block, self.group, self.dim, self.name = block.detach(), group, dim, name
+        self.size, self.stride = tuple(view.shape), view.stride()
+        self.offset = view.storage_offset() - full.storage_offset()
+
+    def regather(self) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            raise ShardingError(
+                f"FSDP module {self.name!r} frees its gathered weights after the forward "
+                f"(free_full_weight), and this backward is itself differentiated "
+                f"(create_graph=True), which needs the weights' own history; use "
+                f"keep_full_weight for it, or differentiate with torch.func")
+        full = prim.all_gather(self.block, self.group, self.dim)   # (in the backward)
+        return full.as_strided(self.size, self.stride, full.storage_offset() + self.offset)
+
+
+class _FreeAfterForward:
+    """Saved-tensor hooks for one call of a module: a tensor autograd saves that is a
+    view of one of the module's gathered weights is kept as a :class:`_Freed` (the
+    weight's memory goes once the forward is done) and gathered again on unpack, in
+    the backward (which unpacks in the same order on every rank)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.fulls, self.group = name, [], None   # fulls: (weight, block, group, dim)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor):
+        if type(t) is torch.Tensor and t.layout == torch.strided:
+            ptr = t.untyped_storage().data_ptr()
+            for full, block, group, dim in self.fulls:
+                if ptr == full.untyped_storage().data_ptr():
+                    return _Freed(block, group, dim, t, full, self.name)
+        return t
+
+    @staticmethod
+    def unpack(x):
+        return x.regather() if type(x) is _Freed else x
+
+
+def _frees(plan, name: str) -> bool:
+    """Whether module ``name`` frees its gathered weights under ``plan``: a bool, or
+    transformers' ``fsdp_plan`` ({module pattern: "free_full_weight" or
+    "keep_full_weight"}, ``*`` standing for one name, the deepest match among the
+    module and its parents deciding)."""
+    if not isinstance(plan, dict):
+        return bool(plan)
+    parts = name.split(".") if name else []
+    for k in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:k])
+        for pattern, how in plan.items():
+            if re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), prefix):
+                return how == "free_full_weight"
+    return False
+
+
 class FullyShard(Style):
     """Shards every own parameter of a module over the plan axis; gathers it per call,
     one module ahead (see prefetch below).
@@ -75,17 +150,27 @@ class FullyShard(Style):
     on the block; ``prefetch`` – True (the default): from the second call on, each
     module's pre-hook also gathers the next module's blocks (in the plan's module
     order, where the first call ran them in that order); False: each module gathers
-    its own, in its pre-hook. The values and gradients are the same either way.
+    its own, in its pre-hook. The values and gradients are the same either way;
+    ``free`` – True, or transformers' ``fsdp_plan`` (``{module pattern:
+    "free_full_weight" or "keep_full_weight"}``, ``*`` one name, the deepest pattern
+    matching the module or a parent deciding): under tape autograd such a module's
+    gathered weights are freed after its forward and gathered again in the backward
+    (1/size of their memory between the two, one more gather per weight the backward
+    reads; not with ``create_graph=True``). ``torch.func`` transforms keep them.
 
     Example (what ``parallelize(model, mesh, {"fsdp": "auto"})`` applies to each module;
-    ``{"fsdp": FullyShard(4, prefetch=False)}`` turns prefetch off)::
+    ``{"fsdp": FullyShard(4, prefetch=False)}`` turns prefetch off,
+    ``FullyShard(4, free=True)`` frees every module's weights after its forward)::
 
         style = FullyShard(4)
         style.param_specs(torch.nn.Linear(8, 6), "fsdp")    # weight P(None, 'fsdp'), bias P()
     """
 
-    def __init__(self, size: int, replicate: tuple[str, ...] = (), prefetch: bool = True):
+    def __init__(self, size: int, replicate: tuple[str, ...] = (), prefetch: bool = True,
+                 free: bool | dict = False):
         self.size, self.replicate, self.prefetch = size, tuple(replicate), bool(prefetch)
+        self.free = dict(free) if isinstance(free, dict) else bool(free)
+        self._free_at: dict[str, bool] = {}            # module name -> frees its weights
         self._dims: dict[int, dict[str, int]] = {}     # id(module) -> {parameter: dim}
         self._shapes: dict[int, dict[str, tuple]] = {}  # id(module) -> {parameter: block}
         self._order = _Order()
@@ -128,6 +213,7 @@ class FullyShard(Style):
         eager = not _compile.tracing()     # (compiled: inductor orders the gathers)
         got = self._arrive(module, call) if eager else {}
         restore = call.state.setdefault("restore", {})
+        free = self._freer(call) if eager else None
         for short, d in dims.items():
             block = call.params.get(short)
             if block is None:
@@ -137,9 +223,35 @@ class FullyShard(Style):
                 self._gather(block, d, call.axis)
             restore[short] = module._parameters[short]
             module._parameters[short] = full
+            if free is not None and full.untyped_storage().data_ptr():
+                free.fulls.append((full, block, free.group, d))
         if eager and self.prefetch:
             self._prefetch(module, call.axis)
+        if free is not None and free.fulls:
+            free.hooks.__enter__()          # (left in prepare_output, or when apply ends)
+            call.state["free"] = free
+            call.on_exit(lambda: self._stop_freeing(call))
         return args, kwargs
+
+    def _freer(self, call) -> _FreeAfterForward | None:
+        """The saved-tensor hooks that free this call's gathered weights: where the plan
+        says so and tape autograd records (torch.func's transforms take no saved-tensor
+        hooks: there the weights are kept)."""
+        frees = self._free_at.get(call.name)
+        if frees is None:
+            frees = self._free_at[call.name] = _frees(self.free, call.name)
+        if not (frees and torch.is_grad_enabled() and peek_interpreter_stack() is None):
+            return None
+        free = _FreeAfterForward(call.name)
+        free.group = _context.current("FullyShard").mesh.axis_group(call.axis)
+        return free
+
+    @staticmethod
+    def _stop_freeing(call) -> None:
+        free = call.state.pop("free", None)
+        if free is not None:
+            free.hooks.__exit__(None, None, None)
+            free.fulls.clear()          # (the weights go with the forward's last use)
 
     def _arrive(self, module: nn.Module, call) -> dict:
         """Records that ``module`` runs now (the order check) and hands out the gathers
@@ -179,10 +291,12 @@ class FullyShard(Style):
         run.active, run.prev, run.ran, run.pending = False, None, None, None
 
     def prepare_output(self, module, args, kwargs, output, call):
+        self._stop_freeing(call)
         for short, block in call.state.get("restore", {}).items():
             module._parameters[short] = block
         return output
 
     def __repr__(self) -> str:
         return (f"FullyShard(size={self.size}, replicate={self.replicate}"
-                f"{'' if self.prefetch else ', prefetch=False'})")
+                f"{'' if self.prefetch else ', prefetch=False'}"
+                f"{f', free={self.free!r}' if self.free else ''})")

@@ -605,7 +605,9 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     ``apply.fsdp_replicated`` says why), all-gathered in the module's forward
     pre-hook; its gradient is the block's, reduce-scattered (and, over
     ``dp_replicate``, all-reduced). ``fsdp`` and ``dp_replicate`` stay batch axes. A
-    config's ``fsdp_plan`` styles both keep the gathered weights for the backward.
+    module the model's (or the config's) ``fsdp_plan`` marks ``free_full_weight``
+    frees its gathered weights after the forward and gathers them again in the
+    backward, under tape autograd; ``torch.func`` keeps them (see :class:`FullyShard`).
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
     by the module's dotted parameter names), their specs, and
@@ -673,17 +675,19 @@ def _families(module: nn.Module, mesh: Mesh, plan: Any, axis: str, config: dict 
                 raise ShardingError(
                     f"parallelize: plan family {ax!r}: 'auto' is the FSDP family's value "
                     f"({{'fsdp': 'auto'}}); give {ax!r} a dict of rules, or pass plan='auto'")
-        return [(ax, _fsdp_style(mesh) if fam == "auto" else fam, False)
+        return [(ax, _fsdp_style(mesh, module) if fam == "auto" else fam, False)
                 for ax, fam in plan.items()]
     _need_axis(mesh, axis)
     return [(axis, plan, False)]
 
 
-def _fsdp_style(mesh: Mesh) -> FullyShard:
+def _fsdp_style(mesh: Mesh, module: nn.Module, override: Any = None) -> FullyShard:
     """The FSDP family's style over ``fsdp``, replicated over ``dp_replicate`` (HSDP)
-    when the mesh has it."""
+    when the mesh has it, freeing gathered weights where the model's ``fsdp_plan``
+    (transformers', with a config's ``fsdp_plan`` over it) says ``free_full_weight``."""
     return FullyShard(mesh.axis_size("fsdp"), ("dp_replicate",)
-                      if "dp_replicate" in mesh.axis_names else ())
+                      if "dp_replicate" in mesh.axis_names else (),
+                      free=_overridden(getattr(module, "fsdp_plan", None), override))
 
 
 def _fsdp_rules(module: nn.Module, style: FullyShard, matched: dict) -> dict[str, Style]:
@@ -836,8 +840,7 @@ def _resolve_config(dc: Any) -> dict[str, Any]:
     c["ep_size"] = c["ep_size"] or 1
     refuse = [f"{f}={c[f]!r}" for f in ("fsdp_cpu_offload", "fsdp_mixed_precision") if c[f]]
     # transformers' FSDP styles say whether a module frees its gathered weights after
-    # the forward; functp's autograd keeps them for the backward either way (free them
-    # with functp.remat): both read as FullyShard
+    # the forward (FullyShard's free=, under tape autograd) or keeps them
     fp = c["fsdp_plan"]
     bad = ({k: v for k, v in fp.items() if v not in _FSDP_STYLES} if isinstance(fp, dict)
            else fp)
@@ -918,7 +921,8 @@ def _auto_families(module: nn.Module, mesh: Mesh, axis: str, config: dict | None
     if ep_plan:
         families.append((ep_axes, ep_plan, True))
     if use_fsdp:
-        families.append(("fsdp", _fsdp_style(mesh), True))
+        families.append(("fsdp", _fsdp_style(mesh, module, config and config["fsdp_plan"]),
+                         True))
     return families
 
 
