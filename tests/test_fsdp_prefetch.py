@@ -233,6 +233,9 @@ def _free_case(mesh_name, how, free=True):
                                                       batch),
                             mesh, in_specs=(specs, P(batch)), out_specs=P())
     xs = functp.shard(x.detach(), mesh, P(batch)).requires_grad_()
+    with torch.no_grad():
+        step(params, xs)            # (the order checked: the step below prefetches)
+    stores.clear()
     alive = None
     with functp.comm_log() as log:
         if how == "func_grad":
