@@ -17,7 +17,9 @@ stored as its half over the ``fsdp`` axis of the two hosts:
   ``functp.value_and_grad``; "no prefetch": the plan's ``FullyShard`` with
   ``prefetch=False`` (each module gathers its weights in its own pre-hook); "no
   overlap": ``functp.set_overlap(enabled=False)`` (the reduce-scatters waited on where
-  the backward issues them);
+  the backward issues them); "free_full_weight": ``FullyShard(2, free=True)`` (the
+  gathered weights freed after the forward and gathered again in the tape backward,
+  as ``reshard_after_forward=True``);
 - compute: the unsharded step on the host's batch, with no communication.
 
 Ratios are to FSDP2 with ``reshard_after_forward=False``; functp's collectives are
@@ -70,14 +72,14 @@ def _fsdp2(x, y, reshard: bool):
     return _tape_step(model, x, y)
 
 
-def _functp(x, y, prefetch: bool):
+def _functp(x, y, prefetch: bool = True, free: bool = False):
     """functp's FSDP family: (tape step, torch.func.grad step, value_and_grad step)."""
     import functp
     from functp import P
     from functp import FullyShard
     n = dist.get_world_size()
     mesh = functp.make_mesh((n,), ("fsdp",))
-    family = "auto" if prefetch else FullyShard(n, prefetch=False)
+    family = "auto" if prefetch and not free else FullyShard(n, prefetch=prefetch, free=free)
     apply, params, specs = functp.parallelize(make_model(), mesh, {"fsdp": family})
     loss = functp.shard_map(lambda p, x, y: functp.pmean(mse(apply(p, x), y), "fsdp"),
                             mesh, in_specs=(specs, P("fsdp"), P("fsdp")), out_specs=P())
@@ -118,11 +120,14 @@ def variants(x, y) -> dict:
            "FSDP2, reshard_after_forward=False": (_fsdp2(x, y, False), None),
            "FSDP2, reshard_after_forward=True": (_fsdp2(x, y, True), None)}
     tape, func_grad, vag = _functp(x, y, True)
-    tape0, func_grad0, _ = _functp(x, y, False)
+    tape0, func_grad0, _ = _functp(x, y, prefetch=False)
+    tape_free, _, vag_free = _functp(x, y, free=True)
     for name, step in (("functp tape", tape), ("functp torch.func.grad", func_grad),
                        ("functp.value_and_grad", vag),
                        ("functp tape, no prefetch", tape0),
                        ("functp torch.func.grad, no prefetch", func_grad0),
+                       ("functp tape, free_full_weight", tape_free),
+                       ("functp.value_and_grad, free_full_weight", vag_free),
                        ("functp tape, no overlap", _no_overlap(tape))):
         step()                       # the first call checks the modules' order
         with functp.comm_log() as log:
