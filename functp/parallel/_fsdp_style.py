@@ -41,7 +41,7 @@ from ..mesh._layout import uneven
 from ..mesh._spec import P
 from ..runtime import _compile
 from ..runtime._errors import ShardingError
-from ..runtime._torch_compat import peek_interpreter_stack
+from ..runtime._torch_compat import peek_interpreter_stack, top_saved_tensors_hooks
 from ._styles import Style
 
 __all__ = ["FullyShard"]
@@ -236,11 +236,15 @@ class FullyShard(Style):
     def _freer(self, call) -> _FreeAfterForward | None:
         """The saved-tensor hooks that free this call's gathered weights: where the plan
         says so and tape autograd records (torch.func's transforms take no saved-tensor
-        hooks: there the weights are kept)."""
+        hooks; inside other hooks, a checkpointed region, the region decides what is
+        saved: there the weights are kept)."""
         frees = self._free_at.get(call.name)
         if frees is None:
             frees = self._free_at[call.name] = _frees(self.free, call.name)
-        if not (frees and torch.is_grad_enabled() and peek_interpreter_stack() is None):
+        top = top_saved_tensors_hooks(False)      # (a freeing parent's are fine)
+        if not (frees and torch.is_grad_enabled() and peek_interpreter_stack() is None
+                and (top is None or type(getattr(top[0], "__self__", None))
+                     is _FreeAfterForward)):
             return None
         free = _FreeAfterForward(call.name)
         free.group = _context.current("FullyShard").mesh.axis_group(call.axis)
