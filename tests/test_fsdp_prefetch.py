@@ -324,3 +324,33 @@ def test_free_full_weight_inside_a_checkpointed_region_keeps_the_weights(run):
     # the region's own saved-tensor hooks decide what is saved (and recomputed)
     err, alive, ag, rs, _ = run(2, _free_case, "fsdp2", "tape", True, _CheckpointedStack)[0]
     assert err < 1e-12 and ag == 8 == rs
+
+
+_SHARED = FullyShard(2)      # one style for every rank's plan (each rank its own model)
+
+
+def _shared_style():
+    torch.manual_seed(0)
+    model = _Stack().double()
+    mesh = functp.make_mesh((2,), ("fsdp",))
+    apply, params, specs = functp.parallelize(model, mesh, {"fsdp": _SHARED})
+    step = functp.shard_map(lambda p, x: functp.pmean(apply(p, x).square().mean(), "fsdp"),
+                            mesh, in_specs=(specs, P("fsdp")), out_specs=P())
+    xs = functp.shard(torch.randn(4, 8, dtype=torch.float64), mesh, P("fsdp"))
+    box = [None]
+    seen, _ = _watch(model, specs, box)
+    for _ in range(2):
+        seen.clear()
+        with functp.comm_log() as box[0]:
+            torch.func.grad(step)(params, xs)
+    # (after the steps' collectives: both ranks have registered their modules)
+    return [c for _, c in seen], [id(m) for m in _SHARED._order.mods.values()], \
+        [id(m) for m in model.layers]
+
+
+def test_a_style_shared_by_simulated_ranks_keeps_each_ranks_order(run):
+    for seen, order, layers in run(2, _shared_style):
+        # each rank's plan order holds its own modules only (interleaved with the other
+        # rank's, a rank's successor could be the other's module: no prefetch, or, by
+        # the threads' timing, a different collective order on each rank)
+        assert order == layers and seen == [4, 6, 8, 8]

@@ -71,7 +71,10 @@ class _Order:
 
 
 class _Run(threading.local):
-    """One ``apply`` call's state in this thread (a simulated rank is a thread)."""
+    """This thread's plan order (a style shared by simulated ranks, threads that build
+    their own modules, must not interleave their orders: each rank would check its
+    own) and the state of its current ``apply`` call."""
+    order: _Order | None = None
     active = False
     prev: nn.Module | None = None
     ran: set | None = None          # id of each module run so far in this call
@@ -173,7 +176,6 @@ class FullyShard(Style):
         self._free_at: dict[str, bool] = {}            # module name -> frees its weights
         self._dims: dict[int, dict[str, int]] = {}     # id(module) -> {parameter: dim}
         self._shapes: dict[int, dict[str, tuple]] = {}  # id(module) -> {parameter: block}
-        self._order = _Order()
         self._run = _Run()
 
     def dim(self, shape: tuple[int, ...]) -> int | None:
@@ -198,6 +200,13 @@ class FullyShard(Style):
         if dims:
             self._order.register(module)
         return specs
+
+    @property
+    def _order(self) -> _Order:
+        run = self._run
+        if run.order is None:
+            run.order = _Order()
+        return run.order
 
     def _gather(self, block, d: int, axis):
         if self.replicate:
