@@ -110,15 +110,16 @@ class _FreeAfterForward:
     the backward (which unpacks in the same order on every rank)."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.fulls, self.group = name, [], None   # fulls: (weight, block, group, dim)
+        self.name, self.group = name, None
+        self.fulls: list = []                   # (gathered weight, its block, its dim)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
         if type(t) is torch.Tensor and t.layout == torch.strided:
             ptr = t.untyped_storage().data_ptr()
-            for full, block, group, dim in self.fulls:
+            for full, block, dim in self.fulls:
                 if ptr == full.untyped_storage().data_ptr():
-                    return _Freed(block, group, dim, t, full, self.name)
+                    return _Freed(block, self.group, dim, t, full, self.name)
         return t
 
     @staticmethod
@@ -233,7 +234,7 @@ class FullyShard(Style):
             restore[short] = module._parameters[short]
             module._parameters[short] = full
             if free is not None and full.untyped_storage().data_ptr():
-                free.fulls.append((full, block, free.group, d))
+                free.fulls.append((full, block, d))
         if eager and self.prefetch:
             self._prefetch(module, call.axis)
         if free is not None and free.fulls:
