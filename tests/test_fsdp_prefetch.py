@@ -4,7 +4,12 @@ blocks (the plan's module order, checked on the first call).
 Checked against the unsharded float64 model (loss and every gradient) on the second
 call, where the modules prefetch, through ``torch.func.grad`` and tape autograd; the
 order of gathers and compute; one gather and one reduce-scatter per parameter; and
-the fall-back to gathering at use where modules run out of the plan's order."""
+the fall-back to gathering at use where modules run out of the plan's order.
+
+Also FullyShard's free after forward (transformers' ``free_full_weight``): under tape
+autograd the gathered weights do not outlive the forward and are gathered again in
+the backward, with the same gradients; kept under torch.func and in checkpointed
+regions."""
 from __future__ import annotations
 
 import warnings
