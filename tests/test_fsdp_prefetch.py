@@ -300,14 +300,18 @@ def test_free_full_weight_refuses_a_differentiated_backward(run):
 
 
 def _hf_free(fsdp_plan):
+    """A transformers Llama under "auto" on an fsdp mesh (the model's fsdp_plan), or
+    from a DistributedConfig whose ``fsdp_plan`` overrides it."""
     hf = pytest.importorskip("test_hf_models")
     from test_fsdp_plan import _step
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = hf._build("llama")
-    config = dict(fsdp_size=2, **({} if fsdp_plan is None else {"fsdp_plan": fsdp_plan}))
+    mesh, config = functp.make_mesh((2,), ("fsdp",)), None
+    if fsdp_plan is not None:
+        mesh, config = None, dict(fsdp_size=2, fsdp_plan=fsdp_plan)
     (loss, grads, fwd, log, specs, apply, _), (ref_loss, ref_grads) = _step(
-        model, None, "auto", True, lambda a, p, i: a(p, input_ids=i, use_cache=False).logits,
+        model, mesh, "auto", True, lambda a, p, i: a(p, input_ids=i, use_cache=False).logits,
         distributed_config=config)
     n = sum(1 for s in specs.values() if "fsdp" in s.axes)
     return (hf._max_error(grads, ref_grads, loss, ref_loss), n, fwd.summary(), log.summary())

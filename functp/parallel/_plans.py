@@ -604,10 +604,8 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     divides, else its first dimension that does, else replicated:
     ``apply.fsdp_replicated`` says why), all-gathered in the module's forward
     pre-hook; its gradient is the block's, reduce-scattered (and, over
-    ``dp_replicate``, all-reduced). ``fsdp`` and ``dp_replicate`` stay batch axes. A
-    module the model's (or the config's) ``fsdp_plan`` marks ``free_full_weight``
-    frees its gathered weights after the forward and gathers them again in the
-    backward, under tape autograd; ``torch.func`` keeps them (see :class:`FullyShard`).
+    ``dp_replicate``, all-reduced). ``fsdp`` and ``dp_replicate`` stay batch axes.
+    ``fsdp_plan``'s ``free_full_weight``: see :class:`FullyShard` (tape autograd only).
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
     by the module's dotted parameter names), their specs, and
@@ -681,7 +679,8 @@ def _families(module: nn.Module, mesh: Mesh, plan: Any, axis: str, config: dict 
     return [(axis, plan, False)]
 
 
-def _fsdp_style(mesh: Mesh, module: nn.Module, override: Any = None) -> FullyShard:
+def _fsdp_style(mesh: Mesh, module: nn.Module | None = None, override: Any = None
+                ) -> FullyShard:
     """The FSDP family's style over ``fsdp``, replicated over ``dp_replicate`` (HSDP)
     when the mesh has it, freeing gathered weights where the model's ``fsdp_plan``
     (transformers', with a config's ``fsdp_plan`` over it) says ``free_full_weight``."""
