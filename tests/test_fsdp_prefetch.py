@@ -325,8 +325,12 @@ def test_a_transformers_fsdp_plan_frees_its_layers_weights_under_tape(run):
     # gathers the layers' again (the embedding's backward reads no weight)
     assert fwd[("all_gather", ("fsdp",))] == n == log[("reduce_scatter", ("fsdp",))]
     assert log[("all_gather", ("fsdp",))] > n
-    (err, _), n, fwd, log = run(2, _hf_free, {"model.layers.*": "keep_full_weight"})[0]
-    assert err < 1e-10 and log[("all_gather", ("fsdp",))] == n      # the config keeps them
+    # a config's fsdp_plan over the model's: the layers kept, the LM head freed
+    (err, _), n, fwd, log = run(2, _hf_free, {"model.layers.*": "keep_full_weight",
+                                              "lm_head": "free_full_weight"})[0]
+    assert err < 1e-10
+    assert log[("all_gather", ("fsdp",))] == n + 1, \
+        "the config's fsdp_plan must reach the FSDP family's FullyShard (_fsdp_style)"
 
 
 def test_free_full_weight_inside_a_checkpointed_region_keeps_the_weights(run):
