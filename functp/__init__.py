@@ -39,6 +39,7 @@ from .parallel._styles import (Colwise, ExpertDispatch, ExpertParallel, ExpertRo
                       ParameterRules, PrepareOutput, Replicated, Rowwise, SequenceParallel, Style,
                       TensorParallelExperts, LocalSizes,
                       VocabParallelEmbedding, register_style)
+from .parallel._fsdp_style import FullyShard
 
 __version__ = "0.1.0"
 
@@ -60,5 +61,5 @@ __all__ = [
     "Replicated",
     "Colwise", "Rowwise", "VocabParallelEmbedding", "SequenceParallel", "PrepareInput",
     "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch", "TensorParallelExperts",
-    "LocalSizes", "ParameterRules",
+    "LocalSizes", "ParameterRules", "FullyShard",
 ]

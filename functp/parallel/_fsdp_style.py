@@ -1,43 +1,183 @@
 """The fully sharded (FSDP / ZeRO-3, and HSDP) parallel style.
 
 Each parameter of the module is stored as this rank's block over the ``fsdp`` axis and
-all-gathered when the module runs, in its forward pre-hook: a layer's gather happens
-at that layer. The transpose of the tiled ``all_gather`` is a reduce-scatter, so each
-rank's gradient comes back as the gradient of its own block, summed over ``fsdp``.
-With ``replicate`` axes (HSDP's ``dp_replicate``) the block is first marked varying
-over them, so its gradient is also all-reduced over them, on the block (1/fsdp of
-the weight), after the reduce-scatter, as HSDP orders them.
+all-gathered when the module runs, in its forward pre-hook. The transpose of the
+tiled ``all_gather`` is a reduce-scatter, so each rank's gradient comes back as the
+gradient of its own block, summed over ``fsdp``. With ``replicate`` axes (HSDP's
+``dp_replicate``) the block is first marked varying over them, so its gradient is also
+all-reduced over them, on the block (1/fsdp of the weight), after the reduce-scatter,
+as HSDP orders them.
+
+**Prefetch.** A module's pre-hook also launches the gather of the next module's blocks,
+kept until that module's pre-hook uses it (FSDP2's forward prefetch): with forward
+collectives that wait at first use, that gather travels while this module computes.
+"Next" comes from the plan, never from data: the modules this style shards, in the
+order the plan registered them (module tree order). The first call checks that order
+against the one the modules run in; a module whose successor did not run right after
+it never prefetches, so every rank issues the same collectives in the same order. A
+prefetched gather is the very op the module would have issued itself, on the same
+block: values, gradients and the reduce-scatter per parameter are unchanged.
+
+**Free after forward** (transformers' ``free_full_weight``, FSDP2's
+``reshard_after_forward=True``). Under tape autograd, a module that frees its weights
+runs its forward under saved-tensor hooks: what autograd saves that is a view of a
+gathered weight is kept as the block, and gathered again when the backward unpacks
+it (in the same order on every rank), so the gathered weights go with the forward.
+``torch.func``'s transforms take no saved-tensor hooks: under them the weights are
+kept, as with ``keep_full_weight``.
 """
 from __future__ import annotations
 
+import re
+import threading
+
+import torch
 from torch import nn
 
+from ..ops import _context
+from ..ops import _primitives as prim
 from ..ops._collectives import all_gather, pvary
 from ..mesh._layout import uneven
 from ..mesh._spec import P
+from ..runtime import _compile
+from ..runtime._errors import ShardingError
+from ..runtime._torch_compat import peek_interpreter_stack, top_saved_tensors_hooks
 from ._styles import Style
 
 __all__ = ["FullyShard"]
 
 
+class _Order:
+    """The modules a FullyShard shards, in the plan's order, and which of them have
+    been seen followed by their successor (on their first call: then they prefetch)."""
+
+    def __init__(self) -> None:
+        self.mods: dict[int, nn.Module] = {}        # id -> module, in registration order
+        self.next: dict[int, nn.Module | None] = {}
+        self.ok: dict[int, bool] = {}               # id -> prefetches its successor
+
+    def register(self, module: nn.Module) -> None:
+        if id(module) not in self.mods:
+            self.mods[id(module)] = module
+            mods = list(self.mods.values())
+            self.next = {id(m): n for m, n in zip(mods, mods[1:] + [None])}
+
+    def saw(self, prev: nn.Module, cur: nn.Module | None) -> None:
+        """``cur`` ran right after ``prev`` (None: nothing did, in that call)."""
+        # the first call sets it; a later call out of that order turns it off for good
+        seen, follows = self.ok.get(id(prev)), self.next.get(id(prev)) is cur
+        if seen is None or (seen and not follows):
+            self.ok[id(prev)] = follows
+
+
+class _Run(threading.local):
+    """This thread's plan order (a style shared by simulated ranks, threads that build
+    their own modules, must not interleave their orders: each rank would check its
+    own) and the state of its current ``apply`` call."""
+    order: _Order | None = None
+    active = False
+    prev: nn.Module | None = None
+    ran: set | None = None          # id of each module run so far in this call
+    pending: dict | None = None     # id(module) -> {short: (block, its gather)}
+
+
+class _Freed:
+    """A saved tensor that was a view of a gathered weight, dropped after the forward:
+    the block, how to gather it, and the view's geometry in the gathered weight."""
+
+    __slots__ = ("block", "group", "dim", "size", "stride", "offset", "name")
+
+    def __init__(self, block, group, dim, view, full, name):
+        self.block, self.group, self.dim, self.name = block.detach(), group, dim, name
+        self.size, self.stride = tuple(view.shape), view.stride()
+        self.offset = view.storage_offset() - full.storage_offset()
+
+    def regather(self) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            raise ShardingError(
+                f"FSDP module {self.name!r} frees its gathered weights after the forward "
+                f"(free_full_weight), and this backward is itself differentiated "
+                f"(create_graph=True), which needs the weights' own history; use "
+                f"keep_full_weight for it, or differentiate with torch.func")
+        full = prim.all_gather(self.block, self.group, self.dim)   # (in the backward)
+        return full.as_strided(self.size, self.stride, full.storage_offset() + self.offset)
+
+
+class _FreeAfterForward:
+    """Saved-tensor hooks for one call of a module: a tensor autograd saves that is a
+    view of one of the module's gathered weights is kept as a :class:`_Freed` (the
+    weight's memory goes once the forward is done) and gathered again on unpack, in
+    the backward (which unpacks in the same order on every rank)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.group = name, None
+        self.fulls: list = []                   # (gathered weight, its block, its dim)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor):
+        if type(t) is torch.Tensor and t.layout == torch.strided:
+            ptr = t.untyped_storage().data_ptr()
+            for full, block, dim in self.fulls:
+                if ptr == full.untyped_storage().data_ptr():
+                    return _Freed(block, self.group, dim, t, full, self.name)
+        return t
+
+    @staticmethod
+    def unpack(x):
+        return x.regather() if type(x) is _Freed else x
+
+
+def _frees(plan, name: str) -> bool:
+    """Whether module ``name`` frees its gathered weights under ``plan``: a bool, or
+    transformers' ``fsdp_plan`` ({module pattern: "free_full_weight" or
+    "keep_full_weight"}, ``*`` standing for one name, the deepest match among the
+    module and its parents deciding)."""
+    if not isinstance(plan, dict):
+        return bool(plan)
+    parts = name.split(".") if name else []
+    for k in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:k])
+        for pattern, how in plan.items():
+            if re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), prefix):
+                return how == "free_full_weight"
+    return False
+
+
 class FullyShard(Style):
-    """Shards every own parameter of a module over the plan axis; gathers it per call.
+    """Shards every own parameter of a module over the plan axis; gathers it per call,
+    one module ahead (see prefetch below).
 
     **Arguments:** ``size`` – the size of the plan axis (a parameter is split on dim 0
     when ``size`` divides it, else on its first dimension it divides, else kept
     replicated: :meth:`reason` says why); ``replicate`` – mesh axes over which the
     shards are replicated (HSDP: ``("dp_replicate",)``), whose gradients are summed
-    on the block.
+    on the block; ``prefetch`` – True (the default): from the second call on, each
+    module's pre-hook also gathers the next module's blocks (in the plan's module
+    order, where the first call ran them in that order); False: each module gathers
+    its own, in its pre-hook. The values and gradients are the same either way;
+    ``free`` – True, or transformers' ``fsdp_plan`` (``{module pattern:
+    "free_full_weight" or "keep_full_weight"}``, ``*`` one name, the deepest pattern
+    matching the module or a parent deciding): under tape autograd such a module's
+    gathered weights are freed after its forward and gathered again in the backward
+    (1/size of their memory between the two, one more gather per weight the backward
+    reads; not with ``create_graph=True``). ``torch.func`` transforms keep them.
 
-    Example (what ``parallelize(model, mesh, {"fsdp": "auto"})`` applies to each module)::
+    Example (what ``parallelize(model, mesh, {"fsdp": "auto"})`` applies to each module;
+    ``{"fsdp": FullyShard(4, prefetch=False)}`` turns prefetch off,
+    ``FullyShard(4, free=True)`` frees every module's weights after its forward)::
 
         style = FullyShard(4)
         style.param_specs(torch.nn.Linear(8, 6), "fsdp")    # weight P(None, 'fsdp'), bias P()
     """
 
-    def __init__(self, size: int, replicate: tuple[str, ...] = ()):
-        self.size, self.replicate = size, tuple(replicate)
+    def __init__(self, size: int, replicate: tuple[str, ...] = (), prefetch: bool = True,
+                 free: bool | dict = False):
+        self.size, self.replicate, self.prefetch = size, tuple(replicate), bool(prefetch)
+        self.free = dict(free) if isinstance(free, dict) else bool(free)
+        self._free_at: dict[str, bool] = {}            # module name -> frees its weights
         self._dims: dict[int, dict[str, int]] = {}     # id(module) -> {parameter: dim}
+        self._shapes: dict[int, dict[str, tuple]] = {}  # id(module) -> {parameter: block}
+        self._run = _Run()
 
     def dim(self, shape: tuple[int, ...]) -> int | None:
         """The dimension a parameter of ``shape`` is split on, or None (replicated)."""
@@ -49,33 +189,128 @@ class FullyShard(Style):
                 f"shards; pad one of them to a multiple of {self.size}")
 
     def param_specs(self, module: nn.Module, axis):
-        specs, dims = {}, {}
+        specs, dims, shapes = {}, {}, {}
         for name, p in module.named_parameters(recurse=False):
             d = self.dim(tuple(p.shape))
             specs[name] = P() if d is None else P(*([None] * d), axis)
             if d is not None:
                 dims[name] = d
-        self._dims[id(module)] = dims
+                shapes[name] = tuple(n // self.size if i == d else n
+                                     for i, n in enumerate(p.shape))
+        self._dims[id(module)], self._shapes[id(module)] = dims, shapes
+        if dims:
+            self._order.register(module)
         return specs
+
+    @property
+    def _order(self) -> _Order:
+        run = self._run
+        if run.order is None:
+            run.order = _Order()
+        return run.order
+
+    def _gather(self, block, d: int, axis):
+        if self.replicate:
+            block = pvary(block, self.replicate)
+        return all_gather(block, axis, axis=d, tiled=True)
 
     def prepare_input(self, module, args, kwargs, call):
         # the module sees each whole weight from here until its forward returns;
         # functional_call puts the caller's tensors back when apply ends
+        dims = self._dims.get(id(module), {})
+        if not dims:
+            return args, kwargs
+        eager = not _compile.tracing()     # (compiled: inductor orders the gathers)
+        got = self._arrive(module, call) if eager else {}
         restore = call.state.setdefault("restore", {})
-        for short, d in self._dims.get(id(module), {}).items():
+        free = self._freer(call) if eager else None
+        for short, d in dims.items():
             block = call.params.get(short)
             if block is None:
                 continue
-            if self.replicate:
-                block = pvary(block, self.replicate)
+            early = got.get(short)
+            full = early[1] if early is not None and early[0] is block else \
+                self._gather(block, d, call.axis)
             restore[short] = module._parameters[short]
-            module._parameters[short] = all_gather(block, call.axis, axis=d, tiled=True)
+            module._parameters[short] = full
+            if free is not None and full.untyped_storage().data_ptr():
+                free.fulls.append((full, block, d))
+        if eager and self.prefetch:
+            self._prefetch(module, call.axis)
+        if free is not None and free.fulls:
+            free.hooks.__enter__()          # (left in prepare_output, or when apply ends)
+            call.state["free"] = free
+            call.on_exit(lambda: self._stop_freeing(call))
         return args, kwargs
 
+    def _freer(self, call) -> _FreeAfterForward | None:
+        """The saved-tensor hooks that free this call's gathered weights: where the plan
+        says so and tape autograd records (torch.func's transforms take no saved-tensor
+        hooks; inside other hooks, a checkpointed region, the region decides what is
+        saved: there the weights are kept)."""
+        frees = self._free_at.get(call.name)
+        if frees is None:
+            frees = self._free_at[call.name] = _frees(self.free, call.name)
+        top = top_saved_tensors_hooks(False)      # (a freeing parent's are fine)
+        if not (frees and torch.is_grad_enabled() and peek_interpreter_stack() is None
+                and (top is None or type(getattr(top[0], "__self__", None))
+                     is _FreeAfterForward)):
+            return None
+        free = _FreeAfterForward(call.name)
+        free.group = _context.current("FullyShard").mesh.axis_group(call.axis)
+        return free
+
+    @staticmethod
+    def _stop_freeing(call) -> None:
+        free = call.state.pop("free", None)
+        if free is not None:
+            free.hooks.__exit__(None, None, None)
+            free.fulls.clear()          # (the weights go with the forward's last use)
+
+    def _arrive(self, module: nn.Module, call) -> dict:
+        """Records that ``module`` runs now (the order check) and hands out the gathers
+        prefetched for it."""
+        run = self._run
+        if not run.active:                 # the first FSDP module of this apply call
+            run.active, run.prev, run.ran, run.pending = True, None, set(), {}
+            call.on_exit(self._end_run)
+        if run.prev is not None:
+            self._order.saw(run.prev, module)
+        run.prev = module
+        run.ran.add(id(module))
+        return run.pending.pop(id(module), {})
+
+    def _prefetch(self, module: nn.Module, axis) -> None:
+        """Launches the gathers of the blocks of ``module``'s successor, where the
+        order check allows. The blocks are what functional_call put in the successor
+        for this call; its pre-hook uses a gather only if its block is that tensor."""
+        nxt, run = self._order.next.get(id(module)), self._run
+        # (not a module that ran already in this call: out of order, it may not again)
+        if (nxt is None or not self._order.ok.get(id(module)) or id(nxt) in run.pending
+                or id(nxt) in run.ran):
+            return
+        early = {}
+        for short, d in self._dims[id(nxt)].items():
+            block = nxt._parameters.get(short)
+            if block is not None and tuple(block.shape) == self._shapes[id(nxt)][short]:
+                early[short] = (block, self._gather(block, d, axis))
+        run.pending[id(nxt)] = early
+
+    def _end_run(self) -> None:
+        run = self._run
+        if run.prev is not None:
+            self._order.saw(run.prev, None)
+        # a gather prefetched for a module that did not run is left unused: no
+        # gradient flows through it, so its reduce-scatter never runs, on any rank
+        run.active, run.prev, run.ran, run.pending = False, None, None, None
+
     def prepare_output(self, module, args, kwargs, output, call):
+        self._stop_freeing(call)
         for short, block in call.state.get("restore", {}).items():
             module._parameters[short] = block
         return output
 
     def __repr__(self) -> str:
-        return f"FullyShard(size={self.size}, replicate={self.replicate})"
+        return (f"FullyShard(size={self.size}, replicate={self.replicate}"
+                f"{'' if self.prefetch else ', prefetch=False'}"
+                f"{f', free={self.free!r}' if self.free else ''})")

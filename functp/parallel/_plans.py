@@ -609,8 +609,8 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     divides, else its first dimension that does, else replicated:
     ``apply.fsdp_replicated`` says why), all-gathered in the module's forward
     pre-hook; its gradient is the block's, reduce-scattered (and, over
-    ``dp_replicate``, all-reduced). ``fsdp`` and ``dp_replicate`` stay batch axes. A
-    config's ``fsdp_plan`` styles both keep the gathered weights for the backward.
+    ``dp_replicate``, all-reduced). ``fsdp`` and ``dp_replicate`` stay batch axes.
+    ``fsdp_plan``'s ``free_full_weight``: see :class:`FullyShard` (tape autograd only).
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
     by the module's dotted parameter names), their specs, and
@@ -662,7 +662,7 @@ def _families(module: nn.Module, mesh: Mesh, plan: Any, axis: str, config: dict 
                             "config (its tp_plan / ep_plan) and the model; pass plan='auto'")
     if isinstance(plan, str):
         raise ShardingError(f"parallelize: plan must be a dict of rules or 'auto', got {plan!r}")
-    if isinstance(plan, dict) and plan and all(isinstance(v, dict) or v == "auto"
+    if isinstance(plan, dict) and plan and all(isinstance(v, (dict, FullyShard)) or v == "auto"
                                                for v in plan.values()):
         for ax in plan:
             for a in (ax if isinstance(ax, tuple) else (ax,)):
@@ -670,21 +670,28 @@ def _families(module: nn.Module, mesh: Mesh, plan: Any, axis: str, config: dict 
                     raise ShardingError(
                         f"parallelize: plan family {ax!r} names no axis of {mesh}; key plan "
                         f"families by mesh axes ({mesh.axis_names}) or axis tuples")
+            if isinstance(plan[ax], FullyShard) and plan[ax].size != mesh.axis_size(ax):
+                raise ShardingError(
+                    f"parallelize: plan family {ax!r}: {plan[ax]!r} is for an axis of size "
+                    f"{plan[ax].size}, but {ax!r} has size {mesh.axis_size(ax)} in {mesh}")
             if plan[ax] == "auto" and ax != "fsdp":
                 raise ShardingError(
                     f"parallelize: plan family {ax!r}: 'auto' is the FSDP family's value "
                     f"({{'fsdp': 'auto'}}); give {ax!r} a dict of rules, or pass plan='auto'")
-        return [(ax, _fsdp_style(mesh) if fam == "auto" else fam, False)
+        return [(ax, _fsdp_style(mesh, module) if fam == "auto" else fam, False)
                 for ax, fam in plan.items()]
     _need_axis(mesh, axis)
     return [(axis, plan, False)]
 
 
-def _fsdp_style(mesh: Mesh) -> FullyShard:
+def _fsdp_style(mesh: Mesh, module: nn.Module | None = None, override: Any = None
+                ) -> FullyShard:
     """The FSDP family's style over ``fsdp``, replicated over ``dp_replicate`` (HSDP)
-    when the mesh has it."""
+    when the mesh has it, freeing gathered weights where the model's ``fsdp_plan``
+    (transformers', with a config's ``fsdp_plan`` over it) says ``free_full_weight``."""
     return FullyShard(mesh.axis_size("fsdp"), ("dp_replicate",)
-                      if "dp_replicate" in mesh.axis_names else ())
+                      if "dp_replicate" in mesh.axis_names else (),
+                      free=_overridden(getattr(module, "fsdp_plan", None), override))
 
 
 def _fsdp_rules(module: nn.Module, style: FullyShard, matched: dict) -> dict[str, Style]:
@@ -842,8 +849,7 @@ def _resolve_config(dc: Any) -> dict[str, Any]:
     c["ep_size"] = c["ep_size"] or 1
     refuse = [f"{f}={c[f]!r}" for f in ("fsdp_cpu_offload", "fsdp_mixed_precision") if c[f]]
     # transformers' FSDP styles say whether a module frees its gathered weights after
-    # the forward; functp's autograd keeps them for the backward either way (free them
-    # with functp.remat): both read as FullyShard
+    # the forward (FullyShard's free=, under tape autograd) or keeps them
     fp = c["fsdp_plan"]
     bad = ({k: v for k, v in fp.items() if v not in _FSDP_STYLES} if isinstance(fp, dict)
            else fp)
@@ -922,7 +928,8 @@ def _auto_families(module: nn.Module, mesh: Mesh, axis: str, config: dict | None
     if ep_plan:
         families.append(("ep", ep_plan, True))
     if use_fsdp:
-        families.append(("fsdp", _fsdp_style(mesh), True))
+        families.append(("fsdp", _fsdp_style(mesh, module, config and config["fsdp_plan"]),
+                         True))
     return families
 
 

@@ -101,6 +101,9 @@ SingleLevelFunction = _need("torch.autograd.function._SingleLevelFunction",
                             "a collective's rule at one torch.func level")
 will_engine_execute_node = _need("torch._C._will_engine_execute_node",
                                  "whether this backward reaches a body's entry (gradient buckets)")
+top_saved_tensors_hooks = _need("torch._C._autograd._top_saved_tensors_default_hooks",
+                                "whether FSDP's free_full_weight runs inside other "
+                                "saved-tensor hooks (a checkpointed region)")
 DisableFuncTorch = _need("torch._C._DisableFuncTorch",
                          "plain tensors under torch.func (printing, fingerprints, rng)")
 
