@@ -217,8 +217,11 @@ def test_a_config_with_ep_and_fsdp_shards_dense_over_fsdp_and_experts_over_ep_an
     fsdp = [n for n, s in dense.items() if ("efsdp", "ep") in s]
     assert fsdp and all(("tp" in s.axes) != (n in fsdp) or not s.axes
                         for n, s in dense.items()), dense
-    # one gather and one reduce-scatter per sharded parameter and layer call
-    assert log[("all_gather", ("efsdp", "ep"))] == len(fsdp)
+    # one gather and one reduce-scatter per sharded parameter and layer call; under
+    # tape the layers the model's fsdp_plan frees (free_full_weight) gather the weights
+    # their backward reads once more (torch.func keeps them)
+    gathers = log[("all_gather", ("efsdp", "ep"))]
+    assert gathers == len(fsdp) if not tape else len(fsdp) < gathers < 2 * len(fsdp)
     assert log[("reduce_scatter", ("efsdp", "ep"))] == len(fsdp)
     if efsdp > 1:
         assert log[("all_gather", ("efsdp",))] == len(experts)

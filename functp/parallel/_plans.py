@@ -956,9 +956,11 @@ def _config_families(module: nn.Module, mesh: Mesh, c: dict[str, Any]
     if ep_plan:
         families.append((("ep", "tp") if tp else "ep", ep_plan, True))
     if c["fsdp_size"] > 1 and not ep:
-        families.append(("fsdp", _fsdp_style(mesh), True))
+        families.append(("fsdp", _fsdp_style(mesh, module, c["fsdp_plan"]), True))
     elif c["fsdp_size"] > 1:
-        families.append((("efsdp", "ep"), FullyShard(c["fsdp_size"], replicate), True))
+        free = _overridden(getattr(module, "fsdp_plan", None), c["fsdp_plan"])
+        families.append((("efsdp", "ep"), FullyShard(c["fsdp_size"], replicate, free=free),
+                         True))
     return families
 
 
