@@ -131,6 +131,11 @@ TorchDispatchMode = _need("torch.utils._python_dispatch.TorchDispatchMode",
                           "seeing aten ops (checkpoint policies, estimate)")
 disable_current_modes = _need("torch.utils._python_dispatch._disable_current_modes",
                               "host work inside estimate's fake mode")
+_WHY_WAITS = "waiting on a forward collective at the first use of its result"
+push_dispatch_mode = _need("torch._C._push_on_torch_dispatch_stack", _WHY_WAITS)
+pop_dispatch_mode = _need("torch._C._pop_torch_dispatch_stack", _WHY_WAITS)
+dispatch_stack_len = _need("torch._C._len_torch_dispatch_stack", _WHY_WAITS)
+dispatch_mode_at = _need("torch._C._get_dispatch_stack_at", _WHY_WAITS)
 register_pytree_constant = _need("torch.utils._pytree.register_constant",
                                  "a None stand-in passed through nonstrict_trace")
 is_functional_tensor = _need("torch._is_functional_tensor",
