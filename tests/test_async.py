@@ -118,6 +118,13 @@ def test_values_and_gradients_match_eager_and_the_oracle(run, shape, how):
     assert counts[0] > 5 and len(set(counts)) == 1, counts
 
 
+def test_the_check_mode_and_gloo_processes_see_the_same(run):
+    # the cross-rank check mode reads every collective's input and every output
+    assert len(set(functp.simulate(_value_body, 2, (2,), "func_grad", check=True))) == 1
+    # ranks as processes, each with its own gloo backend, rather than threads
+    assert len(set(run(2, _value_body, (2,), "tape", gloo=True))) == 1
+
+
 # -- the order of events: compute runs while the collective is in flight -------------------
 
 def _order(monkeypatch, how: str, on: bool, gather: bool = False) -> list:
@@ -241,12 +248,32 @@ def test_a_pending_result_returned_unused_is_finished():
     assert out == [([3.0] * 3, [1.0] * 3 + [2.0] * 3, 3.0)] * 2
 
 
+def _unseen_read_body():
+    mesh = functp.make_mesh((2,), ("tp",))
+    x = torch.full((3,), 1.0 + functp.process_index(), dtype=torch.float64)
+
+    def body(x):
+        s = functp.psum(x, "tp")
+        torch.sin(x)                         # reads nothing of s: the mode is pushed
+        with torch._C.DisableTorchFunction():    # no torch call of the body shows this
+            t = s + 1                        # read: only the dispatch mode sees it
+        return t
+
+    return functp.shard_map(body, mesh, in_specs=P("tp"), out_specs=P())(x).tolist(), _idle()
+
+
+def test_the_dispatch_mode_waits_where_no_torch_call_shows_the_read():
+    assert functp.simulate(_unseen_read_body, 2, check=False) == [([4.0] * 3, (0, 0))] * 2
+
+
 def _raising_body():
     mesh = functp.make_mesh((2,), ("tp",))
     x = torch.ones(3, dtype=torch.float64, requires_grad=True)
 
     def body(x):
         functp.psum(x * 2, "tp")             # launched, pending
+        torch.sin(x)                         # reads nothing of it: the mode is pushed
+        assert dispatch_stack_len() == 1
         raise ValueError("the body's own error")
 
     step = functp.shard_map(body, mesh, in_specs=P("tp"), out_specs=P())

@@ -87,8 +87,8 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
             _lazy.allow(tr)
         out = op(t, g.key, *args)
         tr.set(out, rule.result(v, g.axis_set))
-        if _waits.on:            # (it is pending: the body's next op may read it)
-            _lazy.activate()
+        if _waits.last is not None:     # (pending: the body's next call may read it)
+            _lazy.activate(out)
     finally:
         tr._paused -= 1
         _waits.allow = False

@@ -1,30 +1,31 @@
 """Forward collectives waited on at the first use of their result.
 
-A collective a shard_map body calls (``psum``, ``pmax``/``pmin``, ``all_gather``,
-``psum_scatter``, ``ppermute``) is launched at once and its result handed out before
-its data has arrived, marked pending (a key in the tensor's ``__dict__``). A
-``TorchDispatchMode`` (:class:`_Waits`), pushed on this thread's dispatch stack only
-while something is pending, waits on that collective just before any op reads the
-result. A dispatch mode sits below torch.func's layers: under ``torch.func.grad`` it
-sees the very tensors the collectives' kernels returned, as under tape autograd. A
-view of a pending result (``view``, ``movedim``, ``detach``...) reads nothing: it is
-marked pending too, and the wait comes at the first op that reads either.
+A collective a vma-tracked shard_map body calls (``psum``, ``pmax``/``pmin``,
+``all_gather``, a tiled ``psum_scatter``, ``ppermute``) is launched at once, and its
+result handed out before the data has arrived, marked pending (a key in the
+``__dict__`` of the kernel's tensor and of the one the body sees, a torch.func
+wrapper of it). Three places wait on it:
 
-A mode cannot pop itself while it handles an op (torch stashes it meanwhile and
-pushes it back), so once nothing is pending it is popped by the next torch call of
-the body (the vma ``UnionRule`` calls :func:`check`), by the next launch, or at the
-body's exit. ``check`` also waits before the host reads that bypass dispatch
-(``.numpy()``, ``.tolist()``, ``data_ptr()``).
+- the body's next torch calls (:func:`check`, from the vma ``UnionRule``, which sees
+  every torch call of the body): one whose arguments include a pending result waits
+  on it first. That is the usual case (a TP layer's ``psum`` read by the next op),
+  and it costs no more.
+- if a call does not read it, a ``TorchDispatchMode`` (:class:`_Waits`) is pushed on
+  this thread's dispatch stack, only until nothing is pending: it sits below
+  torch.func's layers, so under ``torch.func.grad`` as under tape autograd it sees
+  the very tensor the kernel returned, and it waits before the first operator that
+  reads it, whatever torch call runs it. A view of a pending result reads nothing:
+  it is marked pending too. (A mode cannot pop itself while it handles an operator,
+  so the next torch call of the body pops it.)
+- the body's exit (:func:`settle`): a result returned unused, or left behind by an
+  exception, never leaves the body in flight.
 
-The body's exit waits every pending collective (:func:`settle`): a result returned
-unused, or left behind by an exception, never leaves the body in flight.
-
-Waited on at once instead, as before (:func:`ready` says no): outside a vma-tracked
-body (``check_vma=False``: no per-op hook to see host reads), under ``vmap`` or more
-than one torch.func level (a batching rule hands the mode other tensors), inside a
-backward (the autograd engine restores the thread's modes per node), under any
-other dispatch mode (``torch.compile``'s tracing, ``functp.estimate``'s fake mode,
-remat), and with ``functp.set_overlap(forward=False)``.
+Waited on at once instead, as before (:func:`allow` says no): a body that is not
+under tape autograd or one ``torch.func.grad`` (``vmap`` and ``jvp`` hand the mode
+other tensors, or read the result in their rules), a call from a transform nested in
+the body, a backward (the autograd engine sets each node's modes itself), forward-mode
+AD, another dispatch mode (``torch.compile``'s tracing, ``functp.estimate``, remat),
+``check_vma=False`` bodies (no ``UnionRule``), and ``functp.set_overlap(forward=False)``.
 """
 from __future__ import annotations
 
@@ -33,20 +34,17 @@ import threading
 import torch
 
 from . import _context
-from ..runtime._torch_compat import (TorchDispatchMode, TransformGrad, current_graph_task_id,
-                                     dispatch_mode_at, dispatch_stack_len, forward_ad as fwd_ad,
-                                     layer_stack_depth,
-                                     peek_interpreter_stack, pop_dispatch_mode,
-                                     push_dispatch_mode)
+from ..runtime._torch_compat import (BelowAutograd, DisableFuncTorch, EagerDispatchMode,
+                                     TransformGrad, current_graph_task_id, dispatch_mode_at,
+                                     dispatch_stack_len, forward_ad as fwd_ad,
+                                     layer_stack_depth, peek_interpreter_stack,
+                                     pop_dispatch_mode, push_dispatch_mode)
 
 PENDING = "_functp_pending"     # a pending result's __dict__ key: its Pending
+_GRAD_BODY = "_functp_grad_body"   # a Tracker's: its body runs under one torch.func.grad
 
 _PLAIN = {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.Size,
           torch.memory_format, torch.layout}     # (set membership costs no Python call)
-# host reads that do not go through dispatch (the mode would not see them)
-_HOST_READS = {torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.data_ptr,
-               torch.Tensor.__array__, torch.Tensor.__dlpack__, torch.Tensor.untyped_storage,
-               torch.Tensor.storage}
 
 
 class _State(threading.local):
@@ -57,15 +55,15 @@ class _State(threading.local):
     pushed = False      # our mode is on the dispatch stack, pushed at torch.func ``depth``
     depth = 0
     allow = False       # the collective being called may be held (allow())
-    tracker = None      # the body (its vma Tracker) whose torch.func depth is ``lazy_depth``
-    lazy_depth = None   # (None: waits at once at this body's level)
+    last = None         # the Pending just held, for activate()
+    lazy_depth = None   # the torch.func depth of the body that held them
 
     def __init__(self) -> None:
         self.pending: list = []         # prim.Pending, in launch order
         self.mode = _Waits(self)
 
 
-class _Waits(TorchDispatchMode):
+class _Waits(EagerDispatchMode):
     """Waits on a pending collective before an op reads its result; marks views."""
 
     def __init__(self, state: _State) -> None:
@@ -83,7 +81,11 @@ class _Waits(TorchDispatchMode):
                             hit = _found(hit, t)
                 elif (c is torch.Tensor or c not in _PLAIN and isinstance(a, torch.Tensor)) \
                         and PENDING in a.__dict__:
-                    hit = _found(hit, a)
+                    p = a.__dict__[PENDING]
+                    if hit is None and p.marked is not None:    # (the usual case inline)
+                        hit = [p]
+                    else:
+                        hit = _found(hit, a)
             if hit is not None:
                 if func.is_view and len(hit) == 1:    # reads nothing: pending too
                     out = func(*args, **kwargs) if kwargs else func(*args)
@@ -122,23 +124,23 @@ def allow(tr) -> None:
     autograd or one ``torch.func.grad`` and the call is made at the body's own level
     (not in a transform nested in it, not in a backward, not under forward-mode AD).
     The kernel cannot tell: below torch.func's layers it sees none of them."""
-    st = _state
     if fwd_ad._current_level >= 0:      # a jvp rule would read the result at once
         return
-    if st.tracker is not tr:            # (once per body call)
-        st.tracker, st.lazy_depth = tr, _body_depth()
-    depth = st.lazy_depth
-    if depth is not None and current_graph_task_id() < 0 and layer_stack_depth() == depth:
-        st.allow = True
-
-
-def _body_depth() -> int | None:
-    """The torch.func depth of the body now running if its collectives may wait
-    lazily there: tape autograd (0) or one ``torch.func.grad`` (1); else None."""
     interp = peek_interpreter_stack()
     if interp is None:
-        return 0
-    return 1 if layer_stack_depth() == 1 and interp.key() == TransformGrad else None
+        if tr.level != -1:       # (a tape body's level is -1)
+            return
+    elif interp.level() != tr.level:    # a transform nested in the body
+        return
+    else:
+        d = tr.__dict__
+        if _GRAD_BODY not in d:         # (once per body call)
+            d[_GRAD_BODY] = layer_stack_depth() == 1 and interp.key() == TransformGrad
+        if not d[_GRAD_BODY]:
+            return
+    if current_graph_task_id() < 0:
+        st = _state
+        st.allow, st.lazy_depth = True, 0 if interp is None else 1
 
 
 def ready() -> bool:
@@ -158,24 +160,63 @@ def hold(p):
     early.__dict__[PENDING] = p
     p.marked = [early]
     st.pending.append(p)
-    st.on = True
+    st.on = st.last = p
     return early
 
 
-def activate() -> None:
-    """Back where the body called the collective, with results pending: our mode
-    pushed (if it is not on top already), so that the next op reading one waits for
-    it; under another dispatch mode, every pending collective waited on now.
-
-    (The mode is pushed here, not in the kernel: torch.func restores the dispatch
-    keys of the level it returns to, which would drop a mode pushed below it.)"""
+def activate(out: torch.Tensor) -> None:
+    """Back where the body called the collective: its result as the body sees it
+    (``out``: under torch.func, a wrapper of the kernel's) marked pending too, so
+    that :func:`check` sees the body's next call read it."""
     st = _state
+    p, st.last = st.last, None
+    if p is not None and p.marked is not None and out is not p.early:
+        out.__dict__[PENDING] = p
+        p.marked.append(out)
+
+
+def check(args, kwargs) -> None:
+    """Before each torch call of a body while ``on``: a pending result among the
+    arguments is waited on now (the usual case: a result used by the next call;
+    also a host read, ``.numpy()``, ``.tolist()``, which bypasses dispatch); if
+    results stay pending, our mode is pushed, to wait on them at the first operator
+    that reads them (below torch.func, in whatever the call does); once nothing is,
+    it is popped."""
+    st = _state
+    if st.pending:
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            c = a.__class__
+            if c is list or c is tuple:
+                for t in a:
+                    if isinstance(t, torch.Tensor) and PENDING in t.__dict__:
+                        _settle_marked(st, t)
+            elif (c is torch.Tensor or c not in _PLAIN and isinstance(a, torch.Tensor)) \
+                    and PENDING in a.__dict__:
+                _settle_marked(st, a)
+        if st.pending and not st.pushed:
+            _push(st)
     if not st.pending:
-        return
-    n = dispatch_stack_len()
-    if n and dispatch_mode_at(n - 1) is st.mode:       # pushed already
-        return
-    if n:
+        if st.pushed:
+            _release(st)
+        else:
+            st.on = False
+
+
+def _settle_marked(st: _State, t: torch.Tensor) -> None:
+    p = t.__dict__[PENDING]
+    if p.marked is None:          # (a stale mark: copied with a __dict__, say)
+        del t.__dict__[PENDING]
+    else:
+        _settle(st, p)
+
+
+def _push(st: _State) -> None:
+    """Our mode on the dispatch stack, at the body's level (where it will be popped:
+    torch.func restores the dispatch keys of a level it returns to, which would drop
+    a mode pushed in a transform nested in the body); where it cannot be (there, in
+    a backward, above another mode), every pending collective waited on now."""
+    if (dispatch_stack_len() or current_graph_task_id() >= 0
+            or layer_stack_depth() != st.lazy_depth):
         settle()
         return
     push_dispatch_mode(st.mode)
@@ -188,36 +229,26 @@ def _settle(st: _State, p) -> None:
         t.__dict__.pop(PENDING, None)
     p.marked = None
     st.pending.remove(p)
-    p.wait()
+    # (below torch.func and autograd: the wait's Python autograd kernel costs calls)
+    with DisableFuncTorch(), BelowAutograd():
+        p.wait()
 
 
 def _release(st: _State) -> None:
-    """Pops our mode once nothing is pending, where it was pushed: on top of the
-    dispatch stack, at the same torch.func depth, not inside a backward (the engine
+    """Once nothing is pending: our mode popped where it was pushed (on top of the
+    dispatch stack, at the same torch.func depth, not inside a backward: the engine
     restores a node's modes, and we would lose count)."""
-    if st.pending:
+    if not st.pushed:
+        st.on = False
         return
     n = dispatch_stack_len()
     top = dispatch_mode_at(n - 1) if n else None
     if top is not st.mode:
-        if not n:                # (popped by someone else, or never pushed)
+        if not n:                # (popped by someone else)
             st.pushed = st.on = False
     elif current_graph_task_id() < 0 and layer_stack_depth() == st.depth:
         pop_dispatch_mode(None)
         st.pushed = st.on = False
-
-
-def check(func) -> None:
-    """Before each torch call of a body while ``on``: pops our
-    mode once nothing is pending; pushes it if a result is pending and it is not
-    there yet; waits on everything before a host read that bypasses dispatch."""
-    st = _state
-    if not st.pending:
-        _release(st)
-    elif func in _HOST_READS:
-        settle()
-    elif not st.pushed:       # (pending, and not pushed: a mode was in the way)
-        activate()
 
 
 def settle(quiet: bool = False) -> None:
@@ -238,6 +269,7 @@ def settle(quiet: bool = False) -> None:
         except Exception as e:      # noqa: BLE001 - the first is raised below
             if first is None:
                 first = e
+    st.last = None
     _release(st)
     if first is not None and not quiet:
         raise first

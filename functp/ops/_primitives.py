@@ -95,16 +95,20 @@ def _finish(raw: torch.Tensor, op: str, g: AxisGroup, finish: Callable | None = 
     return p.early
 
 
-def _held(raw: torch.Tensor, op: str, g: AxisGroup, finish: Callable | None = None):
+def _held(raw: torch.Tensor, op: str, g: AxisGroup, finish: Callable | None = None,
+          own: bool = False):
     """The result of the collective launched as ``raw``, handed out before its data
-    arrives (``finish`` only views it), waited on at its first use (``_lazy``). It
-    is a tensor of its own over ``raw``'s memory: a backend that completes the
-    collective with an in-place copy (gloo) bumps ``raw``'s version counter at some
-    moment before the wait, which autograd would take for a modification of the
-    result (of a view returned by an op, or of a value saved for the backward)."""
-    own = raw.new_empty(0).set_(raw)
+    arrives (``finish`` only views it), waited on at its first use (``_lazy``).
+    ``own``: a tensor of its own over ``raw``'s memory, for a collective that gloo
+    completes with an in-place copy into ``raw`` (all-gather, reduce-scatter): that
+    bumps ``raw``'s version counter at some moment before the wait, which autograd
+    would take for a modification of the result (of a view returned by an op, or of
+    a value saved for the backward). (gloo's all-reduce copies at the launch, before
+    the result is handed out; its all-to-all writes in place without a copy.)"""
     p = Pending(raw, op, g, None, True)
-    p.early = own if finish is None else finish(own)
+    if own:
+        raw = raw.new_empty(0).set_(raw)
+    p.early = raw if finish is None else finish(raw)
     return _lazy.hold(p)
 
 
@@ -184,7 +188,7 @@ def all_gather(x: torch.Tensor, g: AxisGroup, dim: int, lazy: bool = False) -> t
     y = _ops.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), g.size, g.group_name)
     if _defer.pending is None:
         if lazy and g.order is None and _waits.allow and _lazy.ready():
-            return _held(y, "all_gather", g, lambda y: y.movedim(0, dim))
+            return _held(y, "all_gather", g, lambda y: y.movedim(0, dim), True)
         return _blocks_from_group_order(_wait(y, "all_gather", g), g).movedim(0, dim)
     return _finish(y, "all_gather", g, lambda y: _blocks_from_group_order(y, g).movedim(0, dim),
                    view=g.order is None)
@@ -200,7 +204,7 @@ def reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int, lazy: bool = False) 
     r = _ops.reduce_scatter_tensor(y, "sum", g.size, g.group_name)
     if _defer.pending is None:
         if lazy and _waits.allow and _lazy.ready():
-            return _held(r, "reduce_scatter", g, lambda r: r.movedim(0, dim))
+            return _held(r, "reduce_scatter", g, lambda r: r.movedim(0, dim), True)
         return _wait(r, "reduce_scatter", g).movedim(0, dim)
     return _finish(r, "reduce_scatter", g, lambda r: r.movedim(0, dim))
 

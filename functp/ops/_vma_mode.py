@@ -137,7 +137,7 @@ class UnionRule(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tr = self.tr
         if _waits.on:        # a forward collective's result pending (or was): _lazy
-            _lazy.check(func)
+            _lazy.check(args, kwargs)
         if tr._paused:
             return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs or self._nograd_mixed or func is _AUTOGRAD_GRAD:
