@@ -92,7 +92,7 @@ class _Waits(EagerDispatchMode):
                     _mark(out, hit[0])
                     return out
                 for p in hit:
-                    _settle(self.state, p)
+                    _settle(self.state, p, True)
         return func(*args, **kwargs) if kwargs else func(*args)
 
 
@@ -192,7 +192,11 @@ def check(args, kwargs) -> None:
                         _settle_marked(st, t)
             elif (c is torch.Tensor or c not in _PLAIN and isinstance(a, torch.Tensor)) \
                     and PENDING in a.__dict__:
-                _settle_marked(st, a)
+                p = a.__dict__[PENDING]
+                if p.marked is not None:      # (the usual case inline)
+                    _settle(st, p)
+                else:
+                    _settle_marked(st, a)
         if st.pending and not st.pushed:
             _push(st)
     if not st.pending:
@@ -223,15 +227,22 @@ def _push(st: _State) -> None:
     st.pushed, st.depth = True, st.lazy_depth
 
 
-def _settle(st: _State, p) -> None:
-    """Waits on ``p`` (raising its error), its results unmarked first."""
+def _settle(st: _State, p, below: bool = False) -> None:
+    """Waits on ``p`` (raising its error), its results unmarked first; ``below``:
+    called below torch.func and autograd (by the mode's handler)."""
     for t in p.marked:
         t.__dict__.pop(PENDING, None)
     p.marked = None
     st.pending.remove(p)
-    # (below torch.func and autograd: the wait's Python autograd kernel costs calls)
-    with DisableFuncTorch(), BelowAutograd():
+    # below autograd (and torch.func): the wait's Python autograd kernel costs calls
+    if below:                   # (in the mode's handler: below both already)
         p.wait()
+    elif st.lazy_depth:
+        with DisableFuncTorch(), BelowAutograd():
+            p.wait()
+    else:
+        with BelowAutograd():
+            p.wait()
 
 
 def _release(st: _State) -> None:
