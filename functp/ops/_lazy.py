@@ -41,6 +41,7 @@ from ..runtime._torch_compat import (BelowAutograd, DisableFuncTorch, EagerDispa
                                      pop_dispatch_mode, push_dispatch_mode)
 
 PENDING = "_functp_pending"     # a pending result's __dict__ key: its Pending
+_BELOW = -1                     # _settle's depth where the handler waits
 _GRAD_BODY = "_functp_grad_body"   # a Tracker's: its body runs under one torch.func.grad
 
 _PLAIN = {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.Size,
@@ -60,18 +61,20 @@ class _State(threading.local):
 
     def __init__(self) -> None:
         self.pending: list = []         # prim.Pending, in launch order
-        self.mode = _Waits(self)
+        self.mode = _Waits(self.pending)
 
 
 class _Waits(EagerDispatchMode):
     """Waits on a pending collective before an op reads its result; marks views."""
 
-    def __init__(self, state: _State) -> None:
+    def __init__(self, pending: list) -> None:
         super().__init__()
-        self.state = state      # (an engine thread may run us with another's state)
+        # its thread's list itself (an autograd engine's device thread may run the
+        # mode with the state it captured, not its own)
+        self.pending = pending
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.state.pending:
+        if self.pending:
             hit = None
             for a in (*args, *kwargs.values()) if kwargs else args:
                 c = a.__class__
@@ -92,7 +95,7 @@ class _Waits(EagerDispatchMode):
                     _mark(out, hit[0])
                     return out
                 for p in hit:
-                    _settle(self.state, p, True)
+                    _settle(self.pending, p, _BELOW)
         return func(*args, **kwargs) if kwargs else func(*args)
 
 
@@ -194,7 +197,7 @@ def check(args, kwargs) -> None:
                     and PENDING in a.__dict__:
                 p = a.__dict__[PENDING]
                 if p.marked is not None:      # (the usual case inline)
-                    _settle(st, p)
+                    _settle(st.pending, p, st.lazy_depth)
                 else:
                     _settle_marked(st, a)
         if st.pending and not st.pushed:
@@ -211,7 +214,7 @@ def _settle_marked(st: _State, t: torch.Tensor) -> None:
     if p.marked is None:          # (a stale mark: copied with a __dict__, say)
         del t.__dict__[PENDING]
     else:
-        _settle(st, p)
+        _settle(st.pending, p, st.lazy_depth)
 
 
 def _push(st: _State) -> None:
@@ -227,17 +230,18 @@ def _push(st: _State) -> None:
     st.pushed, st.depth = True, st.lazy_depth
 
 
-def _settle(st: _State, p, below: bool = False) -> None:
-    """Waits on ``p`` (raising its error), its results unmarked first; ``below``:
-    called below torch.func and autograd (by the mode's handler)."""
+def _settle(pending: list, p, depth: int) -> None:
+    """Waits on ``p`` (raising its error), its results unmarked first and ``p`` taken
+    off ``pending``; ``depth``: the torch.func depth called at (``_BELOW``: from the
+    mode's handler, below torch.func and autograd already)."""
     for t in p.marked:
         t.__dict__.pop(PENDING, None)
     p.marked = None
-    st.pending.remove(p)
+    pending.remove(p)
     # below autograd (and torch.func): the wait's Python autograd kernel costs calls
-    if below:                   # (in the mode's handler: below both already)
+    if depth == _BELOW:
         p.wait()
-    elif st.lazy_depth:
+    elif depth:
         with DisableFuncTorch(), BelowAutograd():
             p.wait()
     else:
@@ -276,7 +280,7 @@ def settle(quiet: bool = False) -> None:
     first = None
     while st.pending:
         try:
-            _settle(st, st.pending[0])
+            _settle(st.pending, st.pending[0], st.lazy_depth)
         except Exception as e:      # noqa: BLE001 - the first is raised below
             if first is None:
                 first = e
