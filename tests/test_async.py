@@ -177,6 +177,7 @@ def _order(monkeypatch, how: str, on: bool, gather: bool = False) -> list:
     monkeypatch.setattr(prim, "_record", launched)
     monkeypatch.setattr(prim, "_wait", waited)
     assert functp.simulate(body, 2, check=False) == [(0, 0)] * 2
+    assert _idle() == (0, 0)        # (modes are per thread: the ranks' left no trace here)
     return events
 
 
