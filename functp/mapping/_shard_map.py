@@ -23,6 +23,7 @@ import torch
 
 from ..runtime import _compile
 from ..ops import _context
+from ..ops import _lazy
 from ..runtime import _crosscheck
 from ..runtime import _fingerprint
 from ..runtime import _world
@@ -240,10 +241,19 @@ def _run(body: _Body, args, outer: _context.Frame | None = None):
         local, manual = _enter(body, plan, list(blocks), specs, rules, tracker, outer,
                                tracing)
         out = _run_body(body, treespec, local, tracker, outer, manual, compiling)
-        return _exit(body, out, rules, tracker, outer is not None, compiling, tracing)
+        if _lazy._state.on:   # a result pending: the exit reads outside the body's hooks
+            _lazy.settle()
+        out = _exit(body, out, rules, tracker, outer is not None, compiling, tracing)
+    except BaseException:
+        if _lazy._state.on:       # no collective left in flight (the error is this one)
+            _lazy.settle(quiet=True)
+        raise
     finally:
         if tracker is not None and outer is None:
             tracker.forget([blocks[i] for i in plan.tensors])
+    if _lazy._state.on:    # launched by the exit (a nested body's gather back)
+        _lazy.settle()
+    return out
 
 
 # -- stage 3: check the inputs ---------------------------------------------------------

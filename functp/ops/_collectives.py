@@ -15,10 +15,13 @@ import optree
 import torch
 
 from . import _context
+from . import _lazy
 from . import _ops
 from ..runtime._errors import ShardingError
 from ..mesh._layout import uneven
 from ..mesh._mesh import AxisGroup
+
+_waits = _lazy._state
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "pvary", "pcast", "all_gather",
            "all_gather_invariant", "psum_scatter", "all_to_all", "ppermute", "axis_index",
@@ -80,10 +83,15 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
                     what, g, tuple(a for a in g.axes if a in missing), t))
             t = tr.pvary(t, missing)
             v = v | missing
+        if _waits.forward:       # its result may be waited on at its first use
+            _lazy.allow(tr)
         out = op(t, g.key, *args)
         tr.set(out, rule.result(v, g.axis_set))
+        if _waits.last is not None:     # (pending: the body's next call may read it)
+            _lazy.activate(out)
     finally:
         tr._paused -= 1
+        _waits.allow = False
     return out
 
 

@@ -230,8 +230,9 @@ def _psum_raw(x, group, mean, sum_mode):
     stays where it is.
     """
     g = group_of(group)
-    y = prim.all_reduce(x, g, "sum")
-    return y / g.size if mean else y
+    if mean:          # (the division reads the sum: waited on at once)
+        return prim.all_reduce(x, g, "sum") / g.size
+    return prim.all_reduce(x, g, "sum", True)
 
 
 def _psum_ctx(ctx, args, output):
@@ -270,7 +271,7 @@ def _pext_raw(x, group, op, sum_mode):
     (JAX has no rule here). vma: ``vma(x) − a`` (an invariant ``x`` is pvary'd: the
     max of copies is the copy). Batching: elementwise.
     """
-    return prim.all_reduce(x, group_of(group), op)
+    return prim.all_reduce(x, group_of(group), op, True)
 
 
 def _pext_ctx(ctx, args, output):
@@ -445,7 +446,7 @@ def _ag_raw(x, group, dim, tiled, invariant_T):
     ``x`` invariant over ``a`` is pvary'd first). Batching: the batch dimension goes
     first and ``dim`` moves up by one.
     """
-    return prim.all_gather(x if tiled else x.unsqueeze(dim), group_of(group), dim)
+    return prim.all_gather(x if tiled else x.unsqueeze(dim), group_of(group), dim, True)
 
 
 def _ag_ctx(ctx, args, output):
@@ -498,7 +499,8 @@ def _rs_raw(x, group, dim, tiled):
     vma: ``vma(x)`` (which holds ``a``); an ``x`` invariant over ``a`` is refused, as
     by psum. Batching: the batch dimension goes first, ``dim`` moves up by one.
     """
-    y = prim.reduce_scatter(x, group_of(group), dim)
+    # (lazy where the result is the primitive's own: a squeezed view is not marked)
+    y = prim.reduce_scatter(x, group_of(group), dim, tiled)
     return y if tiled else y.squeeze(dim)
 
 
@@ -582,7 +584,7 @@ def _pp_raw(x, group, perm):
     vma: ``vma(x) ∪ a`` (an ``x`` invariant over ``a`` is pvary'd first). Batching:
     elementwise.
     """
-    return prim.permute(x, group_of(group), _pairs(perm))
+    return prim.permute(x, group_of(group), _pairs(perm), True)
 
 
 def _pp_ctx(ctx, args, output):

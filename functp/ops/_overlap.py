@@ -36,7 +36,7 @@ import threading
 
 import torch
 
-from . import _context
+from . import _context, _lazy
 from . import _ops
 from . import _primitives as prim
 from ..runtime import _compile, _world
@@ -51,7 +51,7 @@ _READY = "_functp_ready"       # a grad_ready output's: made once per alias
 
 # the settings, read at each launch: the process's, or a simulated rank's own (set in
 # its thread, as a process under torchrun sets its own)
-_settings = {"enabled": True, "bucket_mb": 25.0, "first_bucket_mb": 1.0}
+_settings = {"enabled": True, "bucket_mb": 25.0, "first_bucket_mb": 1.0, "forward": True}
 
 
 class _Rank(threading.local):
@@ -67,15 +67,19 @@ def _get() -> dict:
 
 
 def set_overlap(enabled: bool | None = None, bucket_mb: float | None = None,
-                first_bucket_mb: float | None = None) -> dict:
-    """Sets how the gradients of a shard_map's replicated inputs are reduced during the
-    backward (functp launches each bucket's all-reduce as soon as its gradients are
-    complete, and waits at the end of the body's backward).
+                first_bucket_mb: float | None = None, forward: bool | None = None) -> dict:
+    """Sets how a shard_map body's communication overlaps its computation: the
+    gradients of its replicated inputs are reduced during the backward (functp
+    launches each bucket's all-reduce as soon as its gradients are complete, and
+    waits at the end of the body's backward), and its forward collectives are waited
+    on at the first use of their result.
 
-    **Arguments:** ``enabled`` – False: one all-reduce after the body's backward, waited
-    on at once (the behaviour before overlap); ``bucket_mb`` – a bucket's size in MiB
-    (DDP's ``bucket_cap_mb``, 25 by default); ``first_bucket_mb`` – the first bucket's
-    (1 MiB: launched early, as DDP's first bucket). None leaves a setting as it is.
+    **Arguments:** ``enabled`` – False: one all-reduce after the body's backward, and
+    every collective waited on at once (the behaviour before overlap); ``bucket_mb`` –
+    a bucket's size in MiB (DDP's ``bucket_cap_mb``, 25 by default);
+    ``first_bucket_mb`` – the first bucket's (1 MiB: launched early, as DDP's first
+    bucket); ``forward`` – False: forward collectives (``psum``, ``all_gather``...)
+    waited on at once (True by default). None leaves a setting as it is.
     Set it alike on every rank (inside :func:`functp.simulate`, a rank's call sets its
     own, as a process's would).
 
@@ -89,15 +93,18 @@ def set_overlap(enabled: bool | None = None, bucket_mb: float | None = None,
     prev = dict(_get())
     new = dict(prev)
     for k, v in (("enabled", enabled), ("bucket_mb", bucket_mb),
-                 ("first_bucket_mb", first_bucket_mb)):
+                 ("first_bucket_mb", first_bucket_mb), ("forward", forward)):
         if v is not None:
-            if k != "enabled" and not v > 0:
+            flag = k in ("enabled", "forward")
+            if not flag and not v > 0:
                 raise ValueError(f"functp.set_overlap: {k} must be > 0 MiB, got {v!r}")
-            new[k] = bool(v) if k == "enabled" else float(v)
-    if _world.current_run() is not None:     # a simulated rank: its own settings
+            new[k] = bool(v) if flag else float(v)
+    rank = _world.current_run() is not None     # a simulated rank: its own settings
+    if rank:
         _rank.values = new
     else:
         _settings.update(new)
+    _lazy.set_forward(new["enabled"] and new["forward"], rank)
     return prev
 
 

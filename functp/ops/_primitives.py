@@ -2,10 +2,12 @@
 
 No autograd here: ``_ops.py`` registers the differentiable ops built on these. Every
 call is recorded in ``comm_log``. Each collective is launched, then waited on at once,
-except inside :func:`deferring` (a gradient bucket launched during the backward, see
-``_overlap``): there a collective whose result can be handed out before its data
-arrives (its post-processing only views the buffer) returns that unfinished result
-and leaves a :class:`Pending` to wait on before anyone reads it.
+except where its result can be handed out before its data arrives (its
+post-processing only views the buffer): inside :func:`deferring` (a gradient bucket
+launched during the backward, see ``_overlap``) it returns that unfinished result and
+leaves a :class:`Pending` to wait on before anyone reads it; called ``lazy`` (a
+body's forward collective, from ``_ops``) where ``_lazy.ready()``, the result is
+marked pending and waited on at its first use (``_lazy``).
 
 A dimension argument names where the blocks are stacked; blocks are ordered by the
 index along the axis tuple, which can differ from the process group's rank order (a
@@ -26,6 +28,8 @@ from ..runtime import _crosscheck
 from ..runtime import _world
 from ..mesh._mesh import AxisGroup
 from ..runtime._torch_compat import c10d_functional as _ops
+from . import _lazy
+from ._lazy import _state as _waits
 
 
 class _Defer(threading.local):      # per thread: simulated ranks are threads
@@ -40,17 +44,20 @@ class Pending:
     returns its finished result. ``early`` is that result before the wait (the same
     memory, its data not there yet), or None where finishing it reads the data."""
 
-    __slots__ = ("raw", "op", "g", "finish", "early", "value")
+    __slots__ = ("raw", "op", "g", "finish", "early", "value", "marked")
 
     def __init__(self, raw: torch.Tensor, op: str, g: AxisGroup,
                  finish: Callable | None, view: bool) -> None:
         self.raw, self.op, self.g, self.finish, self.value = raw, op, g, finish, None
         self.early = (raw if finish is None else finish(raw)) if view else None
+        self.marked = None        # the tensors _lazy marked pending with it
 
     def wait(self) -> torch.Tensor:
         if self.value is None:
             y = _wait(self.raw, self.op, self.g)
-            self.value = y if self.finish is None else self.finish(y)
+            # (early views the same memory, whose data is there now)
+            self.value = (self.early if self.early is not None
+                          else y if self.finish is None else self.finish(y))
             self.raw = self.finish = None
         return self.value
 
@@ -86,6 +93,23 @@ def _finish(raw: torch.Tensor, op: str, g: AxisGroup, finish: Callable | None = 
     p = Pending(raw, op, g, finish, view)
     pending.append(p)
     return p.early
+
+
+def _held(raw: torch.Tensor, op: str, g: AxisGroup, finish: Callable | None = None,
+          own: bool = False):
+    """The result of the collective launched as ``raw``, handed out before its data
+    arrives (``finish`` only views it), waited on at its first use (``_lazy``).
+    ``own``: a tensor of its own over ``raw``'s memory, for a collective that gloo
+    completes with an in-place copy into ``raw`` (all-gather, reduce-scatter): that
+    bumps ``raw``'s version counter at some moment before the wait, which autograd
+    would take for a modification of the result (of a view returned by an op, or of
+    a value saved for the backward). (gloo's all-reduce copies at the launch, before
+    the result is handed out; its all-to-all writes in place without a copy.)"""
+    p = Pending(raw, op, g, None, True)
+    if own:
+        raw = raw.new_empty(0).set_(raw)
+    p.early = raw if finish is None else finish(raw)
+    return _lazy.hold(p)
 
 
 def _record(op: str, g: AxisGroup, x: torch.Tensor, how: str = "",
@@ -124,13 +148,18 @@ def _blocks_from_group_order(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     return x.unflatten(0, (g.size, -1))[list(g.order)].flatten(0, 1)
 
 
-def all_reduce(x: torch.Tensor, g: AxisGroup, op: str = "sum") -> torch.Tensor:
-    """``op`` is ``sum``, ``max`` or ``min`` (gloo has no ``avg``; pmean divides)."""
+def all_reduce(x: torch.Tensor, g: AxisGroup, op: str = "sum",
+               lazy: bool = False) -> torch.Tensor:
+    """``op`` is ``sum``, ``max`` or ``min`` (gloo has no ``avg``; pmean divides).
+    ``lazy``: a body's forward collective, waited on at its result's first use where
+    it can be (``_lazy``)."""
     if g.size == 1:
         return x.clone()
     _record("all_reduce", g, x, f"({op})")
     y = _ops.all_reduce(x.contiguous(), op, g.group_name)
     if _defer.pending is None:      # (the usual case first: it costs no extra call)
+        if lazy and _waits.allow and _lazy.ready():
+            return _held(y, f"all_reduce({op})", g)
         return _wait(y, f"all_reduce({op})", g)
     return _finish(y, f"all_reduce({op})", g)
 
@@ -150,26 +179,32 @@ def all_reduce_inplace(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     return x
 
 
-def all_gather(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
-    """Concatenates every rank's ``x`` along ``dim`` (tiled all-gather)."""
+def all_gather(x: torch.Tensor, g: AxisGroup, dim: int, lazy: bool = False) -> torch.Tensor:
+    """Concatenates every rank's ``x`` along ``dim`` (tiled all-gather). ``lazy``:
+    as for :func:`all_reduce` (where the blocks need no reordering)."""
     if g.size == 1:
         return x.clone()
     _record("all_gather", g, x)
     y = _ops.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), g.size, g.group_name)
     if _defer.pending is None:
+        if lazy and g.order is None and _waits.allow and _lazy.ready():
+            return _held(y, "all_gather", g, lambda y: y.movedim(0, dim), True)
         return _blocks_from_group_order(_wait(y, "all_gather", g), g).movedim(0, dim)
     return _finish(y, "all_gather", g, lambda y: _blocks_from_group_order(y, g).movedim(0, dim),
                    view=g.order is None)
 
 
-def reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
-    """Sums ``x`` over the ranks and keeps block ``index`` of ``dim`` (tiled)."""
+def reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int, lazy: bool = False) -> torch.Tensor:
+    """Sums ``x`` over the ranks and keeps block ``index`` of ``dim`` (tiled).
+    ``lazy``: as for :func:`all_reduce`."""
     if g.size == 1:
         return x.clone()
     _record("reduce_scatter", g, x)
     y = _blocks_to_group_order(x.movedim(dim, 0), g).contiguous()
     r = _ops.reduce_scatter_tensor(y, "sum", g.size, g.group_name)
     if _defer.pending is None:
+        if lazy and _waits.allow and _lazy.ready():
+            return _held(r, "reduce_scatter", g, lambda r: r.movedim(0, dim), True)
         return _wait(r, "reduce_scatter", g).movedim(0, dim)
     return _finish(r, "reduce_scatter", g, lambda r: r.movedim(0, dim))
 
@@ -190,9 +225,11 @@ def all_to_all(x: torch.Tensor, g: AxisGroup, split_dim: int, concat_dim: int) -
     return y.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
 
 
-def permute(x: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
+def permute(x: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...],
+            lazy: bool = False) -> torch.Tensor:
     """Sends ``x`` from axis index ``src`` to ``dst`` for each pair; zeros where no
-    rank sends. Issued as one all-to-all with empty splits except the one pair."""
+    rank sends. Issued as one all-to-all with empty splits except the one pair.
+    ``lazy``: as for :func:`all_reduce`, on a rank that receives."""
     dst = {s: d for s, d in perm}
     src = {d: s for s, d in perm}
     me = g.index
@@ -209,5 +246,8 @@ def permute(x: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) ->
         flat = flat[:0]
     if me in src:
         recv[g.group_rank(src[me])] = n
-    y = _wait(_ops.all_to_all_single(flat.contiguous(), recv, send, g.group_name), "permute", g)
+    y = _ops.all_to_all_single(flat.contiguous(), recv, send, g.group_name)
+    if me in src and lazy and _waits.allow and _lazy.ready():
+        return _held(y, "permute", g, lambda y: y.view(x.shape))
+    y = _wait(y, "permute", g)
     return y.view(x.shape) if me in src else torch.zeros_like(x)

@@ -22,11 +22,12 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _ops
+from . import _lazy, _ops
 from ..runtime._torch_compat import BackwardCFunction
 from ._vma import _TAG, EMPTY, Tracker, _level_of
 
 _AUTOGRAD_GRAD = torch.autograd.grad
+_waits = _lazy._state
 # classes whose instances are never tensors, and tensor classes, seen so far (set
 # membership costs no Python call; isinstance does)
 _PLAIN = {int, float, bool, complex, str, type(None), torch.dtype, torch.device,
@@ -135,6 +136,8 @@ class UnionRule(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tr = self.tr
+        if _waits.on:        # a forward collective's result pending (or was): _lazy
+            _lazy.check(args, kwargs)
         if tr._paused:
             return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs or self._nograd_mixed or func is _AUTOGRAD_GRAD:

@@ -134,6 +134,22 @@ TorchDispatchMode = _need("torch.utils._python_dispatch.TorchDispatchMode",
                           "seeing aten ops (checkpoint policies, estimate)")
 disable_current_modes = _need("torch.utils._python_dispatch._disable_current_modes",
                               "host work inside estimate's fake mode")
+_WHY_WAITS = "waiting on a forward collective at the first use of its result"
+push_dispatch_mode = _need("torch._C._push_on_torch_dispatch_stack", _WHY_WAITS)
+pop_dispatch_mode = _need("torch._C._pop_torch_dispatch_stack", _WHY_WAITS)
+dispatch_stack_len = _need("torch._C._len_torch_dispatch_stack", _WHY_WAITS)
+dispatch_mode_at = _need("torch._C._get_dispatch_stack_at", _WHY_WAITS)
+_need("torch.utils._python_dispatch.TorchDispatchMode._should_skip_dynamo", _WHY_WAITS)
+
+
+class EagerDispatchMode(TorchDispatchMode):
+    """A ``TorchDispatchMode`` whose ``__torch_dispatch__`` torch calls as it is,
+    not through Dynamo's disable wrapper (five Python calls per operator): for a
+    mode that is never pushed while torch.compile traces."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 register_pytree_constant = _need("torch.utils._pytree.register_constant",
                                  "a None stand-in passed through nonstrict_trace")
 is_functional_tensor = _need("torch._is_functional_tensor",
