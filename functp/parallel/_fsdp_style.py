@@ -78,7 +78,7 @@ class _Run(threading.local):
     active = False
     prev: nn.Module | None = None
     ran: set | None = None          # id of each module run so far in this call
-    pending: dict | None = None     # id(module) -> {short: (block, its gather)}
+    pending: dict | None = None     # id(module) -> (_grad_context(), {short: (block, gather)})
 
 
 class _Freed:
@@ -125,6 +125,14 @@ class _FreeAfterForward:
     @staticmethod
     def unpack(x):
         return x.regather() if type(x) is _Freed else x
+
+
+def _grad_context() -> tuple:
+    """What decides the autograd history a gather gets: grad mode, inference mode and
+    the innermost torch.func level (a prefetched gather is used only under the same)."""
+    top = peek_interpreter_stack()
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            None if top is None else top.level())
 
 
 def _frees(plan, name: str) -> bool:
@@ -278,7 +286,11 @@ class FullyShard(Style):
             self._order.saw(run.prev, module)
         run.prev = module
         run.ran.add(id(module))
-        return run.pending.pop(id(module), {})
+        made_in, early = run.pending.pop(id(module), (None, {}))
+        # a gather made under another grad mode (or torch.func level) than this module
+        # runs in would lose or add autograd history: gather again here, as every rank
+        # does (the context is the program's, not the data's)
+        return early if made_in == _grad_context() else {}
 
     def _prefetch(self, module: nn.Module, axis) -> None:
         """Launches the gathers of the blocks of ``module``'s successor, where the
@@ -294,7 +306,7 @@ class FullyShard(Style):
             block = nxt._parameters.get(short)
             if block is not None and tuple(block.shape) == self._shapes[id(nxt)][short]:
                 early[short] = (block, self._gather(block, d, axis))
-        run.pending[id(nxt)] = early
+        run.pending[id(nxt)] = (_grad_context(), early)
 
     def _end_run(self) -> None:
         run = self._run
