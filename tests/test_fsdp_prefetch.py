@@ -413,3 +413,10 @@ def test_a_gather_prefetched_under_no_grad_is_not_used_with_grad(run, tape):
     # used, the head's gradient would be lost (tape: the loss had no grad_fn)
     for errs in run(2, _frozen_first_case, tape):
         assert max(errs) < 1e-12, errs
+
+
+@pytest.mark.parametrize("free", ["keep_full_weight", {"layers.*": "free"}, 1])
+def test_a_bad_free_argument_is_refused(free):
+    # a string is truthy: taken as a bool, "keep_full_weight" would free every module
+    with pytest.raises(functp.ShardingError, match="free must be a bool or transformers'"):
+        FullyShard(2, free=free)

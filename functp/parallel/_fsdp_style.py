@@ -127,6 +127,9 @@ class _FreeAfterForward:
         return x.regather() if type(x) is _Freed else x
 
 
+_HOW = ("free_full_weight", "keep_full_weight")     # transformers' fsdp_plan styles
+
+
 def _grad_context() -> tuple:
     """What decides the autograd history a gather gets: grad mode, inference mode and
     the innermost torch.func level (a prefetched gather is used only under the same)."""
@@ -181,7 +184,13 @@ class FullyShard(Style):
     def __init__(self, size: int, replicate: tuple[str, ...] = (), prefetch: bool = True,
                  free: bool | dict = False):
         self.size, self.replicate, self.prefetch = size, tuple(replicate), bool(prefetch)
-        self.free = dict(free) if isinstance(free, dict) else bool(free)
+        bad = (free if not isinstance(free, (bool, dict)) else
+               {k: v for k, v in free.items() if v not in _HOW} if isinstance(free, dict) else {})
+        if bad:     # (a string is truthy: "keep_full_weight" would free everything)
+            raise ShardingError(
+                f"FullyShard: free must be a bool or transformers' fsdp_plan, a dict of "
+                f"module patterns to {' or '.join(map(repr, _HOW))}; got {bad!r}")
+        self.free = dict(free) if isinstance(free, dict) else free
         self._free_at: dict[str, bool] = {}            # module name -> frees its weights
         self._dims: dict[int, dict[str, int]] = {}     # id(module) -> {parameter: dim}
         self._shapes: dict[int, dict[str, tuple]] = {}  # id(module) -> {parameter: block}
