@@ -183,7 +183,9 @@ class FullyShard(Style):
 
     def __init__(self, size: int, replicate: tuple[str, ...] = (), prefetch: bool = True,
                  free: bool | dict = False):
-        self.size, self.replicate, self.prefetch = size, tuple(replicate), bool(prefetch)
+        self.size, self.prefetch = size, bool(prefetch)
+        # (one axis may come as its name: tuple("dp_replicate") would be its letters)
+        self.replicate = (replicate,) if isinstance(replicate, str) else tuple(replicate)
         bad = (free if not isinstance(free, (bool, dict)) else
                {k: v for k, v in free.items() if v not in _HOW} if isinstance(free, dict) else {})
         if bad:     # (a string is truthy: "keep_full_weight" would free everything)
