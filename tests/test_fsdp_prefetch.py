@@ -383,9 +383,24 @@ class _FrozenFirst(torch.nn.Module):
         return self.head(x)
 
 
-def _frozen_first_case(tape):
+class _RematLayers(torch.nn.Module):
+    """Layers under functp.checkpoint one by one (whose first run is under no_grad)
+    and a head outside, as gradient checkpointing leaves a model's norm and LM head."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = functp.checkpoint(lambda x, layer=layer: torch.tanh(layer(x)))(x)
+        return self.head(x)
+
+
+def _grad_mode_case(model_cls, tape):
     torch.manual_seed(0)
-    model = _FrozenFirst().double()
+    model = model_cls().double()
     mesh = functp.make_mesh((2,), ("fsdp",))
     apply, params, specs = functp.parallelize(model, mesh, {"fsdp": "auto"})
     x = torch.randn(4, 8, dtype=torch.float64)
@@ -407,11 +422,12 @@ def _frozen_first_case(tape):
     return errs
 
 
+@pytest.mark.parametrize("model_cls", [_FrozenFirst, _RematLayers], ids=["frozen", "remat"])
 @pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
-def test_a_gather_prefetched_under_no_grad_is_not_used_with_grad(run, tape):
-    # the head's gather, prefetched by the frozen layer under no_grad, has no graph:
-    # used, the head's gradient would be lost (tape: the loss had no grad_fn)
-    for errs in run(2, _frozen_first_case, tape):
+def test_a_gather_prefetched_under_no_grad_is_not_used_with_grad(run, model_cls, tape):
+    # the head's gather, prefetched by the layer before it under no_grad, has no
+    # graph: used, the head's gradient would be lost (tape: the loss had no grad_fn)
+    for errs in run(2, _grad_mode_case, model_cls, tape):
         assert max(errs) < 1e-12, errs
 
 
