@@ -16,7 +16,10 @@ order the plan registered them (module tree order). The first call checks that o
 against the one the modules run in; a module whose successor did not run right after
 it never prefetches, so every rank issues the same collectives in the same order. A
 prefetched gather is the very op the module would have issued itself, on the same
-block: values, gradients and the reduce-scatter per parameter are unchanged.
+block: values, gradients and the reduce-scatter per parameter are unchanged. It is used
+only under the grad mode (and torch.func level) it was made in: a module run under
+``no_grad`` (a frozen part, a ``functp.checkpoint``'s first run) before one that
+records gathers again there, on every rank alike.
 
 **Free after forward** (transformers' ``free_full_weight``, FSDP2's
 ``reshard_after_forward=True``). Under tape autograd, a module that frees its weights
