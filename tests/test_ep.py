@@ -297,3 +297,6 @@ def test_bad_options_are_refused():
         functp.ExpertDispatch(pad_to_capacity=True)
     with pytest.raises(functp.ShardingError, match="give fsdp= too"):
         functp.ExpertDispatch(replicate=("dp_replicate",))
+    # one axis by its name, as fsdp= takes it (not its letters as axes)
+    assert functp.ExpertDispatch(fsdp="efsdp", replicate="dp_replicate").replicate == \
+        ("dp_replicate",) == functp.FullyShard(2, "dp_replicate").replicate

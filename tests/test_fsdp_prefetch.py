@@ -367,3 +367,72 @@ def test_a_style_shared_by_simulated_ranks_keeps_each_ranks_order(run):
         # rank's, a rank's successor could be the other's module: no prefetch, or, by
         # the threads' timing, a different collective order on each rank)
         assert order == layers and seen == [4, 6, 8, 8]
+
+
+class _FrozenFirst(torch.nn.Module):
+    """A frozen layer run under no_grad inside the forward, then a trained one: the
+    frozen layer's pre-hook prefetches the next layer's gather without a graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            x = torch.tanh(self.frozen(x))
+        return self.head(x)
+
+
+class _RematLayers(torch.nn.Module):
+    """Layers under functp.checkpoint one by one (whose first run is under no_grad)
+    and a head outside, as gradient checkpointing leaves a model's norm and LM head."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = functp.checkpoint(lambda x, layer=layer: torch.tanh(layer(x)))(x)
+        return self.head(x)
+
+
+def _grad_mode_case(model_cls, tape):
+    torch.manual_seed(0)
+    model = model_cls().double()
+    mesh = functp.make_mesh((2,), ("fsdp",))
+    apply, params, specs = functp.parallelize(model, mesh, {"fsdp": "auto"})
+    x = torch.randn(4, 8, dtype=torch.float64)
+    step = functp.shard_map(lambda p, x: functp.pmean(apply(p, x).square().mean(), "fsdp"),
+                            mesh, in_specs=(specs, P("fsdp")), out_specs=P())
+    xs = functp.shard(x, mesh, P("fsdp"))
+    ref_apply, full = functp.functionalize(model)
+    ref = torch.func.grad(lambda p: ref_apply(p, x).square().mean())(full)
+    errs = []
+    for _ in range(2):              # the second call prefetches
+        if tape:
+            p = {k: v.detach().requires_grad_() for k, v in params.items()}
+            step(p, xs).backward()
+            grads = {k: torch.zeros_like(v) if v.grad is None else v.grad
+                     for k, v in p.items()}
+        else:
+            grads = torch.func.grad(step)(params, xs)
+        errs.append(_max_error(apply.unshard(grads), ref))
+    return errs
+
+
+@pytest.mark.parametrize("model_cls", [_FrozenFirst, _RematLayers], ids=["frozen", "remat"])
+@pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
+def test_a_gather_prefetched_under_no_grad_is_not_used_with_grad(run, model_cls, tape):
+    # the head's gather, prefetched by the layer before it under no_grad, has no
+    # graph: used, the head's gradient would be lost (tape: the loss had no grad_fn)
+    for errs in run(2, _grad_mode_case, model_cls, tape):
+        assert max(errs) < 1e-12, errs
+
+
+@pytest.mark.parametrize("free", ["keep_full_weight", {"layers.*": "free"}, 1])
+def test_a_bad_free_argument_is_refused(free):
+    # a string is truthy: taken as a bool, "keep_full_weight" would free every module
+    with pytest.raises(functp.ShardingError, match="free must be a bool or transformers'"):
+        FullyShard(2, free=free)

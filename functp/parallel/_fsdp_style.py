@@ -16,7 +16,10 @@ order the plan registered them (module tree order). The first call checks that o
 against the one the modules run in; a module whose successor did not run right after
 it never prefetches, so every rank issues the same collectives in the same order. A
 prefetched gather is the very op the module would have issued itself, on the same
-block: values, gradients and the reduce-scatter per parameter are unchanged.
+block: values, gradients and the reduce-scatter per parameter are unchanged. It is used
+only under the grad mode (and torch.func level) it was made in: a module run under
+``no_grad`` (a frozen part, a ``functp.checkpoint``'s first run) before one that
+records gathers again there, on every rank alike.
 
 **Free after forward** (transformers' ``free_full_weight``, FSDP2's
 ``reshard_after_forward=True``). Under tape autograd, a module that frees its weights
@@ -78,7 +81,7 @@ class _Run(threading.local):
     active = False
     prev: nn.Module | None = None
     ran: set | None = None          # id of each module run so far in this call
-    pending: dict | None = None     # id(module) -> {short: (block, its gather)}
+    pending: dict | None = None     # id(module) -> (_grad_context(), {short: (block, gather)})
 
 
 class _Freed:
@@ -127,6 +130,17 @@ class _FreeAfterForward:
         return x.regather() if type(x) is _Freed else x
 
 
+_HOW = ("free_full_weight", "keep_full_weight")     # transformers' fsdp_plan styles
+
+
+def _grad_context() -> tuple:
+    """What decides the autograd history a gather gets: grad mode, inference mode and
+    the innermost torch.func level (a prefetched gather is used only under the same)."""
+    top = peek_interpreter_stack()
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            None if top is None else top.level())
+
+
 def _frees(plan, name: str) -> bool:
     """Whether module ``name`` frees its gathered weights under ``plan``: a bool, or
     transformers' ``fsdp_plan`` ({module pattern: "free_full_weight" or
@@ -172,8 +186,16 @@ class FullyShard(Style):
 
     def __init__(self, size: int, replicate: tuple[str, ...] = (), prefetch: bool = True,
                  free: bool | dict = False):
-        self.size, self.replicate, self.prefetch = size, tuple(replicate), bool(prefetch)
-        self.free = dict(free) if isinstance(free, dict) else bool(free)
+        self.size, self.prefetch = size, bool(prefetch)
+        # (one axis may come as its name: tuple("dp_replicate") would be its letters)
+        self.replicate = (replicate,) if isinstance(replicate, str) else tuple(replicate)
+        bad = (free if not isinstance(free, (bool, dict)) else
+               {k: v for k, v in free.items() if v not in _HOW} if isinstance(free, dict) else {})
+        if bad:     # (a string is truthy: "keep_full_weight" would free everything)
+            raise ShardingError(
+                f"FullyShard: free must be a bool or transformers' fsdp_plan, a dict of "
+                f"module patterns to {' or '.join(map(repr, _HOW))}; got {bad!r}")
+        self.free = dict(free) if isinstance(free, dict) else free
         self._free_at: dict[str, bool] = {}            # module name -> frees its weights
         self._dims: dict[int, dict[str, int]] = {}     # id(module) -> {parameter: dim}
         self._shapes: dict[int, dict[str, tuple]] = {}  # id(module) -> {parameter: block}
@@ -278,7 +300,11 @@ class FullyShard(Style):
             self._order.saw(run.prev, module)
         run.prev = module
         run.ran.add(id(module))
-        return run.pending.pop(id(module), {})
+        made_in, early = run.pending.pop(id(module), (None, {}))
+        # a gather made under another grad mode (or torch.func level) than this module
+        # runs in would lose or add autograd history: gather again here, as every rank
+        # does (the context is the program's, not the data's)
+        return early if made_in == _grad_context() else {}
 
     def _prefetch(self, module: nn.Module, axis) -> None:
         """Launches the gathers of the blocks of ``module``'s successor, where the
@@ -294,7 +320,7 @@ class FullyShard(Style):
             block = nxt._parameters.get(short)
             if block is not None and tuple(block.shape) == self._shapes[id(nxt)][short]:
                 early[short] = (block, self._gather(block, d, axis))
-        run.pending[id(nxt)] = early
+        run.pending[id(nxt)] = (_grad_context(), early)
 
     def _end_run(self) -> None:
         run = self._run

@@ -612,7 +612,7 @@ class ExpertDispatch(Style):
         if replicate and not self.fsdp:
             raise ShardingError(f"ExpertDispatch: replicate={replicate!r} names the axes an "
                                 f"FSDP shard is replicated over; give fsdp= too")
-        self.replicate = tuple(replicate)
+        self.replicate = (replicate,) if isinstance(replicate, str) else tuple(replicate)
         self._local = threading.local()
 
     def __repr__(self) -> str:
