@@ -88,12 +88,13 @@ class _Freed:
     """A saved tensor that was a view of a gathered weight, dropped after the forward:
     the block, how to gather it, and the view's geometry in the gathered weight."""
 
-    __slots__ = ("block", "group", "dim", "size", "stride", "offset", "name")
+    __slots__ = ("block", "group", "dim", "size", "stride", "offset", "name", "full")
 
     def __init__(self, block, group, dim, view, full, name):
         self.block, self.group, self.dim, self.name = block.detach(), group, dim, name
         self.size, self.stride = tuple(view.shape), view.stride()
         self.offset = view.storage_offset() - full.storage_offset()
+        self.full = (tuple(full.shape), full.stride())      # the gathered weight's layout
 
     def regather(self) -> torch.Tensor:
         if torch.is_grad_enabled():
@@ -103,6 +104,13 @@ class _Freed:
                 f"(create_graph=True), which needs the weights' own history; use "
                 f"keep_full_weight for it, or differentiate with torch.func")
         full = prim.all_gather(self.block, self.group, self.dim)   # (in the backward)
+        if (tuple(full.shape), full.stride()) != self.full:
+            # the view's geometry is only meaningful in a weight laid out as the forward's
+            raise ShardingError(
+                f"FSDP module {self.name!r}: the weight gathered again in the backward is "
+                f"laid out {tuple(full.shape)}/{full.stride()}, the forward's was "
+                f"{self.full[0]}/{self.full[1]}; this is a functp bug, please report it; "
+                f"keep_full_weight avoids it")
         return full.as_strided(self.size, self.stride, full.storage_offset() + self.offset)
 
 
@@ -121,7 +129,10 @@ class _FreeAfterForward:
         if type(t) is torch.Tensor and t.layout == torch.strided:
             ptr = t.untyped_storage().data_ptr()
             for full, block, dim in self.fulls:
-                if ptr == full.untyped_storage().data_ptr():
+                # a view of this weight: its storage, and its first element within it
+                # (a storage shared by several weights would need the element range)
+                if (ptr == full.untyped_storage().data_ptr()
+                        and 0 <= t.storage_offset() - full.storage_offset() < full.numel()):
                     return _Freed(block, self.group, dim, t, full, self.name)
         return t
 
