@@ -373,3 +373,60 @@ def test_only_functp_compile_asks_whether_torch_compile_traces():
              for n, line in enumerate(f.read_text().splitlines(), 1)
              if asks.search(line.split("#", 1)[0])]
     assert not found, "ask functp.runtime._compile instead:\n" + "\n".join(found)
+
+
+# -- a compiled function called inside an eager vma body --------------------------------------
+# It runs eagerly (Dynamo would trace the tracking mode, whose tags it cannot read: it
+# crashed with "'dict' object has no attribute 'node'"), so the union rule sees its ops:
+# the uncompiled body's values, vma and gradients, tape and torch.func.grad alike.
+
+def _scaled(x, w):            # w invariant, x varying: w's gradient is summed over tp
+    return torch.sin(x) * w + x
+
+
+def _reduced(x, w):
+    return functp.psum(torch.sin(x) * w, "tp") * 2
+
+
+def _compiled_in_body(lazy: bool):
+    from torch._dynamo.testing import CompileCounter
+    functp.set_overlap(forward=lazy)
+    mesh = functp.make_mesh((2,), ("tp",))
+    x, w = functp.shard(randn(4, seed=1), mesh, P("tp")), randn(1, seed=2)
+    counter = CompileCounter()
+    for f in (_scaled, _reduced):
+        for fullgraph in (False, True):
+            torch._dynamo.reset()
+            cf = torch.compile(f, backend=counter, fullgraph=fullgraph)
+            reduce = (lambda y: functp.psum(y, "tp")) if f is _scaled else (lambda y: y)
+            want, got = (functp.shard_map(lambda x, w, g=g: reduce(g(x, w).sum()),
+                                          mesh, in_specs=(P("tp"), P()), out_specs=P())
+                         for g in (f, cf))
+            assert_tree_close(torch.func.grad_and_value(got, argnums=(0, 1))(x, w),
+                              torch.func.grad_and_value(want, argnums=(0, 1))(x, w),
+                              f"{f.__name__}, fullgraph={fullgraph}: torch.func.grad")
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            assert_tree_close(torch.autograd.grad(got(xs, ws), (xs, ws)),
+                              torch.autograd.grad(want(xs, ws), (xs, ws)),
+                              f"{f.__name__}, fullgraph={fullgraph}: tape")
+            # vma: the result varies as uncompiled (_scaled's over tp, psum's not)
+            want, got = (functp.shard_map(g, mesh, in_specs=(P("tp"), P()), out_specs=P())
+                         for g in (f, cf))
+            if f is _scaled:
+                for step in (want, got):
+                    with pytest.raises(functp.ShardingError, match="varies over mesh axis 'tp'"):
+                        step(x, w)
+            else:
+                assert_tree_close(got(x, w), want(x, w), "psum inside: vma")
+    assert counter.frame_count == 0, f"compiled {counter.frame_count} frames in a vma body"
+    torch.compile(_scaled, backend=counter)(x, w)      # outside a body it compiles again
+    assert counter.frame_count == 1, counter.frame_count
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_compiled_function_inside_an_eager_vma_body_simulated(lazy):
+    functp.simulate(_compiled_in_body, 2, lazy)
+
+
+def test_compiled_function_inside_an_eager_vma_body_gloo(run):
+    run(2, _compiled_in_body, True)

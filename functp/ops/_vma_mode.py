@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _lazy, _ops
+from ..runtime import _compile
 from ..runtime._torch_compat import BackwardCFunction
 from ._vma import _TAG, EMPTY, Tracker, _level_of
 
@@ -97,6 +98,28 @@ class UnionRule(TorchFunctionMode):
         tracker.mode = self
         self._nograd_mixed = False    # a no-grad op mixed vmas (a custom Function?)
         self.hooks: FunctionHooks | None = None     # made at the first such op
+        self._eager = False
+
+    # A torch.compile'd function the body calls runs eagerly, so that this rule sees
+    # its ops (Dynamo would trace this mode, and cannot read the tags): _compile.
+    def __enter__(self):
+        self._eager = _compile.eager_enter()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._exit_eager()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._exit_eager()
+
+    def _exit_eager(self) -> None:
+        if self._eager:
+            self._eager = False
+            _compile.eager_exit()
 
     def _unify(self, args, kwargs, inplace: bool):
         """Implicit pvary of the less varying inputs; returns (args, kwargs, union)."""

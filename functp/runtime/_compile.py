@@ -12,6 +12,10 @@
   shard_map call (:func:`refused`, then :func:`refuse`, before anything of the body
   is traced), and, for collectives reached another way, at a simulated collective
   (:func:`check_collective`) and at a collective's fake kernel (:func:`check_fake`).
+- **A compiled function called inside an eager vma body** runs eagerly, compiling
+  nothing (:func:`eager_enter`/:func:`eager_exit`, around the tracking mode): Dynamo
+  would trace the mode's rule for each torch call, and cannot (the tags live in the
+  tensors' ``__dict__``); eagerly, the union rule sees its every op, as uncompiled.
 
 Example::
 
@@ -20,6 +24,7 @@ Example::
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -155,3 +160,44 @@ def call_opaque(fn: Callable | None, args: tuple, name: str):
             f"there; with check_vma=True make it outside, once (functp.shard_map(...) "
             f"before torch.compile), or pass check_vma=False")
     return fn(*_nones(args, None, _NONE))
+
+
+# -- compiled functions inside an eager vma body -----------------------------------------
+# The compiler's stance is one per process, and simulated ranks are threads: the first
+# body to enter sets "force_eager", the last to leave restores what was there.
+_eager_lock = threading.Lock()
+_eager_bodies = 0
+_eager_prior = None
+_STANCE = None     # (set_stance, the force_eager stance, get_eval_frame_callback)
+
+
+def eager_enter() -> bool:
+    """At an eager vma body's entry (its tracking mode pushed): until :func:`eager_exit`,
+    ``torch.compile``'d functions run eagerly (``torch.compiler.set_stance("force_eager")``
+    semantics, fullgraph or not), so that the union rule sees each of their ops.
+    Returns whether it did (False while tracing, where a compiled graph is being made,
+    or inside a compiled region's frame, where the stance may not change)."""
+    global _STANCE, _eager_bodies, _eager_prior
+    if tracing():
+        return False
+    if _STANCE is None:
+        set_stance, stance, callback = _torch_compat.stance()
+        _STANCE = (set_stance, stance(stance="force_eager"), callback)
+    set_stance, force_eager, callback = _STANCE
+    if callback() not in (None, False):
+        return False
+    with _eager_lock:
+        if not _eager_bodies:
+            _eager_prior = set_stance(force_eager)
+        _eager_bodies += 1
+    return True
+
+
+def eager_exit() -> None:
+    """At the exit of a body whose :func:`eager_enter` returned True."""
+    global _eager_bodies, _eager_prior
+    with _eager_lock:
+        _eager_bodies -= 1
+        if not _eager_bodies:
+            _STANCE[0](_eager_prior)
+            _eager_prior = None

@@ -253,3 +253,17 @@ _DYNAMO = (_lazy("torch._dynamo.disable", "a shard_map body Dynamo must not trac
 def dynamo() -> tuple[Any, Any]:
     """``(torch._dynamo.disable, torch._dynamo.nonstrict_trace)``, imported now."""
     return tuple(resolve(p, why) for p, why in SYMBOLS if p in _DYNAMO)
+
+
+_WHY_STANCE = "torch.compile'd functions run eagerly inside a vma body"
+_STANCE = (_lazy("torch._dynamo.eval_frame._set_stance", _WHY_STANCE),
+           _lazy("torch._dynamo.eval_frame.DynamoStance", _WHY_STANCE),
+           _lazy("torch._C._dynamo.eval_frame.get_eval_frame_callback", _WHY_STANCE))
+
+
+def stance() -> tuple[Any, Any, Any]:
+    """``(_set_stance, DynamoStance, get_eval_frame_callback)`` of ``torch._dynamo``:
+    the compiler's process-wide stance set and restored without the public
+    ``torch.compiler.set_stance``'s context-manager wrapper, and whether a compiled
+    region's frame is running (where the stance may not change)."""
+    return tuple(resolve(p, why) for p, why in SYMBOLS if p in _STANCE)
