@@ -29,19 +29,15 @@ share the model, the hosts and the timing loop, not their variants.)
 """
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
-import subprocess
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from overlap import CLUSTER, LR, WIDTH, make_model, mse  # noqa: E402
+from overlap import LR, cli, make_model, measure, mse  # noqa: E402
 
 
 def _sgd(params, grads) -> None:
@@ -140,76 +136,8 @@ def variants(x, y) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=7)
-    args, _ = ap.parse_known_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    g = torch.Generator().manual_seed(1 + dist.get_rank())     # each host its own batch
-    x = torch.randn(args.batch, WIDTH, generator=g)
-    y = torch.randn(args.batch, WIDTH, generator=g)
-    steps = variants(x, y)
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(args.rounds):
-        for name, (step, _) in steps.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    base = med["FSDP2, reshard_after_forward=False"]
-    res = {"batch_per_host": args.batch, "rounds": args.rounds,
-           "hosts": dist.get_world_size(), "torch": torch.__version__,
-           "rows": {k: {"median_s": med[k], "vs_fsdp2": med[k] / base,
-                        "collectives_per_step": steps[k][1], "times_s": times[k]}
-                    for k in steps}}
-    if dist.get_rank() == 0:
-        print(f"batch {args.batch} per host, {dist.get_world_size()} hosts, "
-              f"median of {args.rounds} interleaved rounds")
-        print(f"{'step':38s} {'median ms':>10s} {'vs FSDP2':>9s} {'collectives':>12s}")
-        for k, r in res["rows"].items():
-            c = r["collectives_per_step"]
-            print(f"{k:38s} {1e3 * r['median_s']:10.1f} {r['vs_fsdp2']:8.2f}x "
-                  f"{'-' if c is None else c:>12}")
-    from _run import save_and_leave
-    save_and_leave(f"fsdp_overlap_b{args.batch}", res)
-
-
-def two_hosts(extra: list[str], rate: str) -> None:
-    """Brings up the two emulated hosts, runs one process on each, takes them down
-    (as ``overlap.py`` does, with this script)."""
-    import fcntl
-    lock = open("/tmp/functp-netns.lock", "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise SystemExit("the emulated hosts are in use (/tmp/functp-netns.lock): try later")
-    up = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    if "fa" in up or "fb" in up:
-        raise SystemExit(f"the emulated hosts are up already (another run's?); when no one "
-                         f"uses them: {CLUSTER} down")
-    subprocess.run([CLUSTER, "up", rate], check=True)
-    try:
-        cmd = lambda node: [CLUSTER, "run", str(node), sys.executable, "-m",
-                            "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                            "--node-rank", str(node), "--master-addr", "10.200.0.1",
-                            "--master-port", "29532", os.path.abspath(__file__), *extra]
-        procs = [subprocess.Popen(cmd(node)) for node in (0, 1)]
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            raise SystemExit(f"a host failed: exit codes {codes}")
-    finally:
-        subprocess.run([CLUSTER, "down"], check=False)
+    measure(variants, "FSDP2, reshard_after_forward=False", "vs_fsdp2", "fsdp_overlap")
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:
-        main()
-    elif "--local" in sys.argv:
-        from _run import main_or_launch
-        main_or_launch(main, 2, __file__, *[a for a in sys.argv[1:] if a != "--local"])
-    else:
-        rate = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rate=")),
-                    "1gbit")
-        two_hosts([a for a in sys.argv[1:] if not a.startswith("--rate=")], rate)
+    cli(main, __file__, 29532)

@@ -167,7 +167,11 @@ def variants(x, y):
     return out
 
 
-def main() -> None:
+def measure(variants, base: str, ratio: str, name: str) -> None:
+    """The timed run both two-host scripts make, on each host: ``variants(x, y)``
+    ({label: (step, collectives per step)}) on this host's batch, every variant once
+    per round after a barrier, medians relative to the ``base`` row (as ``ratio`` in
+    the JSON), printed by rank 0 and saved as ``results/<name>_b<batch>.json``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=7)
@@ -180,33 +184,39 @@ def main() -> None:
     steps = variants(x, y)
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(args.rounds):
-        for name, (step, _) in steps.items():
+        for label, (step, _) in steps.items():
             dist.barrier()
             t0 = time.perf_counter()
             step()
-            times[name].append(time.perf_counter() - t0)
+            times[label].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    base = med["hand (1 all-reduce)"]
     res = {"batch_per_host": args.batch, "rounds": args.rounds,
            "hosts": dist.get_world_size(), "torch": torch.__version__,
-           "rows": {k: {"median_s": med[k], "vs_hand": med[k] / base,
+           "rows": {k: {"median_s": med[k], ratio: med[k] / med[base],
                         "collectives_per_step": steps[k][1], "times_s": times[k]}
                     for k in steps}}
     if dist.get_rank() == 0:
         print(f"batch {args.batch} per host, {dist.get_world_size()} hosts, "
               f"median of {args.rounds} interleaved rounds")
-        print(f"{'step':36s} {'median ms':>10s} {'vs hand':>8s} {'collectives':>12s}")
+        print(f"{'step':38s} {'median ms':>10s} {ratio.replace('_', ' '):>9s} "
+              f"{'collectives':>12s}")
         for k, r in res["rows"].items():
-            print(f"{k:36s} {1e3 * r['median_s']:10.1f} {r['vs_hand']:7.2f}x "
-                  f"{r['collectives_per_step']:12d}")
+            c = r["collectives_per_step"]
+            print(f"{k:38s} {1e3 * r['median_s']:10.1f} {r[ratio]:8.2f}x "
+                  f"{'-' if c is None else c:>12}")
     from _run import save_and_leave
-    save_and_leave(f"overlap_b{args.batch}", res)
+    save_and_leave(f"{name}_b{args.batch}", res)
 
 
-def two_hosts(extra: list[str], rate: str) -> None:
-    """Brings up the two emulated hosts, runs one process on each, takes them down.
-    Holds /tmp/functp-netns.lock meanwhile (another session's run may use them); gives
-    up at once if it is held, rather than wait while holding the caller's locks."""
+def main() -> None:
+    measure(variants, "hand (1 all-reduce)", "vs_hand", "overlap")
+
+
+def two_hosts(script: str, port: int, extra: list[str], rate: str) -> None:
+    """Brings up the two emulated hosts, runs ``script`` once on each (torchrun, one
+    process per host, rendezvous on ``port``), takes them down. Holds
+    /tmp/functp-netns.lock meanwhile (another session's run may use them); gives up at
+    once if it is held, rather than wait while holding the caller's locks."""
     import fcntl
     lock = open("/tmp/functp-netns.lock", "a")
     try:
@@ -222,7 +232,7 @@ def two_hosts(extra: list[str], rate: str) -> None:
         cmd = lambda node: [CLUSTER, "run", str(node), sys.executable, "-m",
                             "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                             "--node-rank", str(node), "--master-addr", "10.200.0.1",
-                            "--master-port", "29531", os.path.abspath(__file__), *extra]
+                            "--master-port", str(port), os.path.abspath(script), *extra]
         procs = [subprocess.Popen(cmd(node)) for node in (0, 1)]
         codes = [p.wait() for p in procs]
         if any(codes):
@@ -231,13 +241,19 @@ def two_hosts(extra: list[str], rate: str) -> None:
         subprocess.run([CLUSTER, "down"], check=False)
 
 
-if __name__ == "__main__":
+def cli(main, script: str, port: int) -> None:
+    """A two-host script's command line: under torchrun (``RANK`` set) ``main``;
+    ``--local``: 2 local gloo processes; else the two emulated hosts (``--rate=``)."""
     if "RANK" in os.environ:
         main()
     elif "--local" in sys.argv:
         from _run import main_or_launch
-        main_or_launch(main, 2, __file__, *[a for a in sys.argv[1:] if a != "--local"])
+        main_or_launch(main, 2, script, *[a for a in sys.argv[1:] if a != "--local"])
     else:
         rate = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rate=")),
                     "1gbit")
-        two_hosts([a for a in sys.argv[1:] if not a.startswith("--rate=")], rate)
+        two_hosts(script, port, [a for a in sys.argv[1:] if not a.startswith("--rate=")], rate)
+
+
+if __name__ == "__main__":
+    cli(main, __file__, 29531)
