@@ -37,23 +37,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from overlap import LR, cli, make_model, measure, mse  # noqa: E402
-
-
-def _sgd(params, grads) -> None:
-    with torch.no_grad():
-        torch._foreach_add_(params, grads, alpha=-LR)
-
-
-def _tape_step(model, x, y):
-    params = list(model.parameters())
-
-    def step():
-        for q in params:
-            q.grad = None
-        mse(model(x), y).backward()
-        _sgd(params, [q.grad for q in params])
-    return step
+from overlap import cli, make_model, measure, mse, sgd, tape_step  # noqa: E402
 
 
 def _fsdp2(x, y, reshard: bool):
@@ -65,7 +49,7 @@ def _fsdp2(x, y, reshard: bool):
         if isinstance(m, torch.nn.Linear):
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    return _tape_step(model, x, y)
+    return tape_step(model, x, y)
 
 
 def _functp(x, y, prefetch: bool = True, free: bool = False):
@@ -87,13 +71,13 @@ def _functp(x, y, prefetch: bool = True, free: bool = False):
         for q in leaves:
             q.grad = None
         loss(fp, x, y).backward()
-        _sgd(leaves, [q.grad for q in leaves])
+        sgd(leaves, [q.grad for q in leaves])
 
     def func_grad():
-        _sgd(leaves, list(torch.func.grad(loss)(fd, x, y).values()))
+        sgd(leaves, list(torch.func.grad(loss)(fd, x, y).values()))
 
     def vag():
-        _sgd(leaves, list(functp.value_and_grad(loss)(fd, x, y)[1].values()))
+        sgd(leaves, list(functp.value_and_grad(loss)(fd, x, y)[1].values()))
     return tape, func_grad, vag
 
 
@@ -112,7 +96,7 @@ def _no_overlap(step):
 def variants(x, y) -> dict:
     """name -> (a step, functp's collectives per step or None)."""
     import functp
-    out = {"compute alone": (_tape_step(make_model(), x, y), 0),
+    out = {"compute alone": (tape_step(make_model(), x, y), 0),
            "FSDP2, reshard_after_forward=False": (_fsdp2(x, y, False), None),
            "FSDP2, reshard_after_forward=True": (_fsdp2(x, y, True), None)}
     tape, func_grad, vag = _functp(x, y, True)

@@ -62,9 +62,21 @@ def mse(out, y):
     return ((out - y) ** 2).mean()
 
 
-def _sgd(params, grads) -> None:
+def sgd(params, grads) -> None:
     with torch.no_grad():
         torch._foreach_add_(params, grads, alpha=-LR)
+
+
+def tape_step(module, x, y):
+    """A tape step of ``module`` (the plain model, a DDP, an FSDP2 model) on ``(x, y)``."""
+    params = list(module.parameters())
+
+    def step():
+        for q in params:
+            q.grad = None
+        mse(module(x), y).backward()
+        sgd(params, [q.grad for q in params])
+    return step
 
 
 def variants(x, y):
@@ -77,17 +89,7 @@ def variants(x, y):
     model = make_model()
     params = list(model.parameters())
 
-    def tape_step_of(module):
-        """A tape step of ``module``: the plain model (computation alone) or a DDP."""
-        mparams = list(module.parameters())
-
-        def step():
-            for q in mparams:
-                q.grad = None
-            mse(module(x), y).backward()
-            _sgd(mparams, [q.grad for q in mparams])
-        return step
-    out["compute alone"] = (tape_step_of(model), 0)
+    out["compute alone"] = (tape_step(model, x, y), 0)
 
     def hand():
         for q in params:
@@ -97,7 +99,7 @@ def variants(x, y):
         dist.all_reduce(flat)
         flat /= n
         pieces = flat.split([q.numel() for q in params])
-        _sgd(params, [f.view_as(q) for f, q in zip(pieces, params)])
+        sgd(params, [f.view_as(q) for f, q in zip(pieces, params)])
     out["hand (1 all-reduce)"] = (hand, 1)
 
     # counted on a second DDP with a counting comm hook (the timed one keeps DDP's own
@@ -112,10 +114,10 @@ def variants(x, y):
     def ddp(**options):
         counted = nn.parallel.DistributedDataParallel(make_model(), **options)
         counted.register_comm_hook(dist.group.WORLD, counting)
-        tape_step_of(counted)()
+        tape_step(counted, x, y)()
         calls[0] = 0
-        tape_step_of(counted)()
-        step = tape_step_of(nn.parallel.DistributedDataParallel(make_model(), **options))
+        tape_step(counted, x, y)()
+        step = tape_step(nn.parallel.DistributedDataParallel(make_model(), **options), x, y)
         step()
         return step, calls[0]
     out["DDP"] = ddp()
@@ -133,15 +135,15 @@ def variants(x, y):
         for q in leaves:
             q.grad = None
         loss(fp, x, y).backward()
-        _sgd(leaves, [q.grad for q in leaves])
+        sgd(leaves, [q.grad for q in leaves])
 
     def func_grad():
         g = torch.func.grad(loss)(fd, x, y)
-        _sgd(leaves, list(g.values()))
+        sgd(leaves, list(g.values()))
 
     def vag():
         _, g = functp.value_and_grad(loss)(fd, x, y)
-        _sgd(leaves, list(g.values()))
+        sgd(leaves, list(g.values()))
 
     def setting(step, **kw):
         def run():
