@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from overlap import cli, make_model, measure, mse, sgd, tape_step  # noqa: E402
+from overlap import cli, functp_steps, make_model, measure, mse, tape_step  # noqa: E402
 
 
 def _fsdp2(x, y, reshard: bool):
@@ -63,22 +63,7 @@ def _functp(x, y, prefetch: bool = True, free: bool = False):
     apply, params, specs = functp.parallelize(make_model(), mesh, {"fsdp": family})
     loss = functp.shard_map(lambda p, x, y: functp.pmean(mse(apply(p, x), y), "fsdp"),
                             mesh, in_specs=(specs, P("fsdp"), P("fsdp")), out_specs=P())
-    fp = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
-    leaves = list(fp.values())
-    fd = {k: v.detach() for k, v in fp.items()}     # (the same memory, for torch.func)
-
-    def tape():
-        for q in leaves:
-            q.grad = None
-        loss(fp, x, y).backward()
-        sgd(leaves, [q.grad for q in leaves])
-
-    def func_grad():
-        sgd(leaves, list(torch.func.grad(loss)(fd, x, y).values()))
-
-    def vag():
-        sgd(leaves, list(functp.value_and_grad(loss)(fd, x, y)[1].values()))
-    return tape, func_grad, vag
+    return functp_steps(loss, params, x, y)
 
 
 def _no_overlap(step):

@@ -79,6 +79,29 @@ def tape_step(module, x, y):
     return step
 
 
+def functp_steps(loss, params: dict, x, y):
+    """A shard_map'd ``loss(params, x, y)`` as three update steps on its own copy of
+    ``params``: (tape autograd, ``torch.func.grad``, ``functp.value_and_grad``)."""
+    import functp
+    fp = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    leaves = list(fp.values())
+    # (torch.func differentiates tensors that need no tape gradient: the same memory)
+    fd = {k: v.detach() for k, v in fp.items()}
+
+    def tape():
+        for q in leaves:
+            q.grad = None
+        loss(fp, x, y).backward()
+        sgd(leaves, [q.grad for q in leaves])
+
+    def func_grad():
+        sgd(leaves, list(torch.func.grad(loss)(fd, x, y).values()))
+
+    def vag():
+        sgd(leaves, list(functp.value_and_grad(loss)(fd, x, y)[1].values()))
+    return tape, func_grad, vag
+
+
 def variants(x, y):
     """name -> (a step, collectives per step)."""
     import functp
@@ -126,24 +149,7 @@ def variants(x, y):
     mesh = functp.make_mesh((n,), ("dp",))
     loss = functp.shard_map(lambda p, x, y: functp.pmean(mse(forward(p, x), y), "dp"),
                             mesh, in_specs=(P(), P("dp"), P("dp")), out_specs=P())
-    fp = {k: v.detach().clone().requires_grad_() for k, v in make_model().state_dict().items()}
-    leaves = list(fp.values())
-    # (torch.func differentiates tensors that need no tape gradient: the same memory)
-    fd = {k: v.detach() for k, v in fp.items()}
-
-    def tape():
-        for q in leaves:
-            q.grad = None
-        loss(fp, x, y).backward()
-        sgd(leaves, [q.grad for q in leaves])
-
-    def func_grad():
-        g = torch.func.grad(loss)(fd, x, y)
-        sgd(leaves, list(g.values()))
-
-    def vag():
-        _, g = functp.value_and_grad(loss)(fd, x, y)
-        sgd(leaves, list(g.values()))
+    tape, func_grad, vag = functp_steps(loss, make_model().state_dict(), x, y)
 
     def setting(step, **kw):
         def run():

@@ -74,6 +74,17 @@ def check_program(mesh, global_fn, local_fn, args, in_specs, *, check_vma=True, 
     return log
 
 
+def grads_and_loss(step, params: dict, *args, tape: bool):
+    """``step(params, *args)``'s gradients with respect to ``params`` (a dict) and its
+    loss: through tape autograd (``tape``) or ``torch.func.grad_and_value``."""
+    if not tape:
+        return torch.func.grad_and_value(step)(params, *args)
+    p = {k: v.detach().requires_grad_() for k, v in params.items()}
+    loss = step(p, *args)
+    loss.backward()
+    return {k: v.grad for k, v in p.items()}, loss
+
+
 def comm_stats(log) -> dict[str, tuple[int, int]]:
     """``{"all_reduce:dp": (count, nbytes)}`` for a comm_log."""
     out: dict[str, tuple[int, int]] = {}

@@ -22,6 +22,7 @@ import torch.utils.checkpoint
 import functp
 from functp import FullyShard, P
 from functp.models import LLAMA_TP_PLAN, Llama, LlamaConfig
+from _oracle import grads_and_loss
 from test_fsdp_plan import _MESHES, _loss, _max_error
 
 
@@ -74,13 +75,7 @@ def _llama_case(mesh_name, tape, prefetch):
     seen.clear()
     with functp.comm_log() as log:
         box[0] = log
-        if tape:
-            p = {k: v.detach().requires_grad_() for k, v in params.items()}
-            loss = step(p, *local)
-            loss.backward()
-            grads = {k: v.grad for k, v in p.items()}
-        else:
-            grads, loss = torch.func.grad_and_value(step)(params, *local)
+        grads, loss = grads_and_loss(step, params, *local, tape=tape)
     seen = list(seen)                   # (the reference below runs the hooks too)
     ref_apply, full = functp.functionalize(model)
     ref_grads, ref_loss = torch.func.grad_and_value(

@@ -18,6 +18,7 @@ import torch
 
 import functp
 from functp import P
+from _oracle import grads_and_loss
 
 transformers = pytest.importorskip("transformers")
 import test_hf_models as hf  # noqa: E402
@@ -68,17 +69,27 @@ def _build(model_type: str):
     return cls(config).double().eval()
 
 
+def _forward(run_model, p, ids):
+    return run_model(p, input_ids=ids, use_cache=False).logits
+
+
+def _reference(model):
+    """Seeded token ids and targets, the forward the tests shard, and the unsharded
+    model's gradients and loss on them (the oracle)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, hf.VOCAB, (hf.BATCH, hf.SEQ), generator=g)
+    tgt = torch.randint(hf.VOCAB, (hf.BATCH, hf.SEQ), generator=g)
+    ref_apply, full = functp.functionalize(model)
+    ref_grads, ref_loss = torch.func.grad_and_value(
+        lambda p: hf._lm_loss(_forward(ref_apply, p, ids), tgt))(full)
+    return ids, tgt, _forward, ref_grads, ref_loss
+
+
 def _survey(model_type: str, shape, names, config=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")         # transformers' notes about tiny configs
         model = _build(model_type)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, hf.VOCAB, (hf.BATCH, hf.SEQ), generator=g)
-    tgt = torch.randint(hf.VOCAB, (hf.BATCH, hf.SEQ), generator=g)
-    forward = lambda run_model, p, i: run_model(p, input_ids=i, use_cache=False).logits
-    ref_apply, full = functp.functionalize(model)
-    ref_grads, ref_loss = torch.func.grad_and_value(
-        lambda p: hf._lm_loss(forward(ref_apply, p, ids), tgt))(full)
+    ids, tgt, forward, ref_grads, ref_loss = _reference(model)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -149,26 +160,14 @@ def _config_step(model_type, sizes, tape):
         model = _build(model_type)
         apply, params, specs = functp.parallelize(model,
                                                   distributed_config=DistributedConfig(**sizes))
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, hf.VOCAB, (hf.BATCH, hf.SEQ), generator=g)
-    tgt = torch.randint(hf.VOCAB, (hf.BATCH, hf.SEQ), generator=g)
-    forward = lambda run_model, p, i: run_model(p, input_ids=i, use_cache=False).logits
-    ref_apply, full = functp.functionalize(model)
-    ref_grads, ref_loss = torch.func.grad_and_value(
-        lambda p: hf._lm_loss(forward(ref_apply, p, ids), tgt))(full)
+    ids, tgt, forward, ref_grads, ref_loss = _reference(model)
     mesh, batch = apply.mesh, apply.batch_axes
     step = functp.shard_map(lambda p, i, t: functp.pmean(hf._lm_loss(forward(apply, p, i), t),
                                                          batch),
                             mesh, in_specs=(specs, P(batch), P(batch)), out_specs=P())
     local = functp.shard((ids, tgt), mesh, P(batch))
     with functp.comm_log() as log:
-        if tape:
-            p = {k: v.detach().requires_grad_() for k, v in params.items()}
-            loss = step(p, *local)
-            loss.backward()
-            grads = {k: v.grad for k, v in p.items()}
-        else:
-            grads, loss = torch.func.grad_and_value(step)(params, *local)
+        grads, loss = grads_and_loss(step, params, *local, tape=tape)
     # each rank's place in transformers' two row-major meshes, (dp_replicate, fsdp,
     # tp) and (dp_replicate, efsdp, ep), against its index on functp's axes
     where = functp.shard_map(lambda: tuple(functp.axis_index(a) for a in (
