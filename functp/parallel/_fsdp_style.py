@@ -31,7 +31,6 @@ kept, as with ``keep_full_weight``.
 """
 from __future__ import annotations
 
-import re
 import threading
 
 import torch
@@ -45,7 +44,7 @@ from ..mesh._spec import P
 from ..runtime import _compile
 from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import peek_interpreter_stack, top_saved_tensors_hooks
-from ._styles import Style
+from ._styles import Style, matches_rule
 
 __all__ = ["FullyShard"]
 
@@ -163,7 +162,7 @@ def _frees(plan, name: str) -> bool:
     for k in range(len(parts), -1, -1):
         prefix = ".".join(parts[:k])
         for pattern, how in plan.items():
-            if re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), prefix):
+            if matches_rule(pattern, prefix):
                 return how == "free_full_weight"
     return False
 
@@ -200,8 +199,10 @@ class FullyShard(Style):
         self.size, self.prefetch = size, bool(prefetch)
         # (one axis may come as its name: tuple("dp_replicate") would be its letters)
         self.replicate = (replicate,) if isinstance(replicate, str) else tuple(replicate)
-        bad = (free if not isinstance(free, (bool, dict)) else
-               {k: v for k, v in free.items() if v not in _HOW} if isinstance(free, dict) else {})
+        if isinstance(free, dict):
+            bad = {k: v for k, v in free.items() if v not in _HOW}
+        else:
+            bad = None if isinstance(free, bool) else free
         if bad:     # (a string is truthy: "keep_full_weight" would free everything)
             raise ShardingError(
                 f"FullyShard: free must be a bool or transformers' fsdp_plan, a dict of "

@@ -12,7 +12,6 @@ Values are registered style names (``functp.parallel._styles``) or ``functp.Styl
 """
 from __future__ import annotations
 
-import fnmatch
 import importlib.util
 import re
 import warnings
@@ -31,17 +30,12 @@ from ..mapping._sharding import unshard
 from ..mesh._spec import P, normalize_spec
 from ._fsdp_style import FullyShard
 from ._styles import (STYLES, Call, ExpertDispatch, ParameterRules, Replicated, Style,
-                      get_style)
+                      get_style, matches_rule)
 from ._verify import _example_args, check_plan
 
 __all__ = ["parallelize", "Parallelized", "match_plan", "verify_plan"]
 
 _WILD = re.compile(r"[*?\[]")
-
-
-def _matches(rule: str, name: str) -> bool:
-    r, n = rule.split(".") if rule else [], name.split(".") if name else []
-    return len(r) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, r))
 
 
 def _resolve(rule: str, value: Any) -> tuple[str, Style]:
@@ -79,7 +73,7 @@ def match_plan(module: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, tuple
     matched, used = {}, set()
     for name, _ in module.named_modules():
         for _, _, rule, label, style in rules:
-            if _matches(rule, name):
+            if matches_rule(rule, name):
                 matched[name] = (rule, label, style)
                 used.add(rule)
                 break
@@ -97,7 +91,7 @@ def _warn_plan(module: nn.Module, unused: list[str], uncovered: list[str], axis:
         return
     kind = type(module).__name__
     if unused:
-        hints = [r for r in unused if any(_matches(r, p) for p in params)]
+        hints = [r for r in unused if any(matches_rule(r, p) for p in params)]
         hint = (f" (rules name modules, not parameters: {hints} name parameters; "
                 f"drop the last component)" if hints else "")
         warnings.warn(f"functp.parallelize: plan rules that matched no module of {kind}: "
@@ -451,8 +445,8 @@ def _auto_plan(module: nn.Module, size: int | None = None, override: Any = None,
     owned: dict[str, dict[str, str]] = {}        # owner pattern -> {parameter: layout}
     missing = []
     for pattern, style in plan.items():
-        on_module = any(_matches(pattern, m) for m in modules)
-        if not on_module and any(_matches(pattern, n) for n in params):
+        on_module = any(matches_rule(pattern, m) for m in modules)
+        if not on_module and any(matches_rule(pattern, n) for n in params):
             owner, _, short = pattern.rpartition(".")
             if style in ParameterRules.KINDS:
                 if "gate_up" in short and not style.startswith("packed"):
@@ -491,7 +485,7 @@ def _auto_plan(module: nn.Module, size: int | None = None, override: Any = None,
 
 
 def _covered(name: str, plan: dict[str, Any]) -> bool:
-    return any(_matches(r, name) for r in plan)
+    return any(matches_rule(r, name) for r in plan)
 
 
 def _left_out(module: nn.Module, plan: dict[str, Any], size: int) -> dict[str, str]:
@@ -542,7 +536,7 @@ def _local_heads(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
         if not (isinstance(a, nn.Parameter) and a.ndim == 1 and isinstance(dt, nn.Linear)
                 and dt.out_features == a.shape[0]):
             continue
-        rule = next((r for r in plan if _matches(r, f"{name}.dt_proj")), None)
+        rule = next((r for r in plan if matches_rule(r, f"{name}.dt_proj")), None)
         if rule is not None and plan[rule] == "rowwise":
             extra[f"{name}.dt_proj"] = "rowwise_scatter_output"
             extra[name] = ParameterRules({"A": "colwise"})
@@ -563,7 +557,7 @@ def _whole_statistics(module: nn.Module, plan: dict[str, Any]) -> dict[str, str]
                 isinstance(getattr(sub, c, None), nn.Module) for c in ("gate_proj", "act_fn")):
             continue
         gate = f"{name}.gate_proj"
-        rule = next((r for r in plan if _matches(r, gate)), None)
+        rule = next((r for r in plan if matches_rule(r, gate)), None)
         if rule is not None and plan[rule] == "colwise":
             extra[gate] = "colwise_gather_output"
             extra[f"{name}.act_fn"] = "local_columns"

@@ -20,6 +20,7 @@ backward) and the gradient all-reduce of replicated norm weights need no hook.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import threading
 from typing import Any, Callable, NamedTuple
@@ -63,6 +64,14 @@ class Call:
     def on_exit(self, fn: Callable[[], None]) -> None:
         self._exits.append(fn)
 
+
+
+def matches_rule(rule: str, name: str) -> bool:
+    """Whether a plan's module pattern (transformers' ``tp_plan``/``ep_plan``/
+    ``fsdp_plan`` keys: dotted names, ``*`` standing for one name) matches the dotted
+    module or parameter ``name``. Example: ``matches_rule("layers.*.mlp", "layers.3.mlp")``."""
+    r, n = rule.split(".") if rule else [], name.split(".") if name else []
+    return len(r) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, r))
 
 class Style:
     """Base class of parallel styles; subclass it to write your own.
