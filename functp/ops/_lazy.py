@@ -102,10 +102,19 @@ class _Waits(EagerDispatchMode):
 _state = _State()
 
 
-def _found(hit: list | None, t: torch.Tensor) -> list | None:
+def _live(t: torch.Tensor):
+    """The collective ``t`` is marked pending on, or None for a stale mark (one copied
+    with a ``__dict__``, say, after its collective was waited on), removed here."""
     p = t.__dict__[PENDING]
-    if p.marked is None:          # (a stale mark: copied with a __dict__, say)
+    if p.marked is None:
         del t.__dict__[PENDING]
+        return None
+    return p
+
+
+def _found(hit: list | None, t: torch.Tensor) -> list | None:
+    p = _live(t)
+    if p is None:
         return hit
     if hit is None:
         return [p]
@@ -210,10 +219,8 @@ def check(args, kwargs) -> None:
 
 
 def _settle_marked(st: _State, t: torch.Tensor) -> None:
-    p = t.__dict__[PENDING]
-    if p.marked is None:          # (a stale mark: copied with a __dict__, say)
-        del t.__dict__[PENDING]
-    else:
+    p = _live(t)
+    if p is not None:
         _settle(st.pending, p, st.lazy_depth)
 
 
