@@ -685,7 +685,12 @@ def _fsdp_style(mesh: Mesh, module: nn.Module | None = None, override: Any = Non
     (transformers', with a config's ``fsdp_plan`` over it) says ``free_full_weight``."""
     return FullyShard(mesh.axis_size("fsdp"), ("dp_replicate",)
                       if "dp_replicate" in mesh.axis_names else (),
-                      free=_overridden(getattr(module, "fsdp_plan", None), override))
+                      free=_fsdp_plan(module, override))
+
+
+def _fsdp_plan(module: nn.Module | None, override: Any) -> dict:
+    """The model's ``fsdp_plan`` (transformers'), with a config's ``fsdp_plan`` over it."""
+    return _overridden(getattr(module, "fsdp_plan", None), override)
 
 
 def _fsdp_rules(module: nn.Module, style: FullyShard, matched: dict) -> dict[str, Style]:
@@ -952,8 +957,8 @@ def _config_families(module: nn.Module, mesh: Mesh, c: dict[str, Any]
     if c["fsdp_size"] > 1 and not ep:
         families.append(("fsdp", _fsdp_style(mesh, module, c["fsdp_plan"]), True))
     elif c["fsdp_size"] > 1:
-        free = _overridden(getattr(module, "fsdp_plan", None), c["fsdp_plan"])
-        families.append((("efsdp", "ep"), FullyShard(c["fsdp_size"], replicate, free=free),
+        families.append((("efsdp", "ep"), FullyShard(c["fsdp_size"], replicate,
+                                                     free=_fsdp_plan(module, c["fsdp_plan"])),
                          True))
     return families
 
