@@ -8,7 +8,14 @@ import sys
 
 import torch.distributed as dist
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+# The two-emulated-hosts script lives beside the checkout, in the shared folder the
+# project's machines have (../shared/tools/ from the repository root); FUNCTP_NETNS_CLUSTER
+# names another copy.
+NETNS_CLUSTER = os.environ.get(
+    "FUNCTP_NETNS_CLUSTER",
+    os.path.normpath(os.path.join(HERE, "..", "..", "shared", "tools", "netns_cluster.sh")))
 
 
 def main_or_launch(main, nproc: int, script: str, *args: str) -> None:

@@ -9,7 +9,7 @@ slowest rank's, the median of 5 steps after 2 warm-ups. The prediction is the
 estimate's serial bound (eager gloo collectives block: nothing overlaps), per step:
 the estimate of the program with two steps minus the one with one step, which drops
 the set-up (building and sharding the parameters). `--two-hosts` needs root and
-`/work/shared/tools/netns_cluster.sh` (two network namespaces joined by a 1 Gb/s
+`../shared/tools/netns_cluster.sh` from the checkout, or `$FUNCTP_NETNS_CLUSTER` (two network namespaces joined by a 1 Gb/s
 link): it measures a gloo all-reduce across the link into the profile's `inter`
 numbers, then times data parallelism across it, one rank per host. Results go to
 benchmarks/results/estimate_time.json.
@@ -28,9 +28,12 @@ import torch
 import functp
 from functp import P
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _run import NETNS_CLUSTER  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-NETNS = "/work/shared/tools/netns_cluster.sh"
+NETNS = NETNS_CLUSTER
 H, F, B = 1024, 4096, 256        # hidden, ffn width, batch per step
 
 

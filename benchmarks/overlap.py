@@ -5,7 +5,8 @@ step hides behind the backward.
     python benchmarks/overlap.py --local      # 2 local gloo processes instead (no link limit)
 
 Two "hosts" are two network namespaces joined by a rate-limited link
-(``/work/shared/tools/netns_cluster.sh``, 1 Gbit by default), one process each,
+(``../shared/tools/netns_cluster.sh`` from the checkout, or ``$FUNCTP_NETNS_CLUSTER``;
+1 Gbit by default), one process each,
 ``torchrun --nnodes 2``. The model is issue 25's: 8 x (Linear(1024, 1024) + ReLU), 32
 MiB of float32 gradients, an MSE loss, a batch of ``--batch`` rows per host, and an SGD
 update. Every variant runs the same step; rounds interleave the variants (each round
@@ -38,7 +39,7 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-CLUSTER = "/work/shared/tools/netns_cluster.sh"
+from _run import NETNS_CLUSTER as CLUSTER  # noqa: E402  (after the sys.path line above)
 WIDTH, LAYERS, LR = 1024, 8, 1e-3
 SMALL_MB = 4.0          # the smaller buckets also measured: one layer's weight each
 
