@@ -445,8 +445,8 @@ def _tiny_lm(model_type: str):
     config = CONFIG_MAPPING[model_type](
         vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
-        n_embd=32, n_layer=2, n_head=4, n_positions=32, tie_word_embeddings=False,
-        attn_implementation="eager")
+        n_embd=32, n_layer=2, n_head=4, n_positions=32, sliding_window=4,
+        tie_word_embeddings=model_type == "gemma3_text", attn_implementation="eager")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.manual_seed(0)                         # the same weights on every rank
@@ -556,3 +556,7 @@ def test_inductor_compiles_a_transformers_llama_through_parallelize_dp2_tp2(run)
 
 def test_inductor_compiles_a_check_vma_false_body_of_gpt2(run):
     run(2, _compiled_hf_body, "gpt2", (2,), ("tp",), ("tape",), False, timeout=900)
+
+
+def test_inductor_compiles_a_tied_sliding_window_gemma3_through_parallelize_tp2(run):
+    run(2, _compiled_hf_body, "gemma3_text", (2,), ("tp",), ("torch.func.grad",), timeout=900)
