@@ -430,3 +430,133 @@ def test_compiled_function_inside_an_eager_vma_body_simulated(lazy):
 
 def test_compiled_function_inside_an_eager_vma_body_gloo(run):
     run(2, _compiled_in_body, True)
+
+
+# -- transformers models through parallelize(model, mesh, "auto"), compiled by Inductor ---------
+# The body reads the model's buffers (Llama's rotary inv_freq) from the module, not from
+# its arguments: they become inputs of the compiled graph (Inductor refused them as
+# real-tensor constants: "Please convert all Tensors to FakeTensors first ... inv_freq").
+
+def _tiny_lm(model_type: str):
+    import warnings
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    config = CONFIG_MAPPING[model_type](
+        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+        n_embd=32, n_layer=2, n_head=4, n_positions=32, sliding_window=4,
+        tie_word_embeddings=model_type == "gemma3_text", attn_implementation="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)                         # the same weights on every rank
+        return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(
+            config).double().eval()
+
+
+class _GraphCensus:
+    """An Inductor pre-pass over every graph it compiles (forward and backward):
+    the collectives in them, and any host sync (``aten._local_scalar_dense``)."""
+
+    def __init__(self):
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+        census = self
+        self.collectives, self.syncs = [], []
+
+        class Count(CustomGraphPass):
+            def __call__(self, graph):
+                for n in graph.nodes:
+                    t = n.target
+                    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+                        continue
+                    if t.namespace == "_c10d_functional" and t._opname != "wait_tensor":
+                        census.collectives.append(t._opname)
+                    if t._opname == "_local_scalar_dense":
+                        census.syncs.append(str(n))
+
+            def uuid(self):
+                return None                # (not cached: counted on every compile)
+        self.pass_ = Count()
+
+    def __enter__(self):
+        import torch._inductor.config as inductor_config
+        self.old = inductor_config.post_grad_custom_pre_pass
+        inductor_config.post_grad_custom_pre_pass = self.pass_
+        return self
+
+    def __exit__(self, *exc):
+        import torch._inductor.config as inductor_config
+        inductor_config.post_grad_custom_pre_pass = self.old
+
+
+def _steps(step, params: dict, args: tuple) -> dict:
+    """The three ways to take a step's gradients: name -> f(params) -> grads."""
+    names = list(params)
+
+    def tape(s):
+        def f(p):
+            p = {k: v.detach().requires_grad_() for k, v in p.items()}
+            return dict(zip(names, torch.autograd.grad(s(p, *args), list(p.values()))))
+        return f
+    return {
+        "torch.func.grad": lambda c: (lambda p: c(torch.func.grad(step))(p, *args)),
+        "functp.value_and_grad": lambda c: (
+            lambda p: c(functp.value_and_grad(step))(p, *args)[1]),
+        "tape": lambda c: tape(c(step)),
+    }
+
+
+def _compiled_hf_body(model_type: str, shape: tuple, names: tuple, paths: tuple,
+                      check_vma: bool = True):
+    import torch._dynamo
+    model = _tiny_lm(model_type)
+    mesh = functp.make_mesh(shape, names)
+    apply, params, specs = functp.parallelize(model, mesh, "auto")
+    dp = "dp" if "dp" in names else None
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 32, (4, 8), generator=g)
+    tgt = torch.randint(32, (4, 8), generator=g)
+
+    def local_loss(p, i, t):
+        logits = apply(p, input_ids=i, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), t.flatten())
+        return functp.pmean(loss, dp) if dp else loss
+    step = functp.shard_map(local_loss, mesh, in_specs=(specs, P(dp), P(dp)),
+                            out_specs=P(), check_vma=check_vma)
+    args = functp.shard((ids, tgt), mesh, P(dp))
+    for path, make in _steps(step, params, args).items():
+        if path not in paths:
+            continue
+        with functp.comm_log() as log:
+            eager = make(lambda f: f)(params)
+        torch._dynamo.reset()
+        with _GraphCensus() as census:
+            got = make(lambda f: torch.compile(f, fullgraph=True))(params)
+        what = f"{model_type} {names} {path} check_vma={check_vma}"
+        # Llama's rotary table is computed in float32 (as in the plain model compiled
+        # by Inductor, whose fused float32 kernel rounds differently from eager's)
+        scale = max(v.abs().max().item() for v in eager.values())
+        worst = max((got[k] - eager[k]).abs().max().item() for k in eager) / scale
+        assert worst < (1e-6 if model_type != "gpt2" else 1e-10), f"{what}: {worst:.2e}"
+        assert not census.syncs, f"{what}: host syncs in the compiled graphs {census.syncs}"
+        assert len(census.collectives) == len(log), (
+            f"{what}: the compiled graphs issue {sorted(census.collectives)}, the eager "
+            f"step {log.summary()}")
+
+
+def test_inductor_compiles_a_transformers_llama_through_parallelize_tp2(run):
+    run(2, _compiled_hf_body, "llama", (2,), ("tp",),
+        ("torch.func.grad", "functp.value_and_grad", "tape"), timeout=900)
+
+
+def test_inductor_compiles_a_transformers_llama_through_parallelize_dp2_tp2(run):
+    run(4, _compiled_hf_body, "llama", (2, 2), ("dp", "tp"), ("torch.func.grad",),
+        timeout=900)
+
+
+def test_inductor_compiles_a_check_vma_false_body_of_gpt2(run):
+    run(2, _compiled_hf_body, "gpt2", (2,), ("tp",), ("tape",), False, timeout=900)
+
+
+def test_inductor_compiles_a_tied_sliding_window_gemma3_through_parallelize_tp2(run):
+    run(2, _compiled_hf_body, "gemma3_text", (2,), ("tp",), ("torch.func.grad",), timeout=900)

@@ -172,7 +172,7 @@ class _Body:
         self._in_plans: dict = {}
         self._out_plans: dict = {}
         self._axis_groups: dict = {}     # manual axes -> {axis name: AxisGroup}, for frames
-        self._opaque = (_compile.opaque(functools.partial(_run, self), self.name)
+        self._opaque = (_compile.opaque(functools.partial(_run, self), self.name, f)
                         if check_vma else None)
 
     def __call__(self, *args, **kwargs):

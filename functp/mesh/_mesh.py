@@ -221,7 +221,7 @@ class Mesh:
 
     def axis_size(self, axis_name) -> int:
         """Number of ranks along an axis (a tuple: the product of their sizes)."""
-        return math.prod(self.shape[a] for a in self._check_axes(axis_name, "axis_size"))
+        return math.prod([self.shape[a] for a in self._check_axes(axis_name, "axis_size")])
 
 
 _MESHES: dict[tuple, Mesh] = {}

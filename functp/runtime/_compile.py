@@ -24,7 +24,9 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import threading
+import types
 import warnings
 from typing import Any, Callable
 
@@ -121,24 +123,39 @@ def _nones(x, old, new):
     return x
 
 
-def opaque(run: Callable, name: str) -> Callable | None:
+class Opaque:
+    """A vma body as Dynamo sees it (made by :func:`opaque`): ``fn``, the opaque call,
+    and ``constants``, the tensors the body reads without getting them as
+    arguments (``(owner, name)``: a module's buffer, or a closure cell's tensor)."""
+
+    def __init__(self, fn: Callable, constants: list):
+        self.fn, self.constants = fn, constants
+
+
+def opaque(run: Callable, name: str, f: Callable | None = None) -> Opaque | None:
     """``run(*args)`` (a vma body) as Dynamo sees it: one opaque call
     (``nonstrict_trace``), which AOTAutograd then traces by running it as Python on
     fake tensors. The tracking mode runs there as in eager mode, so the compiled graph
     has the vma rules' collectives, no more, and vma errors are raised while compiling.
     (Dynamo cannot trace the mode itself: the tags live in the tensors' ``__dict__``.)
+    The tensors ``f`` reads without getting them (:func:`constants`: a module's
+    buffers, such as a rotary table) are passed to the call too, so that the graph
+    gets them as inputs: read from the module as real tensors, they would be
+    constants of the graph, which Inductor refuses.
     Dynamo accepts only functions made outside the region it compiles: ``None`` for a
     body made while it traces. Call the result with :func:`call_opaque`."""
     if dynamo_tracing():
         return None
     disable, nonstrict_trace = _torch_compat.dynamo()   # (0.3 s, at the first shard_map)
+    owners = constants(f) if f is not None else []
 
     # A closure (Dynamo drops a bound method's self). AOTAutograd runs it, not Dynamo;
     # should Dynamo fall back to running it (a graph break), it must not trace it
     # either, or it would meet this call again.
-    def opaque_body(*args):
+    def opaque_body(consts, *args):
         try:
-            out = run(_nones(args, _NONE, None))
+            with _in_place_of(owners, consts):
+                out = run(_nones(args, _NONE, None))
             if tracing():
                 check_traceable(out, name)
             return out
@@ -149,17 +166,108 @@ def opaque(run: Callable, name: str) -> Callable | None:
                 warnings.warn(f"torch.compile could not trace the shard_map body "
                               f"{name!r}: {e}", stacklevel=2)
             raise
-    return nonstrict_trace(disable(opaque_body))
+    return Opaque(nonstrict_trace(disable(opaque_body)), owners)
 
 
-def call_opaque(fn: Callable | None, args: tuple, name: str):
-    """Calls the result of :func:`opaque` on a body's arguments, while Dynamo traces."""
-    if fn is None:
+def call_opaque(body: Opaque | None, args: tuple, name: str):
+    """Calls the result of :func:`opaque` on a body's arguments, while Dynamo traces
+    (the body's constants read now: Dynamo makes them inputs of the graph)."""
+    if body is None:
         raise ShardingError(
             f"shard_map of {name!r} was made inside a torch.compile region and called "
             f"there; with check_vma=True make it outside, once (functp.shard_map(...) "
             f"before torch.compile), or pass check_vma=False")
-    return fn(*_nones(args, None, _NONE))
+    consts = [getattr(o, n) if n is not None else o.cell_contents for o, n in body.constants]
+    return body.fn(consts, *_nones(args, None, _NONE))
+
+
+# -- the tensors a body reads without getting them ---------------------------------------
+_DEPTH = 4     # how far from the body the search goes (closures of closures, objects)
+
+
+def constants(f: Callable) -> list[tuple[Any, str | None]]:
+    """The tensors ``f`` reaches that need no gradient, as ``(owner, name)``: every
+    buffer of a module it closes over or names as a global (also through an object
+    holding the module, such as ``parallelize``'s ``apply``), ``(module, buffer
+    name)``, and the tensors in its closure cells, ``(cell, None)``. Searched once,
+    when a shard_map is made; the values are read at each compiled call.
+
+    Example::
+
+        m = torch.nn.BatchNorm1d(3)
+        constants(lambda x: m(x))[0][1]        # 'running_mean'
+    """
+    out: list = []
+    _search(f, set(), out, set(), _DEPTH)
+    return out
+
+
+def _search(x, seen: set, out: list, tensors: set, depth: int) -> None:
+    if depth < 0 or id(x) in seen or isinstance(x, (type, types.ModuleType)):
+        return
+    seen.add(id(x))
+    if isinstance(x, torch.nn.Module):
+        for mod in x.modules():
+            for name, b in mod._buffers.items():
+                if b is not None and not b.requires_grad and id(b) not in tensors:
+                    tensors.add(id(b))
+                    out.append((mod, name))
+        return
+    more: list = []
+    if isinstance(x, functools.partial):
+        more = [x.func, *x.args, *x.keywords.values()]
+    elif isinstance(x, types.MethodType):
+        more = [x.__func__, x.__self__]
+    elif isinstance(x, types.FunctionType):
+        for cell in x.__closure__ or ():
+            try:
+                v = cell.cell_contents
+            except ValueError:          # an empty cell (a name bound later)
+                continue
+            if isinstance(v, torch.Tensor):
+                if not v.requires_grad and id(v) not in tensors:
+                    tensors.add(id(v))
+                    out.append((cell, None))
+            else:
+                more.append(v)
+        g = x.__globals__
+        more += [g[n] for n in x.__code__.co_names if n in g]
+    elif isinstance(x, (list, tuple)):
+        more = list(x[:64])
+    elif isinstance(x, dict):
+        more = list(x.values())[:64]
+    elif hasattr(x, "__dict__") and not isinstance(x, torch.Tensor):
+        more = list(vars(x).values())[:64]
+    for y in more:
+        _search(y, seen, out, tensors, depth - 1)
+
+
+class _in_place_of:
+    """While a compiled body is traced: each constant's traced value (an input of the
+    graph) stands in its owner for the real one, so that the body reads it there."""
+
+    def __init__(self, owners: list, values: list):
+        self.swaps = [(o, n, v) for (o, n), v in zip(owners, values)]
+        self.old: list = []
+
+    def __enter__(self):
+        for o, n, v in self.swaps:
+            old = getattr(o, n) if n is not None else o.cell_contents
+            if old is not v:
+                self._set(o, n, v)
+                self.old.append((o, n, old))
+
+    def __exit__(self, *exc):
+        for o, n, old in reversed(self.old):
+            self._set(o, n, old)
+        self.old.clear()
+
+    @staticmethod
+    def _set(owner, name, value) -> None:
+        if name is None:
+            owner.cell_contents = value
+        else:
+            owner._buffers[name] = value
 
 
 # -- compiled functions inside an eager vma body -----------------------------------------
