@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import warnings
 
 import pytest
 import torch
@@ -77,3 +78,77 @@ def test_unwrap_functorch_sees_through_grad_and_vmap():
         assert type(t) is torch.Tensor and not _torch_compat.is_functorch_wrapped(t)
     assert seen[0].shape == (2, 3) and seen[1].shape == (2, 3)   # vmap's batch dim kept
     assert torch.equal(seen[0], x) and torch.equal(seen[1], x)
+
+
+def _supported_range() -> tuple[str, str]:
+    text = (PKG.parent.parent / "pyproject.toml").read_text()
+    m = re.search(r'"torch>=([\d.]+),<([\d.]+)"', text)
+    assert m, "pyproject.toml's torch requirement is not 'torch>=A,<B'"
+    return m.group(1), m.group(2)
+
+
+def test_this_torch_is_in_the_supported_range():
+    low, high = _supported_range()
+    assert (low, high) == ("2.11", "2.16"), "update the docstring of _torch_compat.py and docs/gpus.md"
+    v = torch.torch_version.TorchVersion(torch.__version__.split("+")[0])
+    assert low <= v < high, f"torch {torch.__version__} is outside functp's range >={low},<{high}"
+
+
+def test_is_compiling_holds_for_a_whole_compile_session():
+    # 2.11 and 2.12's torch.compiler.is_compiling() is false in a nonstrict_trace call,
+    # which Dynamo runs on fake tensors while it compiles; ours is true there, as 2.13's
+    seen = []
+    _, nonstrict_trace = _torch_compat.dynamo()
+
+    @nonstrict_trace
+    def opaque(x):
+        seen.append((_torch_compat.is_compiling(), isinstance(x, _torch_compat.FakeTensor)))
+        return x * 2
+
+    def f(x):
+        return opaque(x) + 1
+
+    x = torch.ones(3)
+    assert not _torch_compat.is_compiling()
+    f(x)
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(x), f(x))
+    assert (False, False) in seen and (True, True) in seen, seen
+    assert all(compiling == fake for compiling, fake in seen), seen
+    assert not _torch_compat.is_compiling()
+
+
+def test_dcp_save_returns_the_stored_byte_ranges(tmp_path):
+    # functp.save's checksums read them; 2.11's dcp.save returned them as None
+    import torch.distributed.checkpoint as dcp
+    state = {"a": torch.arange(6.0), "b": torch.ones(2, 3)}
+    with warnings.catch_warnings():         # DCP: no process group, so one process
+        warnings.simplefilter("ignore")
+        meta = dcp.save(state, storage_writer=_torch_compat.MetadataWriter(str(tmp_path)))
+    assert meta.storage_data is not None
+    assert sorted(i.fqn for i in meta.storage_data) == ["a", "b"]
+    assert all(s.length > 0 for s in meta.storage_data.values())
+
+
+_COMPILE_IN_RANKS = """
+import torch, functp
+def f(x):
+    return torch.sin(x) + x
+def rank():
+    for _ in range(3):
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(f, backend="eager")(torch.ones(2)), f(torch.ones(2)))
+functp.simulate(rank, 2)
+print("compiled in both ranks")
+"""
+
+
+def test_torch_compile_in_two_simulated_ranks_at_once():
+    # torch 2.11's CUDA build without a GPU crashed here (SIGSEGV in FakeTensorMode's
+    # entry) unless functp.simulate installs the no-op device guard first; a process of
+    # its own, so that a crash fails this test and not the whole run
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _COMPILE_IN_RANKS], capture_output=True,
+                         text=True, timeout=300, cwd=PKG.parent.parent)
+    assert out.returncode == 0 and "compiled in both ranks" in out.stdout, (
+        f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}")

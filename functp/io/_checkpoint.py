@@ -51,7 +51,7 @@ from ..mapping._reshard_shapes import leaf_specs, shapes_for
 from ..mapping._sharding import _broadcast_pickled
 from ..mesh._spec import P
 from ..runtime._torch_compat import (CheckpointException, DefaultLoadPlanner, FileSystemReader, Metadata,
-                            StorageMeta, TensorStorageMetadata)
+                            MetadataWriter, StorageMeta, TensorStorageMetadata)
 
 __all__ = ["save", "load", "full_state_dict"]
 
@@ -792,7 +792,7 @@ def save(path: str | os.PathLike, tree: Any, mesh: Mesh, specs: Any, *,
             state[key] = x
     state[_FORMAT_KEY] = torch.tensor([_FORMAT], dtype=torch.int64, device=device)
     _all_ok(what, path, device, lambda: _unmark(path) if dist.get_rank() == 0 else None)
-    meta = _dcp(what, path, lambda: dcp.save(state, checkpoint_id=path))
+    meta = _dcp(what, path, lambda: dcp.save(state, storage_writer=MetadataWriter(path)))
     _record_checksums(what, path, meta, device, tree_file)
 
 

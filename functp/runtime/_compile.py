@@ -39,7 +39,7 @@ from ._errors import ShardingError, keystr
 
 # aliases, not wrappers: asked on every shard_map call and collective
 dynamo_tracing = torch.compiler.is_dynamo_compiling
-tracing = torch.compiler.is_compiling
+tracing = _torch_compat.is_compiling       # (torch < 2.13: not only Dynamo's own traces)
 
 REFUSED = (
     "torch.compile inside functp.simulate is not supported: simulated ranks take turns "

@@ -1,4 +1,5 @@
-"""Every private torch symbol functp uses, in one place.
+"""Every private torch symbol functp uses, and every difference between the torch
+versions it supports, in one place.
 
 torch promises nothing about names with an underscore (``torch._C._functorch``,
 ``torch.utils._python_dispatch``, gloo's ``_Options``, DCP's file format...), so a new
@@ -12,15 +13,21 @@ Each symbol is bound once, at import, to a module-level name: a call through it 
 what the call through ``torch._C...`` cost before (no wrapper on the hot path).
 ``torch._dynamo`` alone is imported on first use (0.3 s), by :func:`dynamo`.
 
-Checked (November 2026) against torch 2.13.0 (the system python: the test suite) and
-2.14.1 (``/opt/venv214``): ``tests/test_torch_compat.py`` resolves every entry. And
-against torch 2.15.0 by reading its wheel (``torch-2.15.0-cp311-manylinux_2_28``,
-not installed: the stored pytorch/pytorch sources stop at 2.11.0a0 and its snapshot is
-too large to fetch): each entry's defining line found in its ``.py``/``.pyi`` (the
-same lines as 2.13's), and the C++ names in ``libtorch_python.so``. Changed in 2.15:
-DCP's ``TensorProperties`` gained ``strides`` (its pickled state has 6 fields, 5
-still read); gloo's ``_Options`` fields ``_devices``/``_threads`` could not be seen
-statically (run this test on 2.15 before relying on ``functp.simulate`` there).
+Supported: torch 2.11 through 2.15 (``pyproject.toml``). CI runs the whole suite on
+2.11.0, 2.13.0, 2.14.1 and 2.15.0 (``.ci/run``); on 2.12.1 this test file and the
+checkpoint and compile tests passed by hand (November 2026). The differences between
+them that functp meets, each handled here:
+
+- ``torch.compiler.is_compiling()``: from 2.13 true for a whole compile session; on
+  2.11 and 2.12 only inside what Dynamo traces itself, not where AOTAutograd or a
+  ``nonstrict_trace`` call runs Python on fake tensors. :func:`is_compiling` answers
+  as 2.13 does on each.
+- ``dcp.save``'s returned ``Metadata``: from 2.12 it holds the stored byte ranges
+  (``storage_data``); 2.11's ``FileSystemWriter.finish`` writes them into a copy.
+  :class:`MetadataWriter` puts them back.
+- ``dist.set_timeout``: public from 2.14 (the private ``_set_pg_timeout`` before).
+- DCP's ``TensorProperties`` gained ``strides`` in 2.15 (its pickled state has 6 fields;
+  functp's loader reads the 5 it knows).
 
 Example::
 
@@ -193,6 +200,19 @@ _set_pg_timeout = getattr(dist, "set_timeout", None) or _need(
     "torch.distributed.distributed_c10d._set_pg_timeout", "a process group's timeout")
 
 
+_ensure_cuda_guard = _need("torch._C._ensureCUDADeviceGuardSet",
+                           "torch.compile in functp.simulate's rank threads (torch 2.11)")
+
+
+def before_rank_threads() -> None:
+    """Before functp.simulate starts its rank threads. On a CUDA build without a GPU,
+    ``FakeTensorMode`` installs a no-op CUDA device guard at each entry; torch 2.11
+    crashes the process (SIGSEGV) when two threads do it at once (``torch.compile`` in
+    two simulated ranks). Installed once here, the threads find it there."""
+    if not torch.cuda.is_available():
+        _ensure_cuda_guard()
+
+
 def gloo_backend(store, rank: int, size: int, device, timeout) -> Any:
     """A gloo backend of ``size`` ranks over ``store`` on one shared ``device``, with
     one worker thread (gloo's default is two per group: thread wake-ups on few cores)."""
@@ -241,11 +261,43 @@ Metadata = dcp_metadata.Metadata
 StorageMeta = dcp_metadata.StorageMeta
 TensorStorageMetadata = dcp_metadata.TensorStorageMetadata
 FileSystemReader = _need("torch.distributed.checkpoint.FileSystemReader", "functp.load")
+FileSystemWriter = _need("torch.distributed.checkpoint.FileSystemWriter", "functp.save")
+
+
+class MetadataWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` whose ``finish`` leaves the stored byte ranges
+    (``storage_data``) in the ``Metadata`` that ``dcp.save`` returns on every rank
+    (functp.save's checksums read them). torch 2.12 and later do so themselves; 2.11's
+    ``finish`` writes a copy and returns the plan's metadata without them."""
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        if metadata.storage_data is None:
+            metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
+
+
 DefaultLoadPlanner = _need("torch.distributed.checkpoint.DefaultLoadPlanner", "functp.load")
 CheckpointException = _need("torch.distributed.checkpoint.api.CheckpointException",
                             "functp.save/load's errors")
 
 # -- torch.compile (Dynamo) ----------------------------------------------------------------
+# Is a compile session running? torch 2.13 holds ``torch.compiler.is_compiling()`` true
+# for the whole session, also where AOTAutograd or a ``nonstrict_trace`` call runs Python
+# on fake tensors; 2.11 and 2.12 answer true only inside what Dynamo traces itself (a
+# vma body's check-mode exchange then ran on fake tensors and failed to compile). There,
+# the session's compile id answers instead.
+if hasattr(torch.compiler, "_compile_session_context"):     # torch >= 2.13
+    is_compiling = torch.compiler.is_compiling              # an alias: asked per collective
+else:
+    _compile_id = _need("torch._guards.CompileContext.current_compile_id",
+                        "telling a compile session's fake run from an eager one (torch < 2.13)")
+
+    def is_compiling() -> bool:
+        """``torch.compiler.is_compiling()`` as torch 2.13 answers it: true for the
+        whole compile session. (Traced by Dynamo, the first test is a constant True.)"""
+        return torch.compiler.is_compiling() or _compile_id() is not None
+
+
 _DYNAMO = (_lazy("torch._dynamo.disable", "a shard_map body Dynamo must not trace"),
            _lazy("torch._dynamo.nonstrict_trace", "a vma body as one opaque call"))
 

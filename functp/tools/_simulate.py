@@ -23,6 +23,7 @@ import torch
 
 
 from ..runtime import _crosscheck
+from ..runtime import _torch_compat
 from ..mesh import _mesh
 from ..runtime import _world
 from ..runtime._errors import ShardingError, first_line
@@ -91,6 +92,7 @@ def simulate(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 6
     threads = [threading.Thread(target=_rank_main, daemon=True, name=f"functp-rank-{r}",
                                 args=(run, r, fn, args, kwargs, results, errors, finished))
                for r in range(nprocs)]
+    _torch_compat.before_rank_threads()
     previous = _begin(check)
     caller = _world.process_state()
     try:
