@@ -155,6 +155,10 @@ class Parallelized:
         # the hooks are registered once, here, and act only while __call__ runs:
         # registering them per call cannot be traced by torch.compile
         self._call = _CallState()
+        #: the module's split parameters were released (made meta): only ``apply``
+        #: runs it; calling the module itself raises (see :func:`functp.from_pretrained`)
+        self.released = False
+        module.register_forward_pre_hook(self._refuse_released)
         for name, mod, style, pmap, ax in hooked:
             hook = _PlanHook(name, style, pmap, ax, self._call)
             mod.register_forward_pre_hook(hook.pre, with_kwargs=True)
@@ -164,6 +168,16 @@ class Parallelized:
         return (f"Parallelized({type(self.module).__name__} over '{self.axis}' of {self.mesh}, "
                 f"{len(self.specs)} parameters, {len(self._hooked)} hooked modules, "
                 f"{self.split_share:.0%} of parameter elements split)")
+
+    def _refuse_released(self, module: nn.Module, args: Any) -> None:
+        """Calling the module itself once its weights were released would run on
+        meta tensors and return shapes without values: an error instead."""
+        if self.released and self._call.params is None:
+            raise ShardingError(
+                f"{type(module).__name__} was called directly, but its weights were "
+                f"released: they live in the blocks that parallelize/from_pretrained "
+                f"returned; call apply(params, ...) inside a shard_map body, or keep a "
+                f"full model for reference checks")
 
     def _style(self, name: str) -> Style:
         return self._owners[name][1] if name in self._owners else _REPLICATED
