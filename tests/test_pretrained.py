@@ -209,3 +209,66 @@ def test_a_bad_checkpoint_is_a_checkpoint_error_on_every_rank(run, tmp_path, how
     for rank, m in enumerate(messages):
         assert what in m and why in m, f"rank {rank}: {m}"
         assert how in ("pickle", "remote") or path in m, m
+
+
+# -- meta-device models and parameters held once ----------------------------------------
+
+
+def _meta_llama():
+    config = transformers.LlamaConfig(**{**_COMMON, "num_key_value_heads": 4})   # tp=4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _init_full(shape, names):
+    warnings.simplefilter("ignore")
+    mesh = functp.make_mesh(shape, names)
+    apply, meta, specs = functp.parallelize(_meta_llama(), mesh, "auto")
+    assert all(b.is_meta for b in meta.values())
+    params = functp.init_blocks(apply, seed=3)
+    assert {k: v.shape for k, v in params.items()} == {k: v.shape for k, v in meta.items()}
+    assert not any(p.is_meta for p in params.values())
+    return apply.unshard(params)
+
+
+def test_init_blocks_gives_the_same_full_model_on_any_mesh(run):
+    a = run(4, _init_full, (2, 2), ("dp", "tp"))[0]
+    b = run(4, _init_full, (1, 4), ("dp", "tp"))[0]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert torch.equal(a["model.norm.weight"], torch.ones(16))          # the model's own init
+    w = a["model.layers.0.mlp.down_proj.weight"]
+    assert abs(w.std().item() - 0.02) < 0.005 and not torch.equal(
+        w, a["model.layers.1.mlp.down_proj.weight"])                      # per-module seeds
+
+
+def _held_once(path):
+    warnings.simplefilter("ignore")
+    mesh = functp.make_mesh((2,), ("tp",))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **EAGER)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **EAGER)
+    norm = model.model.norm.weight
+    apply, params, specs = functp.parallelize(model, mesh, "auto", keep_module=False)
+    shared = params["model.norm.weight"].data_ptr() == norm.data_ptr()
+    released = model.model.layers[0].mlp.down_proj.weight.is_meta
+    try:
+        model(torch.zeros(1, 4, dtype=torch.long))
+        called = "ran"
+    except functp.ShardingError as e:
+        called = str(e)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    step = functp.shard_map(lambda p, i: apply(p, input_ids=i, use_cache=False).logits.sum(),
+                            mesh, in_specs=(specs, P()), out_specs=P())
+    err = (step(params, ids) - ref(input_ids=ids, use_cache=False).logits.sum()).abs().item()
+    return shared, released, called, err
+
+
+def test_keep_module_false_holds_each_parameter_once(run, tmp_path):
+    path = _save(tmp_path, "llama")
+    shared, released, called, err = run(2, _held_once, path)[0]
+    assert shared, "a replicated parameter's block should be the module's own tensor"
+    assert released, "a split parameter's full tensor should be released (meta)"
+    assert "weights were released" in called, called
+    assert err < 1e-10, err

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from ..runtime._errors import CheckpointError, ShardingError, first_line
 from ._plans import Parallelized, parallelize
 from ._styles import Style
 
-__all__ = ["from_pretrained"]
+__all__ = ["from_pretrained", "init_blocks"]
 
 _WHAT = "functp.from_pretrained"
 
@@ -186,3 +187,64 @@ def _init_owners(model: nn.Module) -> dict[str, nn.Module]:
         if owner is not None:
             out[name] = owner
     return out
+
+
+def init_blocks(apply: Parallelized, *, seed: int = 0, device: torch.device | str | None = None
+                ) -> dict[str, torch.Tensor]:
+    """This rank's blocks of a freshly initialized model, whatever the mesh.
+
+    For a model :func:`functp.parallelize` laid out on the meta device: one module at a
+    time, its own parameters are materialized whole, initialized by the model's own
+    initializer (transformers' ``_init_weights``, else the module's
+    ``reset_parameters``) under a seed made of ``seed`` and the module's name, and
+    cut to this rank's blocks; the full tensors are dropped before the next module.
+    So every mesh starts from the same full parameters, bit for bit, and no rank ever
+    holds more than one module's full weights. Meta buffers are rebuilt as
+    :func:`functp.from_pretrained` rebuilds them.
+
+    **Arguments:** ``apply`` – from ``parallelize`` of a meta-device model; ``seed``;
+    ``device`` – where the blocks go (default: the mesh's device).
+    **Returns:** the blocks, keyed as ``parallelize``'s. Example::
+
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        apply, _, specs = functp.parallelize(model, mesh, "auto")
+        params = functp.init_blocks(apply, seed=0)
+    """
+    model = apply.module
+    device = torch.device(device) if device is not None else _device(apply.mesh)
+    owners = _init_owners(model)
+    canon = {id(p): n for n, p in model.named_parameters()}
+    blocks: dict[str, torch.Tensor] = {}
+    for mname, mod in model.named_modules():
+        prefix = mname + "." if mname else ""
+        own = {s: p for s, p in mod._parameters.items()
+               if p is not None and canon.get(id(p)) == prefix + s}
+        if own:
+            blocks.update(_init_module(apply, mname, mod, own, owners.get(mname), seed, device))
+    rebuild_buffers(model, device)
+    apply.released = True
+    return blocks
+
+
+def _init_module(apply: Parallelized, mname: str, mod: nn.Module, own: dict, owner: Any,
+                 seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The blocks of ``mod``'s own parameters, initialized whole (on the CPU) and cut."""
+    if owner is None and not callable(getattr(mod, "reset_parameters", None)):
+        raise ShardingError(
+            f"init_blocks: module {mname!r} ({type(mod).__name__}) owns parameters "
+            f"{sorted(own)} but has no initializer (transformers' _init_weights or a "
+            f"reset_parameters method); give it one, or load weights with from_pretrained")
+    prefix = mname + "." if mname else ""
+    saved = dict(own)
+    for s, p in own.items():
+        mod._parameters[s] = nn.Parameter(torch.empty_like(p, device="cpu"),
+                                          requires_grad=p.requires_grad)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed * 1_000_003 + zlib.crc32(mname.encode()))
+            owner._init_weights(mod) if owner is not None else mod.reset_parameters()
+        return {prefix + s: apply.shard({prefix + s: mod._parameters[s].detach()})[prefix + s]
+                .to(device) for s in own}
+    finally:
+        mod._parameters.update(saved)      # back to meta: the full tensors go
