@@ -272,3 +272,32 @@ def test_keep_module_false_holds_each_parameter_once(run, tmp_path):
     assert released, "a split parameter's full tensor should be released (meta)"
     assert "weights were released" in called, called
     assert err < 1e-10, err
+
+
+# -- saving back -----------------------------------------------------------------------
+
+
+def _round_trip(path, out, shape, names):
+    warnings.simplefilter("ignore")
+    mesh = functp.make_mesh(shape, names)
+    apply, params, specs = functp.from_pretrained(path, mesh, **EAGER)
+    functp.save_pretrained(out, params, specs, mesh, apply.module.config)
+    return sorted(os.listdir(out))
+
+
+@pytest.mark.parametrize("kind,shape,names", [("phi3", (2, 2), ("dp", "tp")),
+                                              ("qwen3_moe", (2,), ("tp",)),
+                                              ("gemma", (2,), ("fsdp",))])
+def test_save_pretrained_round_trips_bit_exactly_through_transformers(run, tmp_path, kind,
+                                                                       shape, names):
+    path, out = _save(tmp_path, kind), str(tmp_path / "saved")
+    files = run(len(names) * 2, _round_trip, path, out, shape, names, gloo=True)[0]
+    assert "config.json" in files and sum(f.endswith(".safetensors") for f in files) > 1, files
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = transformers.AutoModelForCausalLM.from_pretrained(path, **EAGER)
+        b = transformers.AutoModelForCausalLM.from_pretrained(out, **EAGER)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k

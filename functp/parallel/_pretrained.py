@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..io._safetensors import Folder, merges, read_block, require_hf, source_of
-from ..mesh._layout import block_ranges
+from ..io._safetensors import INDEX, SINGLE, Folder, merges, read_block, require_hf, source_of
+from ..mapping._sharding import unshard
+from ..mesh._layout import block_ranges, unview, view, view_spec
 from ..mesh._mesh import Mesh
 from ..mesh._spec import P
 from ..runtime import _world
@@ -27,7 +28,7 @@ from ..runtime._errors import CheckpointError, ShardingError, first_line
 from ._plans import Parallelized, parallelize
 from ._styles import Style
 
-__all__ = ["from_pretrained", "init_blocks"]
+__all__ = ["from_pretrained", "init_blocks", "save_pretrained"]
 
 _WHAT = "functp.from_pretrained"
 
@@ -136,14 +137,14 @@ def _load(folder: Folder, apply: Parallelized, device: torch.device) -> dict[str
     return out
 
 
-def _agreed(mesh: Mesh, fn):
+def _agreed(mesh: Mesh, fn, what: str = _WHAT):
     """``fn()`` on every rank; an error on any rank raised on every rank (its own
     where it has one, else one naming the first failed rank)."""
     err, out = None, None
     try:
         out = fn()
     except Exception as e:      # noqa: BLE001 - an OSError mid-read as well
-        err = e if isinstance(e, ShardingError) else CheckpointError(f"{_WHAT}: {e}")
+        err = e if isinstance(e, ShardingError) else CheckpointError(f"{what}: {e}")
         if err is not e:
             err.__cause__ = e
     lines = [b.decode() for b in _world.all_gather_bytes(
@@ -153,7 +154,7 @@ def _agreed(mesh: Mesh, fn):
         return out
     if err is not None:
         raise err
-    raise CheckpointError(f"{_WHAT}: rank {failed[0]} failed: {lines[failed[0]]}")
+    raise CheckpointError(f"{what}: rank {failed[0]} failed: {lines[failed[0]]}")
 
 
 def rebuild_buffers(model: nn.Module, device: torch.device) -> None:
@@ -248,3 +249,73 @@ def _init_module(apply: Parallelized, mname: str, mod: nn.Module, own: dict, own
                 .to(device) for s in own}
     finally:
         mod._parameters.update(saved)      # back to meta: the full tensors go
+
+
+def save_pretrained(path: str | os.PathLike, params: dict[str, torch.Tensor],
+                    specs: dict[str, P], mesh: Mesh, config: Any) -> None:
+    """Writes blocks as a folder transformers' ``from_pretrained`` loads on one process.
+
+    Call it on every rank. Each parameter is gathered whole, one at a time, and kept
+    only by the rank that writes it: the ranks share the parameters out by size and
+    each writes one ``model-0000r-of-0000n.safetensors`` (no rank holds more than its
+    share plus one parameter); rank 0 writes ``model.safetensors.index.json`` and
+    ``config.json``. Packed weights are written in the model's own order
+    (``[gate; up]``), tied weights once, under ``params``' names.
+
+    **Arguments:** ``path`` – the folder (made if missing); ``params``, ``specs`` –
+    this rank's blocks and their specs (from :func:`functp.parallelize` or
+    :func:`functp.from_pretrained`); ``mesh``; ``config`` – the model's transformers
+    config (``apply.module.config``). **Raises:** :class:`CheckpointError` on every
+    rank when any rank fails to write. Example::
+
+        functp.save_pretrained("out", params, specs, mesh, apply.module.config)
+        model = transformers.AutoModelForCausalLM.from_pretrained("out")   # one process
+    """
+    require_hf("functp.save_pretrained")
+    from safetensors.torch import save_file
+    path = os.fspath(path)
+    names = sorted(params)
+    writer, files = _writers(params, specs, mesh)
+    me = _world.process_index()
+    mine = {}
+    for name in names:        # every rank, in one order: one gather per parameter
+        spec = specs[name]
+        full = unview(unshard(view(params[name].detach(), spec), mesh, view_spec(spec)), spec)
+        if writer[name] == me:
+            mine[name] = full.cpu().contiguous()
+        del full
+
+    def write():
+        os.makedirs(path, exist_ok=True)
+        if mine:
+            save_file(mine, os.path.join(path, files[me]), metadata={"format": "pt"})
+    _agreed(mesh, write, "functp.save_pretrained")       # every file written, then the index
+    _agreed(mesh, lambda: me == 0 and _write_index(path, params, writer, files, config),
+            "functp.save_pretrained")
+
+
+def _writers(params: dict, specs: dict, mesh: Mesh) -> tuple[dict[str, int], dict[int, str]]:
+    """Which rank writes each parameter (largest first, to the rank with the fewest
+    bytes so far) and each writing rank's file name: the same on every rank."""
+    n = _world.process_count()
+    size = {k: v.numel() * mesh.axis_size(specs[k].axes) * v.element_size()
+            if specs[k].axes else v.numel() * v.element_size() for k, v in params.items()}
+    load, writer = [0] * n, {}
+    for k in sorted(params, key=lambda k: (-size[k], k)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        writer[k], load[r] = r, load[r] + size[k]
+    used = sorted(set(writer.values()))
+    if len(used) == 1:
+        return writer, {used[0]: SINGLE}
+    return writer, {r: f"model-{i + 1:05d}-of-{len(used):05d}.safetensors"
+                    for i, r in enumerate(used)}
+
+
+def _write_index(path: str, params: dict, writer: dict, files: dict, config: Any) -> None:
+    config.save_pretrained(path)
+    if len(files) > 1:
+        total = sum(int(os.path.getsize(os.path.join(path, f))) for f in files.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: files[writer[k]] for k in sorted(params)}}
+        with open(os.path.join(path, INDEX), "w") as f:
+            json.dump(index, f, indent=2)
