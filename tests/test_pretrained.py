@@ -301,3 +301,55 @@ def test_save_pretrained_round_trips_bit_exactly_through_transformers(run, tmp_p
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+
+
+# -- examples/finetune_hf.py -----------------------------------------------------------
+
+
+def _example():
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples", "finetune_hf.py")
+    spec = importlib.util.spec_from_file_location("example_finetune_hf", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kind,mesh", [("llama", "2x2"), ("qwen3_moe", "1x2")])
+def test_finetune_example_trains_and_saves_a_model_transformers_loads(tmp_path, kind, mesh):
+    import contextlib
+    import io
+    path, out = _save(tmp_path, kind), tmp_path / "run"
+    module = _example()
+    args = [path, "--mesh", mesh, "--steps", "12", "--batch", "4", "--seq", "16",
+            "--lr", "3e-3", "--out", str(out)]
+    threads, text = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            fell = functp.simulate(module.main, 4 if mesh == "2x2" else 2, args)
+    finally:
+        torch.set_num_threads(threads)            # main() sets one thread
+    assert all(fell), text.getvalue()
+    assert "tokens/s" in text.getvalue() and "fine-tuned model" in text.getvalue()
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(x) for x in f]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    losses = [r["loss"] for r in rows]
+    assert sum(losses[-3:]) < sum(losses[:3]), losses          # it learns
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        before = transformers.AutoModelForCausalLM.from_pretrained(path)
+        after = transformers.AutoModelForCausalLM.from_pretrained(out / "final")
+    a, b = before.state_dict(), after.state_dict()
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_missing_safetensors_names_the_hf_extra(monkeypatch):
+    import importlib.util
+    from functp.io import _safetensors
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "safetensors" else real(name, *a))
+    with pytest.raises(ModuleNotFoundError, match=r"needs safetensors: pip install 'functp\[hf\]'"):
+        _safetensors.require_hf("functp.from_pretrained")
