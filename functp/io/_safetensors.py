@@ -125,9 +125,13 @@ class Folder:
         file = self.entries[key][0]
         # a file opened per read: its mapped pages leave the resident set when it closes
         with safe_open(file, "pt") as f:
-            if not box:
-                return f.get_tensor(key)
-            return f.get_slice(key)[tuple(slice(o, o + n) for o, n in box)]
+            t = (f.get_slice(key)[tuple(slice(o, o + n) for o, n in box)] if box
+                 else f.get_tensor(key))
+        # a slice is a view of the whole stored tensor (mapped from the file): a copy of
+        # the slice alone, so that a block never keeps the rest of the tensor alive
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone(memory_format=torch.contiguous_format)
+        return t
 
 
 def read_box(folder: Folder, src: Any, box: Sequence[tuple[int, int]]) -> torch.Tensor:
