@@ -82,10 +82,10 @@ def _compare(path, shape, names, tape):
 
 
 _MESHES = {"tp2": ((2,), ("tp",)), "dp2_tp2": ((2, 2), ("dp", "tp")),
-           "fsdp2": ((2,), ("fsdp",))}
+           "fsdp2": ((2,), ("fsdp",)), "ep2": ((2,), ("ep",))}
 _CASES = [("llama", "tp2", False), ("llama", "dp2_tp2", True), ("llama", "fsdp2", False),
           ("phi3", "tp2", True), ("gemma", "dp2_tp2", False), ("qwen3_moe", "tp2", False),
-          ("qwen3_moe", "fsdp2", True)]
+          ("qwen3_moe", "fsdp2", True), ("qwen3_moe", "ep2", False)]
 
 
 @pytest.mark.parametrize("kind,mesh_name,tape", _CASES,
@@ -118,13 +118,17 @@ def _blocks(path):
     except functp.ShardingError as e:
         called = str(e)
     held = {n: p.is_meta for n, p in apply.module.named_parameters()}
+    # a block owns its bytes alone (safetensors' slices are views of the whole tensor)
+    alone = all(v.untyped_storage().nbytes() == v.numel() * v.element_size()
+                for v in params.values())
     return ({k: tuple(v.shape) for k, v in params.items()}, {k: repr(s) for k, s in specs.items()},
-            called, held)
+            called, held, alone)
 
 
 def test_each_rank_holds_its_blocks_and_the_module_refuses_to_run(run, tmp_path):
     path = _save(tmp_path, "phi3")
-    shapes, specs, called, held = run(2, _blocks, path)[0]
+    shapes, specs, called, held, alone = run(2, _blocks, path)[0]
+    assert alone, "a block keeps a larger storage alive"
     assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == (32, 16), shapes
     assert shapes["model.embed_tokens.weight"] == (32, 16), shapes
     assert all(held.values()), held          # the module itself holds no weights
@@ -353,3 +357,19 @@ def test_a_missing_safetensors_names_the_hf_extra(monkeypatch):
                         lambda name, *a: None if name == "safetensors" else real(name, *a))
     with pytest.raises(ModuleNotFoundError, match=r"needs safetensors: pip install 'functp\[hf\]'"):
         _safetensors.require_hf("functp.from_pretrained")
+
+
+def _with_config(path):
+    warnings.simplefilter("ignore")
+    apply, params, specs = functp.from_pretrained(
+        path, distributed_config={"tp_size": 2, "tp_plan": "auto"}, dtype=torch.float64, **EAGER)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **EAGER)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    out = functp.shard_map(lambda p, i: apply(p, input_ids=i, use_cache=False).logits,
+                           apply.mesh, in_specs=(specs, P()), out_specs=P())(params, ids)
+    return apply.mesh.axis_names, (out - ref(input_ids=ids, use_cache=False).logits).abs().max().item()
+
+
+def test_a_distributed_config_makes_the_mesh_as_in_transformers(run, tmp_path):
+    names, err = run(2, _with_config, _save(tmp_path, "llama"))[0]
+    assert names == ("dp_replicate", "fsdp", "tp") and err < 1e-12, (names, err)
