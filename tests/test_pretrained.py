@@ -53,12 +53,12 @@ def _loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _compare(path, shape, names, tape):
+def _compare(path, shape, names, tape, plan="auto"):
     """Worst relative error of the loss and of each gradient against transformers'
     own from_pretrained model, and the names of the parameters compared."""
     warnings.simplefilter("ignore")
     mesh = functp.make_mesh(shape, names)
-    apply, params, specs = functp.from_pretrained(path, mesh, dtype=torch.float64, **EAGER)
+    apply, params, specs = functp.from_pretrained(path, mesh, plan, dtype=torch.float64, **EAGER)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **EAGER)
     g = torch.Generator().manual_seed(1)
     ids, tgt = torch.randint(3, VOCAB, (4, 8), generator=g), torch.randint(VOCAB, (4, 8), generator=g)
@@ -98,6 +98,18 @@ def test_loads_blocks_whose_loss_and_gradients_equal_transformers_model(
     worst, loaded = out[0]
     assert worst < TOL.get(kind, 1e-10), f"{kind} on {mesh_name}: differs by {worst:.2e}"
     assert len(loaded) > 5
+
+
+# Phi-3's own plan gathers gate_up_proj's output (no packing needed): this plan splits it
+# packed, so that each rank reads its slice of gate and of up from the fused tensor
+PACKED = {"model.layers.*.mlp.gate_up_proj": "packed_colwise",
+          "model.layers.*.mlp.down_proj": "rowwise"}
+
+
+def test_a_packed_gate_up_weight_is_read_per_piece(run, tmp_path):
+    worst, _ = run(2, _compare, _save(tmp_path, "phi3"), (2,), ("tp",), False, PACKED,
+                   gloo=True)[0]
+    assert worst < 1e-10, worst
 
 
 def test_sharded_checkpoint_with_an_index_loads_the_same(run, tmp_path):
