@@ -676,6 +676,16 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
         grads = torch.func.grad(loss)(params, torch.randn(4, 8))
         apply.unshard(grads)["0.weight"].shape       # (32, 8): the full gradient
     """
+    mesh, config = _checked_mesh(module, mesh, distributed_config)
+    if verify:
+        verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
+    families = _families(module, mesh, plan, axis, config)
+    return _lay_out(module, mesh, families, keep_module)
+
+
+def _checked_mesh(module: nn.Module, mesh: Mesh | None, distributed_config: Any
+                  ) -> tuple[Mesh, dict | None]:
+    """parallelize's mesh (given, or made from the config) and resolved config."""
     if not isinstance(module, nn.Module):
         raise ShardingError(f"parallelize: expected a torch.nn.Module, got {type(module).__name__}")
     config = None
@@ -685,10 +695,7 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"parallelize: mesh must be a functp.Mesh (functp.make_mesh), got "
                             f"{mesh!r}; or pass distributed_config=")
-    if verify:
-        verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
-    families = _families(module, mesh, plan, axis, config)
-    return _lay_out(module, mesh, families, keep_module)
+    return mesh, config
 
 
 def _families(module: nn.Module, mesh: Mesh, plan: Any, axis: str, config: dict | None
