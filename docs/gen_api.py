@@ -29,6 +29,7 @@ SECTIONS = [
      ["_autodiff", "_grads", "_overlap", "_precision", "_remat", "_optim"]),
     ("Plans and styles", ["_plans", "_styles", "_fsdp_style", "_verify"]),
     ("DTensor and checkpoints", ["_interop", "_checkpoint"]),
+    ("Pretrained transformers checkpoints", ["_pretrained"]),
 ]
 
 

@@ -28,6 +28,7 @@ from .runtime._precision import MixedPrecision
 from .ops._ragged import RaggedOffsets, ragged_all_to_all, ragged_offsets
 from .mapping._remat import checkpoint, checkpoint_name, remat, remat_policies
 from .parallel._plans import Parallelized, match_plan, parallelize, verify_plan
+from .parallel._pretrained import from_pretrained, init_blocks, save_pretrained
 from .mapping._shard_map import shard_map
 from .mapping._show import print_ranks, visualize_sharding
 from .tools._simulate import simulate
@@ -62,4 +63,5 @@ __all__ = [
     "Colwise", "Rowwise", "VocabParallelEmbedding", "SequenceParallel", "PrepareInput",
     "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch", "TensorParallelExperts",
     "LocalSizes", "ParameterRules", "FullyShard",
+    "from_pretrained", "init_blocks", "save_pretrained",
 ]

@@ -259,6 +259,26 @@ def block_slices(shape: Sequence[int], lay: Layout, sizes: Mapping[str, int],
             if axes]
 
 
+def block_ranges(shape: Sequence[int], spec: P, mesh: Mesh, path: str = "value"
+                 ) -> list[list[tuple[int, int]]]:
+    """Per dimension of a full tensor of ``shape``, the ``(offset, size)`` ranges of it
+    that this rank's block holds, in block order: one range, or one per block of a
+    packed dimension. The block is the product of these ranges, laid end to end (what
+    :func:`local_of` cuts), so a reader can fetch it without the full tensor.
+    Example: ``P("tp", packed={0: 2})`` over 2 ranks of a ``(8, 3)`` tensor gives rank
+    1 ``[[(2, 2), (6, 2)], [(0, 3)]]``."""
+    packed = dict(packing(spec))
+    if packed:
+        check_packed(path, shape, spec, mesh.shape)
+    out = []
+    for d, n in enumerate(shape):
+        axes = layout(spec, len(shape))[d]
+        k = packed.get(d, 1)
+        off, size = block(n // k, axes, mesh.shape, mesh.coordinate) if axes else (0, n // k)
+        out.append([(j * (n // k) + off, size) for j in range(k)])
+    return out
+
+
 def local_of(x: torch.Tensor, spec: P, mesh: Mesh, path: str = "value") -> torch.Tensor:
     """This rank's block (a view) of the full tensor ``x`` under ``spec``; a packed
     dimension gives this rank's slice of each of its blocks."""

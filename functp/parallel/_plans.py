@@ -155,6 +155,10 @@ class Parallelized:
         # the hooks are registered once, here, and act only while __call__ runs:
         # registering them per call cannot be traced by torch.compile
         self._call = _CallState()
+        #: the module's split parameters were released (made meta): only ``apply``
+        #: runs it; calling the module itself raises (see :func:`functp.from_pretrained`)
+        self.released = False
+        module.register_forward_pre_hook(self._refuse_released)
         for name, mod, style, pmap, ax in hooked:
             hook = _PlanHook(name, style, pmap, ax, self._call)
             mod.register_forward_pre_hook(hook.pre, with_kwargs=True)
@@ -164,6 +168,39 @@ class Parallelized:
         return (f"Parallelized({type(self.module).__name__} over '{self.axis}' of {self.mesh}, "
                 f"{len(self.specs)} parameters, {len(self._hooked)} hooked modules, "
                 f"{self.split_share:.0%} of parameter elements split)")
+
+    def _refuse_released(self, module: nn.Module, args: Any) -> None:
+        """Calling the module itself once its weights were released would run on
+        meta tensors and return shapes without values: an error instead."""
+        if self.released and self._call.params is None:
+            raise ShardingError(
+                f"{type(module).__name__} was called directly, but its weights were "
+                f"released: they live in the blocks that parallelize/from_pretrained "
+                f"returned; call apply(params, ...) inside a shard_map body, or keep a "
+                f"full model for reference checks")
+
+    def _release(self) -> dict[str, torch.Tensor]:
+        """Blocks held once: a replicated parameter's block is the module's own tensor;
+        a split one's block is cut out and the module's parameter (under every tied
+        name) made meta, so that the full tensor can be freed. The module then runs
+        only under ``apply``."""
+        local, meta = {}, {}
+        for name, p in self.module.named_parameters():
+            spec = self.specs[name]
+            if p.is_meta or not spec.axes:
+                local[name] = p.detach()
+                if p.is_meta:
+                    local[name] = self.shard({name: local[name]})[name]
+                continue
+            local[name] = self.shard({name: p.detach()})[name]
+            meta[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                       requires_grad=p.requires_grad)
+        for mod in self.module.modules():
+            for short, p in list(mod._parameters.items()):
+                if p is not None and id(p) in meta:
+                    mod._parameters[short] = meta[id(p)]
+        self.released = True
+        return local
 
     def _style(self, name: str) -> Style:
         return self._owners[name][1] if name in self._owners else _REPLICATED
@@ -565,7 +602,8 @@ def _whole_statistics(module: nn.Module, plan: dict[str, Any]) -> dict[str, str]
 
 
 def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any] | str = "auto",
-                *, axis: str = "tp", verify: bool = False, distributed_config: Any = None
+                *, axis: str = "tp", verify: bool = False, distributed_config: Any = None,
+                keep_module: bool = True
                 ) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
     """Applies a tensor- (and expert-) parallel ``plan`` to ``module`` over ``mesh``.
 
@@ -605,6 +643,13 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     pre-hook; its gradient is the block's, reduce-scattered (and, over
     ``dp_replicate``, all-reduced). ``fsdp`` and ``dp_replicate`` stay batch axes.
     ``fsdp_plan``'s ``free_full_weight``: see :class:`FullyShard` (tape autograd only).
+    ``keep_module`` – True (default): the blocks are copies and ``module`` keeps its
+    weights, for reference checks against the unsharded model (``verify_plan`` runs
+    it). False: parameters held once: a replicated parameter's block *is* the
+    module's tensor, a split one's full tensor is released (made meta), and calling
+    ``module`` itself raises (``apply`` runs it). A module on the meta device is
+    always so: its blocks come back on the meta device with their shapes, for
+    :func:`functp.init_blocks` or :func:`functp.from_pretrained` to fill.
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
     by the module's dotted parameter names), their specs, and
@@ -631,6 +676,16 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
         grads = torch.func.grad(loss)(params, torch.randn(4, 8))
         apply.unshard(grads)["0.weight"].shape       # (32, 8): the full gradient
     """
+    mesh, config = _checked_mesh(module, mesh, distributed_config)
+    if verify:
+        verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
+    families = _families(module, mesh, plan, axis, config)
+    return _lay_out(module, mesh, families, keep_module)
+
+
+def _checked_mesh(module: nn.Module, mesh: Mesh | None, distributed_config: Any
+                  ) -> tuple[Mesh, dict | None]:
+    """parallelize's mesh (given, or made from the config) and resolved config."""
     if not isinstance(module, nn.Module):
         raise ShardingError(f"parallelize: expected a torch.nn.Module, got {type(module).__name__}")
     config = None
@@ -640,10 +695,7 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"parallelize: mesh must be a functp.Mesh (functp.make_mesh), got "
                             f"{mesh!r}; or pass distributed_config=")
-    if verify:
-        verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
-    families = _families(module, mesh, plan, axis, config)
-    return _lay_out(module, mesh, families)
+    return mesh, config
 
 
 def _families(module: nn.Module, mesh: Mesh, plan: Any, axis: str, config: dict | None
@@ -781,7 +833,8 @@ class _Layout:
                                 {s: self.canon[id(p)] for s, p in own.items()}, axis))
 
 
-def _lay_out(module: nn.Module, mesh: Mesh, families) -> tuple[Parallelized, dict, dict]:
+def _lay_out(module: nn.Module, mesh: Mesh, families, keep_module: bool = True
+             ) -> tuple[Parallelized, dict, dict]:
     matched, unused = _match_families(module, families)
     lay = _Layout(module, mesh)
     for mname, (rule, label, style, ax) in matched.items():
@@ -805,6 +858,8 @@ def _lay_out(module: nn.Module, mesh: Mesh, families) -> tuple[Parallelized, dic
     first = families[0][0] if families else None
     apply = Parallelized(module, mesh, first, specs, lay.owners, lay.hooked, lay.withheld,
                          lay.axes)
+    if not keep_module or any(p.is_meta for p in lay.full.values()):
+        return apply, apply._release(), dict(specs)
     local = apply.shard({n: p.detach() for n, p in lay.full.items()})
     return apply, local, dict(specs)
 

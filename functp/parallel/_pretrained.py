@@ -1,0 +1,321 @@
+"""``from_pretrained``: a transformers checkpoint folder straight into this rank's blocks.
+
+The model is built on the meta device from ``config.json`` (no memory, no
+initialization), :func:`functp.parallelize` lays it out, and each rank reads its
+blocks from the safetensors files (``io/_safetensors.py``): only the bytes of its own
+block, a packed weight's slice of each of its pieces, a tied weight once, converted
+to the model's dtype on the way. The module keeps meta parameters: ``apply`` and the
+returned blocks are the model. Buffers (rotary tables, embedding scales) are rebuilt
+as transformers rebuilds them when it loads, by the model's own ``_init_weights``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..io._safetensors import INDEX, SINGLE, Folder, merges, read_block, require_hf, source_of
+from ..mapping._sharding import unshard
+from ..mesh._layout import block_ranges, unview, view, view_spec
+from ..mesh._mesh import Mesh
+from ..mesh._spec import P
+from ..runtime import _world
+from ..runtime._errors import CheckpointError, ShardingError, first_line
+from ._plans import Parallelized, parallelize
+from ._styles import Style
+
+__all__ = ["from_pretrained", "init_blocks", "save_pretrained"]
+
+_WHAT = "functp.from_pretrained"
+
+
+def from_pretrained(path: str | os.PathLike, mesh: Mesh | None = None, plan: Any = "auto", *,
+                    dtype: torch.dtype | None = None, distributed_config: Any = None,
+                    trust_remote_code: bool = False, axis: str = "tp", **model_kwargs: Any
+                    ) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
+    """Loads a transformers causal LM checkpoint folder as this rank's blocks.
+
+    **Arguments:** ``path`` – a folder written by transformers' ``save_pretrained``
+    (``config.json`` and ``model.safetensors``, or shards with
+    ``model.safetensors.index.json``); ``mesh``, ``plan``, ``axis``,
+    ``distributed_config`` – as :func:`functp.parallelize`; ``dtype`` – the
+    parameters' dtype (default: ``config.json``'s ``dtype``, else float32);
+    ``trust_remote_code`` – a ``config.json`` whose ``auto_map`` names code of its
+    own is refused unless this is True (safetensors never run code; that code would);
+    ``**model_kwargs`` – passed to transformers' ``from_config``
+    (``attn_implementation="eager"``, ``experts_implementation="eager"``).
+
+    **Returns:** ``(apply, params, specs)`` as :func:`functp.parallelize`; the model
+    (``apply.module``) holds meta parameters only: the blocks are the weights, and
+    calling the module itself raises. **Raises:** :class:`CheckpointError` on every
+    rank for a missing tensor, a shape that does not match ``config.json``, a dtype
+    that does not convert, a damaged or truncated file, or a folder of pickles
+    (``pytorch_model.bin``: convert it to safetensors first).
+
+    Example (``torchrun --nproc-per-node 2``)::
+
+        mesh = functp.make_mesh((2,), ("tp",))
+        apply, params, specs = functp.from_pretrained("my-llama", mesh)
+        params["model.layers.0.self_attn.q_proj.weight"].shape   # half the rows
+    """
+    require_hf(_WHAT)
+    config = _config(path, trust_remote_code)
+    model = _meta_model(config, dtype, trust_remote_code, model_kwargs)
+    apply, _, specs = parallelize(model, mesh, plan, axis=axis,
+                                  distributed_config=distributed_config)
+    device = _device(apply.mesh)
+    params = _agreed(apply.mesh, lambda: _load(Folder(path, _WHAT), apply, device))
+    rebuild_buffers(model, device)
+    apply.released = True
+    return apply, params, specs
+
+
+def _config(path: str | os.PathLike, trust_remote_code: bool):
+    """``config.json``, refused when it asks for remote code the caller did not allow."""
+    from transformers import AutoConfig
+    file = os.path.join(os.fspath(path), "config.json")
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{_WHAT}: cannot read {file}: {e}") from None
+    if raw.get("auto_map") and not trust_remote_code:
+        raise CheckpointError(
+            f"{_WHAT}: {file} has an auto_map {raw['auto_map']} naming code of its own, "
+            f"which loading it would run; read that code, then pass trust_remote_code=True")
+    return AutoConfig.from_pretrained(os.fspath(path), trust_remote_code=trust_remote_code)
+
+
+def _meta_model(config: Any, dtype: torch.dtype | None, trust_remote_code: bool,
+                kwargs: dict) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                trust_remote_code=trust_remote_code, **kwargs)
+
+
+def _device(mesh: Mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Each parameter's canonical name -> all its names (a tied weight has several)."""
+    first: dict[int, str] = {}
+    out: dict[str, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(first.setdefault(id(p), n), []).append(n)
+    return out
+
+
+def _load(folder: Folder, apply: Parallelized, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every parameter's block, read from ``folder``; all sources checked first, so a
+    bad checkpoint fails before any tensor is read."""
+    model, mesh = apply.module, apply.mesh
+    conversions, _ = merges(model)
+    full = dict(model.named_parameters())
+    sources = {n: source_of(folder, names, full[n].shape, full[n].is_floating_point(),
+                            conversions) for n, names in _aliases(model).items()}
+    out = {}
+    for name, src in sources.items():
+        p, spec = full[name], apply.specs[name]
+        style = apply._style(name)
+        if type(style).shard_param is Style.shard_param:
+            block = read_block(folder, src, block_ranges(p.shape, spec, mesh, name), p.dtype)
+        else:      # a style with its own block rule: read the leaf whole, once
+            whole = read_block(folder, src, [[(0, n)] for n in p.shape], p.dtype)
+            block = style.shard_param(name, whole, spec, mesh, apply.axes.get(name, apply.axis))
+        out[name] = block.to(device)
+    return out
+
+
+def _agreed(mesh: Mesh, fn, what: str = _WHAT):
+    """``fn()`` on every rank; an error on any rank raised on every rank (its own
+    where it has one, else one naming the first failed rank)."""
+    err, out = None, None
+    try:
+        out = fn()
+    except Exception as e:      # noqa: BLE001 - an OSError mid-read as well
+        err = e if isinstance(e, ShardingError) else CheckpointError(f"{what}: {e}")
+        if err is not e:
+            err.__cause__ = e
+    lines = [b.decode() for b in _world.all_gather_bytes(
+        b"" if err is None else first_line(err).encode() or b"?")]
+    failed = [r for r, s in enumerate(lines) if s]
+    if not failed:
+        return out
+    if err is not None:
+        raise err
+    raise CheckpointError(f"{what}: rank {failed[0]} failed: {lines[failed[0]]}")
+
+
+def rebuild_buffers(model: nn.Module, device: torch.device) -> None:
+    """Gives every meta buffer of ``model`` its value, as transformers does after it
+    loads a model built on the meta device: an empty tensor filled by the owning
+    model's ``_init_weights`` (rotary tables, embedding scales). A buffer of a module
+    with no such initializer is an error naming it."""
+    owners = _init_owners(model)
+    for mname, mod in model.named_modules():
+        metas = [(n, b) for n, b in mod.named_buffers(recurse=False) if b.is_meta]
+        if not metas:
+            continue
+        owner = owners.get(mname)
+        if owner is None:
+            raise ShardingError(
+                f"module {mname!r} ({type(mod).__name__}) has buffers {[n for n, _ in metas]} "
+                f"on the meta device and no transformers _init_weights to rebuild them; "
+                f"build the model's buffers on a real device")
+        for n, b in metas:
+            mod._buffers[n] = torch.empty_like(b, device=device)
+        owner._init_weights(mod)
+
+
+def _init_owners(model: nn.Module) -> dict[str, nn.Module]:
+    """Module name -> the nearest enclosing module with ``_init_weights``
+    (transformers' PreTrainedModel: composite models have several)."""
+    out: dict[str, nn.Module] = {}
+    for name, mod in model.named_modules():
+        parent = name.rpartition(".")[0] if "." in name else ("" if name else None)
+        owner = mod if callable(getattr(mod, "_init_weights", None)) else out.get(parent)
+        if owner is not None:
+            out[name] = owner
+    return out
+
+
+def init_blocks(apply: Parallelized, *, seed: int = 0, device: torch.device | str | None = None
+                ) -> dict[str, torch.Tensor]:
+    """This rank's blocks of a freshly initialized model, whatever the mesh.
+
+    For a model :func:`functp.parallelize` laid out on the meta device: one module at a
+    time, its own parameters are materialized whole, initialized by the model's own
+    initializer (transformers' ``_init_weights``, else the module's
+    ``reset_parameters``) under a seed made of ``seed`` and the module's name, and
+    cut to this rank's blocks; the full tensors are dropped before the next module.
+    So every mesh starts from the same full parameters, bit for bit, and no rank ever
+    holds more than one module's full weights. Meta buffers are rebuilt as
+    :func:`functp.from_pretrained` rebuilds them.
+
+    **Arguments:** ``apply`` – from ``parallelize`` of a meta-device model; ``seed``;
+    ``device`` – where the blocks go (default: the mesh's device).
+    **Returns:** the blocks, keyed as ``parallelize``'s. Example::
+
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        apply, _, specs = functp.parallelize(model, mesh, "auto")
+        params = functp.init_blocks(apply, seed=0)
+    """
+    model = apply.module
+    device = torch.device(device) if device is not None else _device(apply.mesh)
+    owners = _init_owners(model)
+    canon = {id(p): n for n, p in model.named_parameters()}
+    blocks: dict[str, torch.Tensor] = {}
+    for mname, mod in model.named_modules():
+        prefix = mname + "." if mname else ""
+        own = {s: p for s, p in mod._parameters.items()
+               if p is not None and canon.get(id(p)) == prefix + s}
+        if own:
+            blocks.update(_init_module(apply, mname, mod, own, owners.get(mname), seed, device))
+    rebuild_buffers(model, device)
+    apply.released = True
+    return blocks
+
+
+def _init_module(apply: Parallelized, mname: str, mod: nn.Module, own: dict, owner: Any,
+                 seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The blocks of ``mod``'s own parameters, initialized whole (on the CPU) and cut."""
+    if owner is None and not callable(getattr(mod, "reset_parameters", None)):
+        raise ShardingError(
+            f"init_blocks: module {mname!r} ({type(mod).__name__}) owns parameters "
+            f"{sorted(own)} but has no initializer (transformers' _init_weights or a "
+            f"reset_parameters method); give it one, or load weights with from_pretrained")
+    prefix = mname + "." if mname else ""
+    saved = dict(own)
+    for s, p in own.items():
+        mod._parameters[s] = nn.Parameter(torch.empty_like(p, device="cpu"),
+                                          requires_grad=p.requires_grad)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed * 1_000_003 + zlib.crc32(mname.encode()))
+            owner._init_weights(mod) if owner is not None else mod.reset_parameters()
+        return {prefix + s: apply.shard({prefix + s: mod._parameters[s].detach()})[prefix + s]
+                .to(device) for s in own}
+    finally:
+        mod._parameters.update(saved)      # back to meta: the full tensors go
+
+
+def save_pretrained(path: str | os.PathLike, params: dict[str, torch.Tensor],
+                    specs: dict[str, P], mesh: Mesh, config: Any) -> None:
+    """Writes blocks as a folder transformers' ``from_pretrained`` loads on one process.
+
+    Call it on every rank. Each parameter is gathered whole, one at a time, and kept
+    only by the rank that writes it: the ranks share the parameters out by size and
+    each writes one ``model-0000r-of-0000n.safetensors`` (no rank holds more than its
+    share plus one parameter); rank 0 writes ``model.safetensors.index.json`` and
+    ``config.json``. Packed weights are written in the model's own order
+    (``[gate; up]``), tied weights once, under ``params``' names.
+
+    **Arguments:** ``path`` – the folder (made if missing); ``params``, ``specs`` –
+    this rank's blocks and their specs (from :func:`functp.parallelize` or
+    :func:`functp.from_pretrained`); ``mesh``; ``config`` – the model's transformers
+    config (``apply.module.config``). **Raises:** :class:`CheckpointError` on every
+    rank when any rank fails to write. Example::
+
+        functp.save_pretrained("out", params, specs, mesh, apply.module.config)
+        model = transformers.AutoModelForCausalLM.from_pretrained("out")   # one process
+    """
+    require_hf("functp.save_pretrained")
+    from safetensors.torch import save_file
+    path = os.fspath(path)
+    names = sorted(params)
+    writer, files = _writers(params, specs, mesh)
+    me = _world.process_index()
+    mine = {}
+    for name in names:        # every rank, in one order: one gather per parameter
+        spec = specs[name]
+        full = unview(unshard(view(params[name].detach(), spec), mesh, view_spec(spec)), spec)
+        if writer[name] == me:
+            mine[name] = full.cpu().contiguous()
+        del full
+
+    def write():
+        os.makedirs(path, exist_ok=True)
+        if mine:
+            save_file(mine, os.path.join(path, files[me]), metadata={"format": "pt"})
+    _agreed(mesh, write, "functp.save_pretrained")       # every file written, then the index
+    _agreed(mesh, lambda: me == 0 and _write_index(path, params, writer, files, config),
+            "functp.save_pretrained")
+
+
+def _writers(params: dict, specs: dict, mesh: Mesh) -> tuple[dict[str, int], dict[int, str]]:
+    """Which rank writes each parameter (largest first, to the rank with the fewest
+    bytes so far) and each writing rank's file name: the same on every rank."""
+    n = _world.process_count()
+    size = {k: v.numel() * mesh.axis_size(specs[k].axes) * v.element_size()
+            if specs[k].axes else v.numel() * v.element_size() for k, v in params.items()}
+    load, writer = [0] * n, {}
+    for k in sorted(params, key=lambda k: (-size[k], k)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        writer[k], load[r] = r, load[r] + size[k]
+    used = sorted(set(writer.values()))
+    if len(used) == 1:
+        return writer, {used[0]: SINGLE}
+    return writer, {r: f"model-{i + 1:05d}-of-{len(used):05d}.safetensors"
+                    for i, r in enumerate(used)}
+
+
+def _write_index(path: str, params: dict, writer: dict, files: dict, config: Any) -> None:
+    config.save_pretrained(path)
+    if len(files) > 1:
+        total = sum(int(os.path.getsize(os.path.join(path, f))) for f in files.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: files[writer[k]] for k in sorted(params)}}
+        with open(os.path.join(path, INDEX), "w") as f:
+            json.dump(index, f, indent=2)
