@@ -795,6 +795,8 @@ def _lay_out(module: nn.Module, mesh: Mesh, families) -> tuple[Parallelized, dic
             lay.take(mname, rule, label, style, ax)
     uncovered = [n for n in lay.full if n not in lay.specs]
     specs = {n: lay.specs.get(n, P()) for n in lay.full}
+    for style in {id(h[2]): h[2] for h in lay.hooked if isinstance(h[2], FullyShard)}.values():
+        style.plan_groups(module)       # (its gather groups: the FSDP units of this model)
     for n, p in lay.full.items():
         desc = lay.owners[n][0] if n in lay.owners else "(none)"
         _check_divisible(n, p, specs[n], mesh, desc)
