@@ -337,6 +337,20 @@ def test_free_full_weight_inside_a_checkpointed_region_keeps_the_weights(run):
     assert err < 1e-12 and ag == 4 == rs
 
 
+def _checkpointed_under_func_grad():
+    with pytest.raises(functp.ShardingError) as info:
+        _free_case("fsdp2", "func_grad", False, _CheckpointedStack)
+    return str(info.value)
+
+
+def test_torch_utils_checkpoint_under_torch_func_names_the_cause_and_the_fix(run):
+    # torch.func takes no saved-tensor hooks, which torch.utils.checkpoint records
+    # with: the plan is not the cause, and its children's rules are no fix
+    for msg in run(2, _checkpointed_under_func_grad):
+        assert "saved-tensor hooks" in msg and "functp.checkpoint" in msg, msg
+        assert "loss.backward()" in msg and "children rules" not in msg, msg
+
+
 _SHARED = FullyShard(2)      # one style for every rank's plan (each rank its own model)
 
 

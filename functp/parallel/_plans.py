@@ -24,6 +24,7 @@ from torch.func import functional_call
 from ..runtime import _world
 from ..ops._collectives import axis_size
 from ..runtime._errors import ShardingError
+from ..runtime._torch_compat import peek_interpreter_stack
 from ..mesh._mesh import Mesh
 from ..mesh._layout import uneven
 from ..mapping._sharding import unshard
@@ -221,13 +222,24 @@ class Parallelized:
                 rules.setdefault(pname.rpartition(".")[0], desc)
         shown = "; ".join(f"{m!r}: {r}" for m, r in list(rules.items())[:8]) or "none"
         mod = self.module.get_submodule(where) if where else self.module
+        raised = (f"module {where or '(the root)'!r} ({type(mod).__name__}) raised "
+                  f"{type(e).__name__} under the plan: "
+                  f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. ")
+        if "saved tensor hooks" in str(e) and peek_interpreter_stack() is not None:
+            # torch.utils.checkpoint (and other saved-tensor hooks) under torch.func: the
+            # plan is not the cause, the unsharded model raises the same
+            return ShardingError(
+                raised + "torch.func's grad/vjp/jacrev take no saved-tensor hooks, which "
+                "torch.utils.checkpoint (use_reentrant=False) records with; the plan is "
+                "not the cause (the unsharded model raises the same). Use "
+                "functp.checkpoint(fn)(x) for the checkpointed layers (it recomputes under "
+                "torch.func, FSDP's gathers included), or differentiate with tape autograd "
+                "(loss.backward())")
         return ShardingError(
-            f"module {where or '(the root)'!r} ({type(mod).__name__}) raised "
-            f"{type(e).__name__} under the plan: {str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
-            f"The plan's rules inside it: {shown}. A module that combines a value the plan "
-            f"splits (its heads, its columns) with one it does not fails so; give that "
-            f"module's children rules that split both the same way, or 'replicated' (if "
-            f"the unsharded module raises the same error, the plan is not the cause)")
+            raised + f"The plan's rules inside it: {shown}. A module that combines a value "
+            f"the plan splits (its heads, its columns) with one it does not fails so; give "
+            f"that module's children rules that split both the same way, or 'replicated' "
+            f"(if the unsharded module raises the same error, the plan is not the cause)")
 
     def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical full tensors (keyed by parameter name) -> this rank's blocks."""
