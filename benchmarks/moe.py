@@ -165,7 +165,7 @@ def _hf_transformers(path: str, config, ids, steps: int) -> dict:
             "collectives": seen.counts, "step_ms_median": 1e3 * statistics.median(times)}
 
 
-def _hf_rows(steps: int) -> dict:
+def _hf_rows(steps: int, transformers_first: bool = False) -> dict:
     """functp and transformers' own EP on one transformers MoE model and config."""
     import warnings
     from transformers import DistributedConfig
@@ -176,11 +176,14 @@ def _hf_rows(steps: int) -> dict:
     ids = torch.randint(0, 256, (n, TOKENS), generator=torch.Generator().manual_seed(1))
     out = {"config": f"Qwen3-MoE, 1 layer, DistributedConfig(ep_size={n}, fsdp_size={n})"}
     try:
-        out["functp"] = _hf_functp(path, config, ids, steps)
+        if not transformers_first:
+            out["functp"] = _hf_functp(path, config, ids, steps)
         try:
             out["transformers"] = _hf_transformers(path, config, ids, steps)
         except Exception as e:      # recorded, not raised: the row says why it is missing
             out["transformers"] = {"error": f"{type(e).__name__}: {e}"}
+        if transformers_first:      # (the other order: a warm-up or cache effect shows)
+            out["functp"] = _hf_functp(path, config, ids, steps)
     finally:
         import shutil
         import torch.distributed as dist
@@ -193,13 +196,32 @@ def _hf_rows(steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--transformers-first", action="store_true",
+                    help="run transformers' EP step before functp's (both orders)")
+    ap.add_argument("--model-only", action="store_true",
+                    help="only the transformers model's rows (functp and transformers)")
     args = ap.parse_args()
     mesh = functp.make_mesh((functp.process_count(),), ("ep",))
     res = {"config": dict(hidden=HIDDEN, intermediate=INTER, experts=EXPERTS, top_k=TOP_K,
                           tokens_per_rank=TOKENS, ranks=mesh.shape["ep"], steps=args.steps,
                           dtype="float32", torch=torch.__version__)}
+    if not args.model_only:
+        _variants(res, mesh, args.steps)
+    res["transformers_model"] = hf = _hf_rows(args.steps, args.transformers_first)
+    if functp.process_index() == 0:
+        print(hf["config"])
+        for name in ("functp", "transformers"):
+            r = hf[name]
+            print(f"{name:14s} " + (r["error"] if "error" in r else
+                  f"bytes {r['bytes_total']:>10,}  {r['collectives']}  "
+                  f"median {r['step_ms_median']:.1f} ms"))
+    save_and_leave("moe", res)
+
+
+def _variants(res: dict, mesh, steps: int) -> None:
+    """The MoE layer's dispatch variants (ragged, padded, capacity)."""
     for name in VARIANTS:
-        res[name] = _measure(name, mesh, args.steps)
+        res[name] = _measure(name, mesh, steps)
     res["padded_over_ragged"] = {
         "bytes": res["padded"]["bytes_total"] / res["ragged"]["bytes_total"],
         "step_time": res["padded"]["step_ms_median"] / res["ragged"]["step_ms_median"]}
@@ -209,15 +231,6 @@ def main() -> None:
             print(f"{name:14s} bytes {r['bytes_total']:>10,}  {r['collectives']}  "
                   f"median {r['step_ms_median']:.1f} ms  dropped {r['dropped_pairs_rank0']}")
         print("padded / ragged:", res["padded_over_ragged"])
-    res["transformers_model"] = hf = _hf_rows(args.steps)
-    if functp.process_index() == 0:
-        print(hf["config"])
-        for name in ("functp", "transformers"):
-            r = hf[name]
-            print(f"{name:14s} " + (r["error"] if "error" in r else
-                  f"bytes {r['bytes_total']:>10,}  {r['collectives']}  "
-                  f"median {r['step_ms_median']:.1f} ms"))
-    save_and_leave("moe", res)
 
 
 if __name__ == "__main__":

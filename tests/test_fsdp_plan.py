@@ -28,6 +28,21 @@ def _max_error(actual: dict, expected: dict) -> float:
                for k, v in expected.items())
 
 
+def _groups(model, specs, units=(), axis="fsdp") -> dict[str, str]:
+    """The FSDP gather groups of the default rule, written out: each module owning a
+    parameter split over ``axis`` -> the deepest module holding it that is an item of
+    an ``nn.ModuleList`` or named in ``units``, else the root ("")."""
+    lists = {f"{n}.{c}" if n else c for n, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) for c, _ in m.named_children()}
+    canon, out = {id(p): n for n, p in model.named_parameters()}, {}     # (tied: once)
+    for name, mod in model.named_modules():
+        if any(axis in specs[canon[id(p)]].axes for p in mod.parameters(recurse=False)):
+            parts = name.split(".") if name else []
+            holders = [".".join(parts[:k]) for k in range(len(parts), 0, -1)]
+            out[name] = next((h for h in holders if h in lists or h in units), "")
+    return out
+
+
 def _step(model, mesh, plan, tape, forward, distributed_config=None):
     """One step under the plan: (loss, full gradients, forward log, whole-step log,
     specs, apply), and the unsharded float64 reference (loss, gradients)."""
@@ -70,16 +85,17 @@ def _llama_case(mesh_name, tape):
     block_bytes = sum(local[n].numel() * 8 for n in sharded)
     return (abs(loss.item() - ref_loss.item()), _max_error(grads, ref_grads), sharded,
             fwd.summary(), log.summary(), log.nbytes("all_reduce", ("dp_replicate",)),
-            block_bytes, apply.batch_axes, dict(apply.styles))
+            block_bytes, apply.batch_axes, dict(apply.styles),
+            len(set(_groups(model, specs).values())))
 
 
 @pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
 @pytest.mark.parametrize("mesh_name", list(_MESHES))
-def test_fsdp_family_is_exact_and_gathers_each_parameter_once(run, mesh_name, tape):
+def test_fsdp_family_is_exact_and_gathers_each_group_once(run, mesh_name, tape):
     shape, names = _MESHES[mesh_name]
     world = shape[0] * (shape[1] if len(shape) > 1 else 1)
     (loss_err, grad_err, sharded, fwd, log, replicate_bytes, block_bytes, batch,
-     styles) = run(world, _llama_case, mesh_name, tape)[0]
+     styles, groups) = run(world, _llama_case, mesh_name, tape)[0]
     assert loss_err < 1e-12 and grad_err < 1e-10, (loss_err, grad_err)
     n = len(sharded)
     if "tp" in names:      # the tensor-parallel plan keeps its splits; the norms go to FSDP
@@ -87,17 +103,27 @@ def test_fsdp_family_is_exact_and_gathers_each_parameter_once(run, mesh_name, ta
         assert "fsdp" not in "".join(v for k, v in styles.items() if "proj" in k)
     else:                  # every parameter of the tiny Llama divides
         assert n == len(styles), sharded
-    # one gather per parameter in the forward, one reduce-scatter per parameter in the
-    # backward (nothing else over 'fsdp' but the loss's pmean and the tp-split
-    # parameters' bucketed all-reduce)
-    assert fwd.get(("all_gather", ("fsdp",))) == n and ("reduce_scatter", ("fsdp",)) not in fwd
-    assert log[("all_gather", ("fsdp",))] == n and log[("reduce_scatter", ("fsdp",))] == n
+    # one gather per group (a layer, the rest: float64 only) in the forward, one
+    # reduce-scatter per group in the backward (nothing else over 'fsdp' but the loss's
+    # pmean and the tp-split parameters' bucketed all-reduce)
+    assert 1 < groups < n
+    assert fwd.get(("all_gather", ("fsdp",))) == groups
+    assert ("reduce_scatter", ("fsdp",)) not in fwd
+    assert log[("all_gather", ("fsdp",))] == groups == log[("reduce_scatter", ("fsdp",))]
     assert batch == tuple(a for a in names if a != "tp")
     if "dp_replicate" in names:     # HSDP: the blocks' gradients all-reduced over replicas
         assert log[("all_reduce", ("dp_replicate",))] >= 1
         assert replicate_bytes == block_bytes
     else:
         assert ("all_reduce", ("dp_replicate",)) not in log
+
+
+def _named(model, patterns) -> set[str]:
+    """The modules of ``model`` that fsdp_plan patterns (``*``: one name) name."""
+    import fnmatch
+    return {n for n, _ in model.named_modules() for p in patterns
+            if len(p.split(".")) == len(n.split(".")) and
+            all(fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), p.split(".")))}
 
 
 def _hf_case(config):
@@ -109,8 +135,10 @@ def _hf_case(config):
     (loss, grads, fwd, log, specs, apply, _), (ref_loss, ref_grads) = _step(
         model, None, "auto", False, forward, distributed_config=config)
     sharded = [n for n, s in specs.items() if "fsdp" in s.axes]
+    units = set(model.fsdp_plan) | set((config or {}).get("fsdp_plan") or {})
     return (hf._max_error(grads, ref_grads, loss, ref_loss), apply.mesh.axis_names,
-            len(sharded), len(specs), log.summary(), apply.batch_axes)
+            len(sharded), len(specs), log.summary(), apply.batch_axes,
+            len(set(_groups(model, specs, _named(model, units)).values())))
 
 
 @pytest.mark.parametrize("config", [dict(fsdp_size=2, dp_replicate_size=2,
@@ -119,13 +147,16 @@ def _hf_case(config):
                          ids=["replicate2_fsdp2", "fsdp2_tp2"])
 def test_a_transformers_config_with_fsdp_size_shards_over_fsdp(run, config):
     pytest.importorskip("transformers")
-    (err, where), axes, n, total, log, batch = run(4, _hf_case, config)[0]
+    (err, where), axes, n, total, log, batch, groups = run(4, _hf_case, config)[0]
     assert err < 1e-10, f"{where} differs by {err:.2e}"
     assert axes == ("dp_replicate", "fsdp", "tp")          # transformers' axis names
     # the batch over both data axes (and the size-1 'tp' axis without tensor parallelism)
     assert batch == (("dp_replicate", "fsdp") if config.get("tp_size", 1) > 1
                      else ("dp_replicate", "fsdp", "tp"))
-    assert log[("all_gather", ("fsdp",))] == n and log[("reduce_scatter", ("fsdp",))] == n
+    # one gather and one reduce-scatter per group (the model's fsdp_plan units: the
+    # layers, the embedding, the norm, the LM head)
+    assert 1 < groups < n
+    assert log[("all_gather", ("fsdp",))] == groups == log[("reduce_scatter", ("fsdp",))]
     if config.get("tp_size", 1) > 1:
         assert 0 < n < total          # the tp plan's splits stay; the rest is FSDP
     else:
@@ -183,15 +214,17 @@ def _tied_gpt2():
     (loss, grads, fwd, log, specs, apply, _), (ref_loss, ref_grads) = _step(
         model, functp.make_mesh((2,), ("fsdp",)), {"fsdp": "auto"}, True,
         lambda a, p, i: a(p, i % 16))
-    return _max_error(grads, ref_grads), log.summary(), len(specs)
+    groups = _groups(model, specs)
+    return _max_error(grads, ref_grads), log.summary(), len(set(groups.values())), groups
 
 
 def test_a_tied_weight_is_gathered_by_each_module_that_uses_it(run):
-    err, log, n = run(2, _tied_gpt2)[0]
+    err, log, n, groups = run(2, _tied_gpt2)[0]
     assert err < 1e-10
-    # the embedding and the LM head share one block: each gathers it, and the two
-    # reduce-scattered gradients add up in the block's
-    assert log[("all_gather", ("fsdp",))] == n + 1 == log[("reduce_scatter", ("fsdp",))]
+    # the embedding and the LM head share one block, both in the root's group: its
+    # flat buffer holds the block twice, and the two gradients add up in the block's
+    assert groups["wte"] == groups["lm_head"] == ""
+    assert log[("all_gather", ("fsdp",))] == n == log[("reduce_scatter", ("fsdp",))]
 
 
 def _verify_and_auto():
@@ -229,13 +262,14 @@ def _with_experts():
         grads, loss = torch.func.grad_and_value(step)(params, functp.shard(x, mesh, P(batch)))
     sharded = [n for n, s in specs.items() if "fsdp" in s.axes]
     return (abs(loss.item() - ref_loss.item()), _max_error(apply.unshard(grads), ref_grads),
-            {n: specs[n] for n in specs if "experts" in n}, sharded, log.summary(), batch)
+            {n: specs[n] for n in specs if "experts" in n}, sharded, log.summary(), batch,
+            len(set(_groups(module, specs).values())))
 
 
 def test_fsdp_composes_with_an_expert_parallel_family(run):
-    loss_err, err, experts, sharded, log, batch = run(4, _with_experts)[0]
+    loss_err, err, experts, sharded, log, batch, groups = run(4, _with_experts)[0]
     assert loss_err < 1e-12 and err < 1e-10, (loss_err, err)
     assert experts and all(s.dim_axes(0) == ("ep",) for s in experts.values()), experts
     assert sharded and not any("experts" in n for n in sharded)
-    assert log[("all_gather", ("fsdp",))] == len(sharded) == log[("reduce_scatter", ("fsdp",))]
+    assert log[("all_gather", ("fsdp",))] == groups == log[("reduce_scatter", ("fsdp",))]
     assert batch == ("fsdp", "ep")

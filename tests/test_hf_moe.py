@@ -172,8 +172,12 @@ def _config_step(model_type, sizes, tape):
     # tp) and (dp_replicate, efsdp, ep), against its index on functp's axes
     where = functp.shard_map(lambda: tuple(functp.axis_index(a) for a in (
         ("efsdp", "ep"), "tp", "efsdp", ("ep", "tp"))), mesh, in_specs=(), out_specs=P())()
+    from test_fsdp_plan import _groups, _named
+    dense = {n: P() if ".experts." in n else s for n, s in specs.items()}
+    groups = _groups(model, dense, _named(model, model.fsdp_plan), axis="efsdp")
     return (hf._max_error(apply.unshard(grads), ref_grads, loss, ref_loss), dict(specs),
-            batch, mesh.axis_names, dict(mesh.shape), log.summary(), where)
+            batch, mesh.axis_names, dict(mesh.shape), log.summary(), where,
+            len(set(groups.values())))
 
 
 _CONFIGS = {"ep2_fsdp4": dict(ep_size=2, fsdp_size=4),                 # efsdp 2
@@ -198,12 +202,12 @@ def test_a_config_with_ep_and_fsdp_shards_dense_over_fsdp_and_experts_over_ep_an
                                              "ep_size"))
     efsdp, world = f * t // e, r * f * t
     results = run(world, _config_step, model_type, sizes, tape)
-    (error, at), specs, batch, names, shape, log, _ = results[0]
+    (error, at), specs, batch, names, shape, log, _, groups = results[0]
     assert error <= 1e-10, f"{model_type} {config}: {at} differs by {error:.2e}"
     assert names == ("dp_replicate", "efsdp", "ep", "tp")
     assert shape == {"dp_replicate": r, "efsdp": efsdp, "ep": e // t, "tp": t}
     # the same world ranks hold the same shards as in transformers' meshes
-    for rank, (_, _, _, _, _, _, where) in enumerate(results):
+    for rank, (_, _, _, _, _, _, where, _) in enumerate(results):
         assert where == ((rank // t) % f, rank % t, (rank // e) % efsdp, rank % e), (rank, where)
     # the experts: ep_size shards, each FSDP-sharded over efsdp on the expert dimension
     experts = {n: s for n, s in specs.items() if ".experts." in n}
@@ -216,15 +220,18 @@ def test_a_config_with_ep_and_fsdp_shards_dense_over_fsdp_and_experts_over_ep_an
     fsdp = [n for n, s in dense.items() if ("efsdp", "ep") in s]
     assert fsdp and all(("tp" in s.axes) != (n in fsdp) or not s.axes
                         for n, s in dense.items()), dense
-    # one gather and one reduce-scatter per sharded parameter and layer call; under
-    # tape the layers the model's fsdp_plan frees (free_full_weight) gather the weights
-    # their backward reads once more (torch.func keeps them)
+    # one gather and one reduce-scatter per group (the model's fsdp_plan units: each
+    # layer, the embedding, the norm, the LM head) and layer call; under tape the
+    # layers the model's fsdp_plan frees (free_full_weight) gather the weights their
+    # backward reads once more, one by one (torch.func keeps them)
     gathers = log[("all_gather", ("efsdp", "ep"))]
-    assert gathers == len(fsdp) if not tape else len(fsdp) < gathers < 2 * len(fsdp)
-    assert log[("reduce_scatter", ("efsdp", "ep"))] == len(fsdp)
-    if efsdp > 1:
-        assert log[("all_gather", ("efsdp",))] == len(experts)
-        assert log[("reduce_scatter", ("efsdp",))] == len(experts)
+    assert 1 < groups < len(fsdp)
+    assert gathers == groups if not tape else groups < gathers <= groups + len(fsdp)
+    assert log[("reduce_scatter", ("efsdp", "ep"))] == groups
+    if efsdp > 1:       # each layer's experts in one flat buffer
+        layers = {n.split(".experts.")[0] for n in experts}
+        assert log[("all_gather", ("efsdp",))] == len(layers)
+        assert log[("reduce_scatter", ("efsdp",))] == len(layers)
     else:
         assert ("all_gather", ("efsdp",)) not in log
     if r > 1:       # HSDP: the shards' gradients all-reduced over the replicas

@@ -32,44 +32,57 @@ kept, as with ``keep_full_weight``.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..ops import _context
 from ..ops import _primitives as prim
-from ..ops._collectives import all_gather, pvary
 from ..mesh._layout import uneven
 from ..mesh._spec import P
 from ..runtime import _compile
 from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import peek_interpreter_stack, top_saved_tensors_hooks
+from ._flat import gather_group
 from ._styles import Style, matches_rule
 
 __all__ = ["FullyShard"]
 
 
 class _Order:
-    """The modules a FullyShard shards, in the plan's order, and which of them have
+    """The modules a FullyShard shards, in the plan's order, in their gather groups (a
+    group's blocks are gathered by one all-gather per dtype), and which groups have
     been seen followed by their successor (on their first call: then they prefetch)."""
 
     def __init__(self) -> None:
         self.mods: dict[int, nn.Module] = {}        # id -> module, in registration order
-        self.next: dict[int, nn.Module | None] = {}
-        self.ok: dict[int, bool] = {}               # id -> prefetches its successor
+        self.key: dict[int, Any] = {}               # id(module) -> its group's key
+        self.groups: dict[Any, list[nn.Module]] = {}    # key -> members, in plan order
+        self.next: dict[Any, Any] = {}              # key -> the next group's key
+        self.ok: dict[Any, bool] = {}               # key -> prefetches its successor
 
-    def register(self, module: nn.Module) -> None:
-        if id(module) not in self.mods:
-            self.mods[id(module)] = module
-            mods = list(self.mods.values())
-            self.next = {id(m): n for m, n in zip(mods, mods[1:] + [None])}
+    def register(self, module: nn.Module, key: Any = None) -> None:
+        """Adds ``module`` (alone in its group unless ``key`` names one), or moves it
+        to group ``key``."""
+        self.mods.setdefault(id(module), module)
+        self.key[id(module)] = id(module) if key is None else key
+        self.rebuild()
 
-    def saw(self, prev: nn.Module, cur: nn.Module | None) -> None:
-        """``cur`` ran right after ``prev`` (None: nothing did, in that call)."""
+    def rebuild(self) -> None:
+        """The groups and their order from ``key`` (the first check starts again)."""
+        self.groups, self.ok = {}, {}
+        for m in self.mods.values():
+            self.groups.setdefault(self.key[id(m)], []).append(m)
+        keys = list(self.groups)
+        self.next = dict(zip(keys, keys[1:] + [None]))
+
+    def saw(self, prev: Any, cur: Any) -> None:
+        """Group ``cur`` first ran right after group ``prev`` (None: nothing did)."""
         # the first call sets it; a later call out of that order turns it off for good
-        seen, follows = self.ok.get(id(prev)), self.next.get(id(prev)) is cur
+        seen, follows = self.ok.get(prev), self.next.get(prev) == cur
         if seen is None or (seen and not follows):
-            self.ok[id(prev)] = follows
+            self.ok[prev] = follows
 
 
 class _Run(threading.local):
@@ -78,8 +91,9 @@ class _Run(threading.local):
     own) and the state of its current ``apply`` call."""
     order: _Order | None = None
     active = False
-    prev: nn.Module | None = None
-    ran: set | None = None          # id of each module run so far in this call
+    prev: Any = None                # the key of the group that first ran last
+    ran: set | None = None          # the key of each group run so far in this call
+    done: set | None = None         # id of each module run so far in this call
     pending: dict | None = None     # id(module) -> (_grad_context(), {short: (block, gather)})
 
 
@@ -184,7 +198,14 @@ class FullyShard(Style):
     matching the module or a parent deciding): under tape autograd such a module's
     gathered weights are freed after its forward and gathered again in the backward
     (1/size of their memory between the two, one more gather per weight the backward
-    reads; not with ``create_graph=True``). ``torch.func`` transforms keep them.
+    reads; not with ``create_graph=True``). ``torch.func`` transforms keep them;
+    ``groups`` – which modules' blocks are gathered together, by one all-gather per
+    dtype (and their gradients reduce-scattered by one): None (the default) groups
+    each module under the deepest unit holding it, a unit being a module ``free``'s
+    patterns name (transformers' ``fsdp_plan``: FSDP2's ``fully_shard`` units) or an
+    item of an ``nn.ModuleList`` (a layer), the rest in the root's group; a list of
+    module patterns names the units instead; ``"module"``: one group per module.
+    A group is gathered when its first module runs (and prefetched whole).
 
     Example (what ``parallelize(model, mesh, {"fsdp": "auto"})`` applies to each module;
     ``{"fsdp": FullyShard(4, prefetch=False)}`` turns prefetch off,
@@ -195,8 +216,14 @@ class FullyShard(Style):
     """
 
     def __init__(self, size: int, replicate: tuple[str, ...] = (), prefetch: bool = True,
-                 free: bool | dict = False):
+                 free: bool | dict = False, groups: str | list[str] | None = None):
         self.size, self.prefetch = size, bool(prefetch)
+        if not (groups is None or groups == "module" or (
+                isinstance(groups, (list, tuple)) and all(isinstance(g, str) for g in groups))):
+            raise ShardingError(
+                f"FullyShard: groups must be None (the default units), 'module' (one "
+                f"gather per module) or a list of module patterns; got {groups!r}")
+        self.groups = groups if groups is None or groups == "module" else list(groups)
         # (one axis may come as its name: tuple("dp_replicate") would be its letters)
         self.replicate = (replicate,) if isinstance(replicate, str) else tuple(replicate)
         if isinstance(free, dict):
@@ -236,6 +263,37 @@ class FullyShard(Style):
             self._order.register(module)
         return specs
 
+    def plan_groups(self, root: nn.Module) -> dict[str, str]:
+        """Puts the modules this style shards (those of ``root``'s tree) in their
+        gather groups; returns module name -> the name of its group's unit.
+
+        A unit is a module the ``groups`` patterns name (default: the ``free``
+        plan's patterns, as transformers' ``fsdp_plan`` names FSDP2's
+        ``fully_shard`` units, and each item of an ``nn.ModuleList``, the repeated
+        layers); a module belongs to the deepest unit holding it, else to the root's
+        group (``""``), as FSDP2's root ``fully_shard`` takes what is left."""
+        names = {id(m): n for n, m in root.named_modules()}
+        if self.groups == "module":
+            units = set(names.values())
+        else:
+            pats = self.groups if self.groups is not None else \
+                list(self.free) if isinstance(self.free, dict) else []
+            units = {n for n in names.values() if any(matches_rule(p, n) for p in pats)}
+            if self.groups is None:
+                units |= {f"{n}.{c}" if n else c for n, m in root.named_modules()
+                          if isinstance(m, nn.ModuleList) for c, _ in m.named_children()}
+        out = {}
+        for mod in list(self._order.mods.values()):
+            name = names.get(id(mod))
+            if name is None:
+                continue                # (another model's module: its own plan groups it)
+            parts = name.split(".") if name else []
+            out[name] = next((".".join(parts[:k]) for k in range(len(parts), 0, -1)
+                              if ".".join(parts[:k]) in units), "")
+            self._order.key[id(mod)] = (id(root), out[name])
+        self._order.rebuild()
+        return out
+
     @property
     def _order(self) -> _Order:
         run = self._run
@@ -243,10 +301,9 @@ class FullyShard(Style):
             run.order = _Order()
         return run.order
 
-    def _gather(self, block, d: int, axis):
-        if self.replicate:
-            block = pvary(block, self.replicate)
-        return all_gather(block, axis, axis=d, tiled=True)
+    def _gather(self, blocks: dict, axis) -> dict:
+        """{key: (block, dim)} -> {key: whole weight}: one all-gather per dtype."""
+        return gather_group(blocks, axis, self.replicate) if blocks else {}
 
     def prepare_input(self, module, args, kwargs, call):
         # the module sees each whole weight from here until its forward returns;
@@ -255,22 +312,16 @@ class FullyShard(Style):
         if not dims:
             return args, kwargs
         eager = not _compile.tracing()     # (compiled: inductor orders the gathers)
-        got = self._arrive(module, call) if eager else {}
+        own = {s: (call.params[s], d) for s, d in dims.items() if call.params.get(s) is not None}
+        fulls = self._arrive(module, own, call) if eager else self._gather(own, call.axis)
         restore = call.state.setdefault("restore", {})
         free = self._freer(call) if eager else None
-        for short, d in dims.items():
-            block = call.params.get(short)
-            if block is None:
-                continue
-            early = got.get(short)
-            full = early[1] if early is not None and early[0] is block else \
-                self._gather(block, d, call.axis)
+        for short, (block, d) in own.items():
+            full = fulls[short]
             restore[short] = module._parameters[short]
             module._parameters[short] = full
             if free is not None and full.untyped_storage().data_ptr():
                 free.fulls.append((full, block, d))
-        if eager and self.prefetch:
-            self._prefetch(module, call.axis)
         if free is not None and free.fulls:
             free.hooks.__enter__()          # (left in prepare_output, or when apply ends)
             call.state["free"] = free
@@ -301,46 +352,76 @@ class FullyShard(Style):
             free.hooks.__exit__(None, None, None)
             free.fulls.clear()          # (the weights go with the forward's last use)
 
-    def _arrive(self, module: nn.Module, call) -> dict:
-        """Records that ``module`` runs now (the order check) and hands out the gathers
-        prefetched for it."""
-        run = self._run
+    def _arrive(self, module: nn.Module, own: dict, call) -> dict:
+        """Records that ``module`` runs now (the order check, per group), and returns
+        its whole weights: gathered ahead for it (by its group's first module, or by
+        prefetch), or now, together with those of its group's modules still to run."""
+        run, order = self._run, self._order
         if not run.active:                 # the first FSDP module of this apply call
-            run.active, run.prev, run.ran, run.pending = True, None, set(), {}
+            run.active, run.prev, run.ran, run.done, run.pending = True, None, set(), set(), {}
             call.on_exit(self._end_run)
-        if run.prev is not None:
-            self._order.saw(run.prev, module)
-        run.prev = module
-        run.ran.add(id(module))
+        key = order.key.get(id(module), id(module))
+        first = key not in run.ran
+        if first:
+            if run.prev is not None:
+                order.saw(run.prev, key)
+            run.prev = key
+            run.ran.add(key)
+        run.done.add(id(module))
         made_in, early = run.pending.pop(id(module), (None, {}))
         # a gather made under another grad mode (or torch.func level) than this module
         # runs in would lose or add autograd history: gather again here, as every rank
-        # does (the context is the program's, not the data's)
-        return early if made_in == _grad_context() else {}
+        # does (the context is the program's, not the data's); so must a block that is
+        # not the one gathered
+        if made_in != _grad_context() or any(early.get(s, (None,))[0] is not b
+                                             for s, (b, _) in own.items()):
+            rest = [m for m in order.groups.get(key, ()) if id(m) not in run.done
+                    and id(m) not in run.pending]
+            early = self._gather_modules(rest, call.axis, own)
+        if first and self.prefetch:
+            self._prefetch(key, call.axis)
+        return {s: full for s, (_, full) in early.items()}
 
-    def _prefetch(self, module: nn.Module, axis) -> None:
-        """Launches the gathers of the blocks of ``module``'s successor, where the
-        order check allows. The blocks are what functional_call put in the successor
-        for this call; its pre-hook uses a gather only if its block is that tensor."""
-        nxt, run = self._order.next.get(id(module)), self._run
-        # (not a module that ran already in this call: out of order, it may not again)
-        if (nxt is None or not self._order.ok.get(id(module)) or id(nxt) in run.pending
-                or id(nxt) in run.ran):
+    def _gather_modules(self, mods: list, axis, own: dict | None = None) -> dict:
+        """Gathers the blocks functional_call put in ``mods`` for this call with one
+        all-gather per dtype, keeping each module's in ``pending``; with ``own`` (the
+        blocks of the module running now, kept out of ``pending``), returns its."""
+        blocks = {}
+        for m in mods:
+            for short, d in self._dims[id(m)].items():
+                b = m._parameters.get(short)
+                if b is not None and tuple(b.shape) == self._shapes[id(m)][short]:
+                    blocks[id(m), short] = (b, d)
+        for short, bd in (own or {}).items():
+            blocks[None, short] = bd
+        fulls, made_in, mine = self._gather(blocks, axis), _grad_context(), {}
+        for (mid, short), full in fulls.items():
+            if mid is None:
+                mine[short] = (blocks[mid, short][0], full)
+            else:
+                self._run.pending.setdefault(mid, (made_in, {}))[1][short] = \
+                    (blocks[mid, short][0], full)
+        return mine
+
+    def _prefetch(self, key, axis) -> None:
+        """Launches the gather of the next group's blocks (those functional_call put in
+        its modules for this call), where the order check allows; each module of it
+        uses its gather only if its block is that tensor."""
+        nxt, run = self._order.next.get(key), self._run
+        # (not a group that ran already in this call: out of order, it may not again)
+        if nxt is None or not self._order.ok.get(key) or nxt in run.ran:
             return
-        early = {}
-        for short, d in self._dims[id(nxt)].items():
-            block = nxt._parameters.get(short)
-            if block is not None and tuple(block.shape) == self._shapes[id(nxt)][short]:
-                early[short] = (block, self._gather(block, d, axis))
-        run.pending[id(nxt)] = (_grad_context(), early)
+        self._gather_modules([m for m in self._order.groups[nxt]
+                              if id(m) not in run.pending], axis)
 
     def _end_run(self) -> None:
         run = self._run
         if run.prev is not None:
             self._order.saw(run.prev, None)
-        # a gather prefetched for a module that did not run is left unused: no
-        # gradient flows through it, so its reduce-scatter never runs, on any rank
-        run.active, run.prev, run.ran, run.pending = False, None, None, None
+        # a gather prefetched for a module that did not run is left unused: if no
+        # module of its group used it, no gradient flows through it and its
+        # reduce-scatter never runs, on any rank
+        run.active, run.prev, run.ran, run.done, run.pending = False, None, None, None, None
 
     def prepare_output(self, module, args, kwargs, output, call):
         self._stop_freeing(call)
@@ -351,4 +432,5 @@ class FullyShard(Style):
     def __repr__(self) -> str:
         return (f"FullyShard(size={self.size}, replicate={self.replicate}"
                 f"{'' if self.prefetch else ', prefetch=False'}"
+                f"{'' if self.groups is None else f', groups={self.groups!r}'}"
                 f"{f', free={self.free!r}' if self.free else ''})")

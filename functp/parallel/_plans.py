@@ -24,6 +24,7 @@ from torch.func import functional_call
 from ..runtime import _world
 from ..ops._collectives import axis_size
 from ..runtime._errors import ShardingError
+from ..runtime._torch_compat import peek_interpreter_stack
 from ..mesh._mesh import Mesh
 from ..mesh._layout import uneven
 from ..mapping._sharding import unshard
@@ -258,13 +259,24 @@ class Parallelized:
                 rules.setdefault(pname.rpartition(".")[0], desc)
         shown = "; ".join(f"{m!r}: {r}" for m, r in list(rules.items())[:8]) or "none"
         mod = self.module.get_submodule(where) if where else self.module
+        raised = (f"module {where or '(the root)'!r} ({type(mod).__name__}) raised "
+                  f"{type(e).__name__} under the plan: "
+                  f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. ")
+        if "saved tensor hooks" in str(e) and peek_interpreter_stack() is not None:
+            # torch.utils.checkpoint (and other saved-tensor hooks) under torch.func: the
+            # plan is not the cause, the unsharded model raises the same
+            return ShardingError(
+                raised + "torch.func's grad/vjp/jacrev take no saved-tensor hooks, which "
+                "torch.utils.checkpoint (use_reentrant=False) records with; the plan is "
+                "not the cause (the unsharded model raises the same). Use "
+                "functp.checkpoint(fn)(x) for the checkpointed layers (it recomputes under "
+                "torch.func, FSDP's gathers included), or differentiate with tape autograd "
+                "(loss.backward())")
         return ShardingError(
-            f"module {where or '(the root)'!r} ({type(mod).__name__}) raised "
-            f"{type(e).__name__} under the plan: {str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
-            f"The plan's rules inside it: {shown}. A module that combines a value the plan "
-            f"splits (its heads, its columns) with one it does not fails so; give that "
-            f"module's children rules that split both the same way, or 'replicated' (if "
-            f"the unsharded module raises the same error, the plan is not the cause)")
+            raised + f"The plan's rules inside it: {shown}. A module that combines a value "
+            f"the plan splits (its heads, its columns) with one it does not fails so; give "
+            f"that module's children rules that split both the same way, or 'replicated' "
+            f"(if the unsharded module raises the same error, the plan is not the cause)")
 
     def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical full tensors (keyed by parameter name) -> this rank's blocks."""
@@ -848,6 +860,8 @@ def _lay_out(module: nn.Module, mesh: Mesh, families, keep_module: bool = True
             lay.take(mname, rule, label, style, ax)
     uncovered = [n for n in lay.full if n not in lay.specs]
     specs = {n: lay.specs.get(n, P()) for n in lay.full}
+    for style in {id(h[2]): h[2] for h in lay.hooked if isinstance(h[2], FullyShard)}.values():
+        style.plan_groups(module)       # (its gather groups: the FSDP units of this model)
     for n, p in lay.full.items():
         desc = lay.owners[n][0] if n in lay.owners else "(none)"
         _check_divisible(n, p, specs[n], mesh, desc)

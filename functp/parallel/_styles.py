@@ -37,6 +37,7 @@ from ..mesh._layout import axis_placement, chunk, packed_slice, uneven
 from ..mapping._sharding import local_block
 from ..mesh._spec import P
 from ..ops._ragged import ragged_all_to_all      # (ops layer: below the styles)
+from ._flat import gather_group
 
 __all__ = ["Style", "Call", "Replicated", "Colwise", "Rowwise", "VocabParallelEmbedding",
            "SequenceParallel", "PrepareInput", "PrepareOutput", "ExpertRouter",
@@ -650,11 +651,13 @@ class ExpertDispatch(Style):
         blocks = call.params
         if self.fsdp:
             restore = call.state["restore"] = {}
-            for short, block in blocks.items():
-                if self.replicate:      # the gradient all-reduced on the shard (HSDP)
-                    block = pvary(block, self.replicate)
+            # one all-gather per dtype for all the experts' weights (one reduce-scatter
+            # of their gradients); HSDP: the gradient all-reduced on the shard
+            fulls = gather_group({s: (b, 0) for s, b in blocks.items()}, self.fsdp,
+                                 self.replicate)
+            for short, full in fulls.items():
                 restore[short] = module._parameters[short]
-                module._parameters[short] = all_gather(block, self.fsdp, axis=0, tiled=True)
+                module._parameters[short] = full
             return next(iter(blocks.values())).shape[0] * axis_size(self.fsdp)
         return next(iter(blocks.values())).shape[0]
 

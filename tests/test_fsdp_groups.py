@@ -1,0 +1,119 @@
+"""FSDP gathers a group of modules at once: one all-gather of one flat buffer per dtype,
+and one reduce-scatter of the group's gradients (FSDP2's units, issue 36).
+
+Checked against the unsharded model (float64, and a float32 parameter held in a
+float64 model: two dtypes, two flat buffers per group), through ``torch.func.grad``
+and tape autograd, on 2, 4 and 8 ranks and on HSDP's 2-d meshes, with the
+collectives of each step counted."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functp
+from functp import FullyShard, P
+from _oracle import grads_and_loss
+
+
+class _Block(torch.nn.Module):
+    """A layer: two linears and a scale kept in float32 (a second dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 16, dtype=torch.float32))
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x))) * self.scale.double()
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, layers=3):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(layers))
+        self.head = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _case(shape, names, tape, groups=None):
+    """One step of the model under FullyShard (HSDP over ``dp_replicate`` when the mesh
+    has it): its error against the unsharded model, and the step's collectives."""
+    mesh = functp.make_mesh(shape, names)
+    torch.manual_seed(0)
+    model = _Model()
+    model.embed.double(), model.head.double()
+    for b in model.blocks:
+        b.up.double(), b.down.double()
+    replicate = ("dp_replicate",) if "dp_replicate" in names else ()
+    style = FullyShard(mesh.axis_size("fsdp"), replicate,
+                       **({} if groups is None else {"groups": groups}))
+    apply, params, specs = functp.parallelize(model, mesh, {"fsdp": style})
+    batch = apply.batch_axes
+    x = torch.randn(16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    step = functp.shard_map(lambda p, x: functp.pmean(apply(p, x).square().mean(), batch),
+                            mesh, in_specs=(specs, P(batch)), out_specs=P())
+    xs = functp.shard(x, mesh, P(batch))
+    step(params, xs)                # (the first call checks the order; the next prefetches)
+    with functp.comm_log() as log:
+        grads, loss = grads_and_loss(step, params, xs, tape=tape)
+    ref_apply, full = functp.functionalize(model)
+    ref, ref_loss = torch.func.grad_and_value(lambda p: ref_apply(p, x).square().mean())(full)
+    got = apply.unshard(grads)
+    # float32 gradients summed in another order: their own rounding
+    err = max(((got[k] - v).abs().max() / v.abs().max()).item()
+              / (1e-5 if v.dtype == torch.float32 else 1e-10) for k, v in ref.items())
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    return (abs(loss.item() - ref_loss.item()), err, log.summary(),
+            log.nbytes("all_reduce", ("dp_replicate",)), shapes, dict(specs))
+
+
+_MESHES = {"fsdp2": ((2,), ("fsdp",)), "fsdp4": ((4,), ("fsdp",)), "fsdp8": ((8,), ("fsdp",)),
+           "replicate2_fsdp2": ((2, 2), ("dp_replicate", "fsdp")),
+           "replicate2_fsdp4": ((2, 4), ("dp_replicate", "fsdp"))}
+
+
+@pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
+@pytest.mark.parametrize("mesh_name", list(_MESHES))
+def test_one_gather_and_one_reduce_scatter_per_group_and_dtype(run, mesh_name, tape):
+    shape, names = _MESHES[mesh_name]
+    world = shape[0] * (shape[1] if len(shape) > 1 else 1)
+    loss_err, err, log, hsdp_bytes, shapes, specs = run(world, _case, shape, names, tape)[0]
+    assert loss_err < 1e-12 and err < 1, (loss_err, err)
+    # groups: each of the 3 blocks (float64 linears + a float32 scale: 2 flat buffers),
+    # and the root's (embed and head, float64): 3 x 2 + 1 = 7, where a collective per
+    # parameter would be 3 x 5 + 4 = 19
+    assert log[("all_gather", ("fsdp",))] == 7 == log[("reduce_scatter", ("fsdp",))], log
+    # what the user sees is each parameter's own block, as before
+    fsdp = shape[-1]
+    assert shapes["blocks.0.up.weight"] == (32 // fsdp, 16)
+    assert shapes["blocks.1.scale"] == (16 // fsdp,) and specs["head.bias"] == P("fsdp")
+    if "dp_replicate" in names:     # HSDP: the blocks' gradients summed over the replicas
+        block_bytes = sum(8 * torch.Size(s).numel() for k, s in shapes.items()
+                          if not k.endswith("scale")) + sum(
+            4 * torch.Size(s).numel() for k, s in shapes.items() if k.endswith("scale"))
+        assert hsdp_bytes == block_bytes
+    else:
+        assert hsdp_bytes == 0
+
+
+@pytest.mark.parametrize("groups,gathers", [("module", 3 * 3 + 2), (["blocks"], 2 + 1)],
+                         ids=["module", "patterns"])
+def test_groups_chooses_the_units(run, groups, gathers):
+    # "module": each module its own group (a block's scale belongs to the block itself:
+    # 3 groups a block); ["blocks"]: the ModuleList is the unit, so every block in it
+    # is one group (two dtypes) and the rest the root's
+    loss_err, err, log, *_ = run(2, _case, (2,), ("fsdp",), False, groups)[0]
+    assert loss_err < 1e-12 and err < 1
+    assert log[("all_gather", ("fsdp",))] == gathers == log[("reduce_scatter", ("fsdp",))]
+
+
+@pytest.mark.parametrize("groups", ["layers", [1], {"a": "b"}])
+def test_a_bad_groups_argument_is_refused(groups):
+    with pytest.raises(functp.ShardingError, match="groups must be None"):
+        FullyShard(2, groups=groups)
