@@ -206,3 +206,35 @@ def test_checkpointed_module_layers_get_their_gradients(run, how, tape):
         assert _module_case(how, tape)
     else:
         assert all(run(2, _module_case, how, tape))
+
+
+# -- item 5: ragged_all_to_all with recv_offsets checks the sizes in the check mode -----
+
+def _ragged_case(n: int, delta: int):
+    """Every rank plans 2 rows to each peer; rank 0 then sends ``delta`` more (or
+    fewer) rows to rank 1 than planned, with the plan's recv_offsets."""
+    mesh = functp.make_mesh((n,), ("ep",))
+
+    def body(x):
+        plan = functp.ragged_offsets(torch.full((n,), 2), "ep")
+        send = list(plan.send_sizes)
+        if functp.axis_index("ep") == 0:
+            send[1] += delta
+        out = x.new_zeros(plan.recv_total, x.shape[1])
+        y = functp.ragged_all_to_all(x, out, plan.input_offsets, send, plan.output_offsets,
+                                     plan.recv_sizes, "ep", recv_offsets=plan.recv_offsets)
+        return functp.psum(y.sum(), "ep")
+    step = functp.shard_map(body, mesh, in_specs=P("ep"), out_specs=P())
+    with pytest.raises(functp.ShardingError) as e:
+        step(functp.shard(randn(n * (2 * n + 1), 3), mesh, P("ep")))
+    return str(e.value)
+
+
+@pytest.mark.parametrize("delta", [-1, 1], ids=["fewer", "more"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_ragged_sizes_with_recv_offsets_are_checked(n, delta):
+    # fails on main: one row fewer left uninitialised rows (no error), one more
+    # aborted the process in gloo
+    msgs = functp.simulate(_ragged_case, n, n, delta, check=True)
+    assert all("ragged_all_to_all" in m for m in msgs), msgs
+    assert "disagree on the rows" in msgs[0] and "recv_sizes" in msgs[0], msgs[0]
