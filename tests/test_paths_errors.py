@@ -9,6 +9,11 @@ of what a checkpointed function closes over, checked ragged sizes, and functp er
 - ``functp.checkpoint`` of a function that closes over tensors requiring grad
   (weights, a module's parameters under ``functionalize`` / ``parallelize``) gives
   their gradients, as ``torch.utils.checkpoint`` does;
+- ``ragged_all_to_all`` with ``recv_offsets`` and sizes the peers do not agree on
+  raises ``ShardingError`` on every rank in the check mode (one row fewer or more);
+- a peer that stalls (gloo processes, a 2 s timeout) or exits (``simulate``) under
+  ``shard(..., src_rank=)``, ``print_ranks``, ``save`` or ``load`` gives a functp
+  error naming the operation and the timeout (the peer, where known).
 """
 from __future__ import annotations
 
@@ -74,6 +79,11 @@ def test_an_input_written_before_the_wait_is_sent_as_it_was(run, shape, op):
     # written after the call), e.g. a loss of 207 where 10 is right
     n = shape[0] * (shape[1] if len(shape) == 2 else 1)
     assert all(run(n, _written_case, shape, op, True))
+
+
+@pytest.mark.parametrize("op", ["ppermute", "all_gather"])
+def test_an_input_written_before_the_wait_processes(run, op):
+    assert all(run(2, _written_case, (2,), op, True, gloo=True))
 
 
 def test_an_input_written_before_the_wait_sum_rules(run):
@@ -248,8 +258,10 @@ def _world_op(op: str, path: str, mesh):
         functp.print_ranks("x", x)
     elif op == "shard":
         functp.shard(x, mesh, P("w"), src_rank=0)
-    else:
+    elif op == "save":
         functp.save(path, {"x": x}, mesh, {"x": P()})
+    else:
+        functp.load(path, mesh, {"x": P()})
 
 
 def _lost_peer(op: str, path: str, gloo: bool):
@@ -260,10 +272,12 @@ def _lost_peer(op: str, path: str, gloo: bool):
         functp.runtime._world.set_timeout(dist.group.WORLD.group_name,
                                           __import__("datetime").timedelta(seconds=2))
     mesh = functp.make_mesh((functp.process_count(),), ("w",))
+    if op == "load":            # a checkpoint every rank saved
+        functp.save(path, {"x": torch.arange(4.0)}, mesh, {"x": P()})
     skip = 0 if op == "shard" else 1
     if functp.process_index() == skip:
         return None
-    err = functp.CheckpointError if op == "save" else functp.ShardingError
+    err = functp.CheckpointError if op in ("save", "load") else functp.ShardingError
     with pytest.raises(err) as e:
         _world_op(op, path, mesh)
     return str(e.value)
@@ -278,7 +292,7 @@ def test_a_lost_peer_in_a_world_operation_simulated(op):
 
 
 @pytest.mark.discards_pool
-@pytest.mark.parametrize("op", ["print_ranks", "shard", "save"])
+@pytest.mark.parametrize("op", ["print_ranks", "shard", "save", "load"])
 def test_a_stalled_peer_in_a_world_operation_processes(run, op, tmp_path):
     # fails on main: gloo's "Timed out waiting ... unbound_buffer.cc" RuntimeError
     msgs = run(2, _lost_peer, op, str(tmp_path / "ckpt"), True, gloo=True, last=True)
