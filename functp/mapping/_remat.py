@@ -395,7 +395,10 @@ def checkpoint(fn: Callable | None = None, *, policy: Callable | None = None) ->
     (:class:`remat_policies`; default: nothing but the inputs).
 
     **Returns:** a function with ``fn``'s signature. Under ``torch.func.grad``/``vjp``
-    and tape autograd the gradients are those of ``fn``; the recompute issues
+    and tape autograd the gradients are those of ``fn``, for its arguments and for
+    the tensors it closes over that require grad (a weight, a module's parameters,
+    also under ``functionalize``'s and ``parallelize``'s apply), as with
+    ``torch.utils.checkpoint``; the recompute issues
     ``fn``'s forward collectives again and draws the same random numbers: torch's
     CPU and CUDA generators, any ``torch.Generator`` passed to an op
     (``generator=``), Python's ``random`` and numpy's global generator are replayed.
