@@ -23,6 +23,7 @@ folder. ``trusted=True`` reads an older checkpoint as DCP would, to convert it o
 from __future__ import annotations
 
 import collections
+import functools
 import importlib.util
 import json
 import math
@@ -721,6 +722,20 @@ def _check_like(what: str, path: str, where: str, key: str, x: Any, saved, spec,
 # save and load
 
 
+def _peer_loss(what: str) -> Callable:
+    """``save``/``load`` with a lost or stalled peer (gloo's raw error from one of the
+    world's flag all-reduces or broadcasts) raised as a :class:`CheckpointError`
+    naming the operation and the timeout (``_world.peers``)."""
+    def deco(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with _world.peers(what, cls=CheckpointError):
+                return fn(*args, **kwargs)
+        return wrapped
+    return deco
+
+
+@_peer_loss("functp.save")
 def save(path: str | os.PathLike, tree: Any, mesh: Mesh, specs: Any, *,
          shapes: Any = None) -> None:
     """Saves the local blocks ``tree`` (laid out by ``specs`` on ``mesh``) with DCP.
@@ -796,6 +811,7 @@ def save(path: str | os.PathLike, tree: Any, mesh: Mesh, specs: Any, *,
     _record_checksums(what, path, meta, device, tree_file)
 
 
+@_peer_loss("functp.load")
 def load(path: str | os.PathLike, mesh: Mesh | None = None, specs: Any = None, *,
          like: Any = None, convert: bool = False, trusted: bool = False) -> Any:
     """Loads a checkpoint written by :func:`save` as local blocks laid out by ``specs``

@@ -11,6 +11,15 @@ checkpointing. A policy keeps chosen op outputs from the first run (matmuls, nam
 values); the recompute still *calls* those ops, under autograd,
 but a dispatch mode returns the kept outputs instead of computing them, so gradients
 flow through them as usual.
+
+A tensor the function closes over (a weight it reads, not an argument) gets its
+gradient too, as with ``torch.utils.checkpoint``: the first run runs under no_grad, so
+any tensor an op of it reads that requires grad comes from outside (:class:`_Reads`
+collects them); they join the Function's inputs, and the recompute reads them
+through a function mode that hands it those inputs instead (:class:`_Swap`). A
+module's parameters that ``functional_call`` swapped in are gone from the module by
+the backward: ``functionalize``'s and ``parallelize``'s apply say how to swap them in
+again (:func:`recompute_within`), and the recompute does, with its own inputs.
 """
 from __future__ import annotations
 
@@ -23,11 +32,12 @@ from typing import Callable
 
 import optree
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ..ops import _context
 from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import (DisableFuncTorch, TorchDispatchMode, layer_stack_depth,
-                            unwrap_functorch as _lowest)
+                                     reparametrize_module, unwrap_functorch as _lowest)
 
 __all__ = ["checkpoint", "remat", "checkpoint_name", "remat_policies"]
 
@@ -39,6 +49,7 @@ class _Local(threading.local):      # per thread: functp.simulate runs a rank pe
     def __init__(self) -> None:
         self.recording: list = []   # the _Record of the checkpointed call running forward, if any
         self.recomputing = 0        # recomputes running (a checkpoint inside one runs plainly)
+        self.contexts: list = []    # recompute_within's, innermost last
 
 
 _local = _Local()
@@ -140,6 +151,106 @@ class _Replay(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _tensors(args, kwargs):
+    """The tensors among a torch call's arguments (and in its lists: ``torch.cat``)."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
+
+
+_MADE = "_functp_remat_made"     # a tensor's __dict__ key: the _Reads run that made it
+
+
+class _Reads(TorchFunctionMode):
+    """The first run: the tensors its torch calls read that require grad and are
+    neither its arguments nor made by the run (each output is marked with the run;
+    under torch.func a view made under no_grad still says it requires grad), in
+    first-read order: what it closes over (a weight, a module's parameter)."""
+
+    def __init__(self, args: list):
+        super().__init__()
+        self.args = {id(a) for a in args}
+        self.found: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for t in _tensors(args, kwargs):
+            if t.requires_grad and id(t) not in self.args \
+                    and t.__dict__.get(_MADE) is not self:
+                self.found.setdefault(id(t), t)
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors((out,) if isinstance(out, torch.Tensor) else out, None) \
+                if isinstance(out, (torch.Tensor, list, tuple)) else ():
+            t.__dict__[_MADE] = self
+        return out
+
+
+@contextlib.contextmanager
+def recompute_within(enter: Callable):
+    """While active, a :func:`checkpoint`'d call made here recomputes (in the
+    backward) inside ``enter(swap)``, a context manager that puts back what the
+    forward's context held (a module's parameters swapped in by ``functional_call``,
+    gone by the backward), each tensor ``t`` of it as ``swap(t)``: the recompute's
+    stand-in for a tensor the first run read. Example::
+
+        with recompute_within(lambda swap: reparametrized(module, params, swap)):
+            functional_call(module, params, args)     # its checkpointed layers
+    """
+    _local.contexts.append(enter)
+    try:
+        yield
+    finally:
+        _local.contexts.pop()
+
+
+def reparametrized(module: torch.nn.Module, params, swap: Callable):
+    """``module`` with ``params`` (a dict, or a tuple of dicts: parameters, buffers)
+    swapped in as ``functional_call`` does, each tensor through ``swap``."""
+    merged: dict = {}
+    for d in params if isinstance(params, tuple) else (params,):
+        merged.update({k: swap(v) for k, v in d.items()})
+    return reparametrize_module(module, merged, tie_weights=True, strict=False)
+
+
+class _Swap(TorchFunctionMode):
+    """The recompute: each closed-over tensor a torch call reads is replaced by the
+    Function's input standing for it (the one differentiated); ``seen`` counts which
+    were read (or swapped into a module by a :func:`recompute_within` context)."""
+
+    def __init__(self, closed: list, now: list):
+        super().__init__()
+        self.map = {id(c): (i, n) for i, (c, n) in enumerate(zip(closed, now))}
+        self.seen: set[int] = set()
+
+    def _swap(self, a):
+        hit = self.map.get(id(a)) if isinstance(a, torch.Tensor) else None
+        if hit is not None:
+            self.seen.add(hit[0])
+            return hit[1]
+        if isinstance(a, (list, tuple)) and any(id(t) in self.map for t in a):
+            return type(a)(self._swap(t) for t in a)
+        return a
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args = tuple(self._swap(a) for a in args)
+        kwargs = {k: self._swap(a) for k, a in kwargs.items()} if kwargs else {}
+        return func(*args, **kwargs)
+
+
+def _unread_error(st, missing: list[int]) -> ShardingError:
+    name = getattr(st.fn, "__name__", st.fn)
+    shapes = ", ".join(f"{tuple(st.closed[i].shape)}" for i in missing[:4])
+    return ShardingError(
+        f"functp.checkpoint({name}): its first run read {len(missing)} tensor(s) that "
+        f"require grad and are not its arguments (shapes {shapes}), but its recompute "
+        f"in the backward did not read them: they were reachable only while the forward "
+        f"ran (a module's parameters swapped in by functional_call, functionalize's or "
+        f"parallelize's apply), so their gradients would be lost. Pass them as "
+        f"arguments instead, e.g. functp.checkpoint(lambda p, x: "
+        f"torch.func.functional_call(layer, p, (x,)))(layer_params, x)")
+
+
 class _State:
     """What a recompute needs, in one opaque object: passed to ``apply`` as a dict,
     its tensors would be wrapped by torch.func like the Function's inputs."""
@@ -180,11 +291,21 @@ class _Recompute(torch.autograd.Function):
             # others (a psum for an input pvary'd inside) would be wasted collectives
             want = [i for i, need in enumerate(ctx.needs_input_grad[2:2 + len(xs)]) if need]
 
+            n_args = len(xs) - len(st.closed)
+            swaps = []
+
             def run(*diff):
                 leaves = list(xs)
                 for i, d in zip(want, diff):
                     leaves[i] = d
-                return tuple(optree.tree_leaves(st.fn(*optree.tree_unflatten(st.tree, leaves))))
+                args = optree.tree_unflatten(st.tree, leaves[:n_args])
+                if not st.closed:
+                    return tuple(optree.tree_leaves(st.fn(*args)))
+                swaps.append(_Swap(st.closed, leaves[n_args:]))
+                with swaps[-1], contextlib.ExitStack() as again:
+                    for enter in st.contexts:     # (outermost first)
+                        again.enter_context(enter(swaps[-1]._swap))
+                    return tuple(optree.tree_leaves(st.fn(*args)))
             # torch.func.vjp, not autograd.grad: under torch.func this backward may not
             # make tensors require grad
             # torch.func.grad runs this backward with create_graph=True, so at its
@@ -204,6 +325,10 @@ class _Recompute(torch.autograd.Function):
                     got = pull(cts)
             finally:
                 _local.recomputing -= 1
+            missing = [i for i in range(len(st.closed)) if i not in swaps[0].seen] \
+                if swaps else []
+            if missing:
+                raise _unread_error(st, missing)
         grads: list = [None] * len(xs)
         for i, g in zip(want, got):
             grads[i] = g
@@ -270,7 +395,10 @@ def checkpoint(fn: Callable | None = None, *, policy: Callable | None = None) ->
     (:class:`remat_policies`; default: nothing but the inputs).
 
     **Returns:** a function with ``fn``'s signature. Under ``torch.func.grad``/``vjp``
-    and tape autograd the gradients are those of ``fn``; the recompute issues
+    and tape autograd the gradients are those of ``fn``, for its arguments and for
+    the tensors it closes over that require grad (a weight, a module's parameters,
+    also under ``functionalize``'s and ``parallelize``'s apply), as with
+    ``torch.utils.checkpoint``; the recompute issues
     ``fn``'s forward collectives again and draws the same random numbers: torch's
     CPU and CUDA generators, any ``torch.Generator`` passed to an op
     (``generator=``), Python's ``random`` and numpy's global generator are replayed.
@@ -301,23 +429,27 @@ def checkpoint(fn: Callable | None = None, *, policy: Callable | None = None) ->
         # (keeping nothing needs no record of the ops, only of the generators used)
         rec = _Record() if keep is not remat_policies.nothing_saveable else None
         gens = _Generators()
+        reads = _Reads(leaves)
         _local.recording.append(rec)
         try:
             with torch.no_grad(), gens, rec if rec is not None else contextlib.nullcontext():
-                out = fn(*args)
+                with reads:
+                    out = fn(*args)
         finally:
             _local.recording.pop()
+        closed = list(reads.found.values())
         rng += [(g.get_state, g.set_state, st) for g, st in gens.states.values()]
         outs, otree = optree.tree_flatten(out)
         if tracker is not None and tracker.mode is not None:
             tracker.mode.discard_nograd()     # no custom Function ran: nothing to hook
         state = _State(fn=fn, tree=tree, kept=rec.kept(keep) if rec is not None else {},
-                       frame=fr, rng=rng,
-                       vmas=[tracker.get(x) for x in leaves] if tracker is not None else None)
+                       frame=fr, rng=rng, closed=closed, contexts=tuple(_local.contexts),
+                       vmas=([tracker.get(x) for x in leaves + closed]
+                             if tracker is not None else None))
         del rec
         # one call standing for fn, not tracked: its outputs take the first run's tags
         with tracker.paused() if tracker is not None else contextlib.nullcontext():
-            res = _Recompute.apply(state, len(leaves), *leaves, *outs)
+            res = _Recompute.apply(state, len(leaves) + len(closed), *leaves, *closed, *outs)
         if tracker is not None:
             for r, o in zip(res, outs):
                 tracker.set(r, tracker.get(o))

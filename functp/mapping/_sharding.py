@@ -51,7 +51,8 @@ def shard(tree: Any, mesh: Mesh, specs: Any, *, src_rank: int | None = None) -> 
         local["w"].shape      # (8 // mesh.shape["tp"], 4)
     """
     if src_rank is not None:
-        tree = _broadcast_tree(tree, mesh, src_rank)
+        with _world.peers(f"functp.shard(..., src_rank={src_rank})", src_rank):
+            tree = _broadcast_tree(tree, mesh, src_rank)
     items, treespec = leaf_specs(tree, mesh, specs, "tree")
     if _crosscheck.ENABLED and src_rank is None:
         _fingerprint.check_full(mesh, [p for p, _, _ in items], [x for _, x, _ in items],

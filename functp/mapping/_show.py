@@ -68,7 +68,8 @@ def print_ranks(*values: Any, sep: str = " ") -> None:
         # a multi-line value (a matrix) keeps its columns under its first line
         indent = "\n" + " " * len(text.rsplit("\n", 1)[-1])
         text += _format(v).replace("\n", indent)
-    texts = [b.decode() for b in _world.all_gather_bytes(text.encode())]
+    with _world.peers("functp.print_ranks"):
+        texts = [b.decode() for b in _world.all_gather_bytes(text.encode())]
     if _world.process_index() != 0:
         return
     groups: dict[str, list[int]] = {}

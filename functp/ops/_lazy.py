@@ -20,6 +20,13 @@ wrapper of it). Three places wait on it:
 - the body's exit (:func:`settle`): a result returned unused, or left behind by an
   exception, never leaves the body in flight.
 
+A collective's *input* is protected too: gloo and NCCL read it while the collective
+runs, so an operator that writes to its memory before the wait (``out = ppermute(buf,
+...)`` then ``buf.zero_()``) would change what the peers receive. The mode waits on
+that collective before such an operator runs (:func:`_protect_sends`); a program that
+does not write to what it just sent pays nothing for it (measured in
+``benchmarks/README.md``, issue 41).
+
 Waited on at once instead, as before (:func:`allow` says no): a body that is not
 under tape autograd or one ``torch.func.grad`` (``vmap`` and ``jvp`` hand the mode
 other tensors, or read the result in their rules), a call from a transform nested in
@@ -75,6 +82,8 @@ class _Waits(EagerDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.pending:
+            if func._schema.is_mutable:    # (an attribute: the usual op pays no call)
+                _protect_sends(self.pending, func, args, kwargs)
             hit = None
             for a in (*args, *kwargs.values()) if kwargs else args:
                 c = a.__class__
@@ -123,6 +132,35 @@ def _found(hit: list | None, t: torch.Tensor) -> list | None:
     return hit
 
 
+_WRITES: dict = {}      # an operator -> the (position, name) of each argument it writes
+
+
+def _written(func) -> tuple:
+    w = _WRITES.get(func)
+    if w is None:
+        w = _WRITES[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                  if a.alias_info is not None and a.alias_info.is_write)
+    return w
+
+
+def _protect_sends(pending: list, func, args, kwargs) -> None:
+    """Before ``func`` writes in place: each pending collective whose input shares
+    memory with a tensor it writes is waited on first, so that the peers receive the
+    value the body sent, not the one written after (a snapshot of every input would
+    cost a copy per collective; this costs nothing where the input is not written)."""
+    sends = [p for p in pending if p.src]
+    if not sends:
+        return
+    for i, name in _written(func):
+        a = args[i] if i < len(args) else (kwargs or {}).get(name)
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                for p in sends:
+                    if p.src == ptr and p.marked is not None:
+                        _settle(pending, p, _BELOW)
+
+
 def _mark(out, p) -> None:
     for t in out if isinstance(out, (list, tuple)) else (out,):
         if isinstance(t, torch.Tensor):
@@ -164,10 +202,14 @@ def ready() -> bool:
     return not n or dispatch_mode_at(n - 1) is st.mode
 
 
-def hold(p):
+def hold(p, src: torch.Tensor | None = None):
     """Hands out ``p.early`` (a launched collective's result, its data not there
-    yet) marked pending; after :func:`ready`, before :func:`activate`."""
+    yet) marked pending; after :func:`ready`, before :func:`activate`. ``src``: the
+    tensor the collective reads while it runs (its input, unless the backend copied
+    it at the launch): an operator writing to its memory first waits on ``p``."""
     st = _state
+    if src is not None and src.numel():
+        p.src = src.untyped_storage().data_ptr()
     early = p.early
     early.__dict__[PENDING] = p
     p.marked = [early]

@@ -44,13 +44,14 @@ class Pending:
     returns its finished result. ``early`` is that result before the wait (the same
     memory, its data not there yet), or None where finishing it reads the data."""
 
-    __slots__ = ("raw", "op", "g", "finish", "early", "value", "marked")
+    __slots__ = ("raw", "op", "g", "finish", "early", "value", "marked", "src")
 
     def __init__(self, raw: torch.Tensor, op: str, g: AxisGroup,
                  finish: Callable | None, view: bool) -> None:
         self.raw, self.op, self.g, self.finish, self.value = raw, op, g, finish, None
         self.early = (raw if finish is None else finish(raw)) if view else None
         self.marked = None        # the tensors _lazy marked pending with it
+        self.src = 0              # _lazy: the data pointer of the input it reads, if any
 
     def wait(self) -> torch.Tensor:
         if self.value is None:
@@ -96,7 +97,7 @@ def _finish(raw: torch.Tensor, op: str, g: AxisGroup, finish: Callable | None = 
 
 
 def _held(raw: torch.Tensor, op: str, g: AxisGroup, finish: Callable | None = None,
-          own: bool = False):
+          own: bool = False, src: torch.Tensor | None = None):
     """The result of the collective launched as ``raw``, handed out before its data
     arrives (``finish`` only views it), waited on at its first use (``_lazy``).
     ``own``: a tensor of its own over ``raw``'s memory, for a collective that gloo
@@ -109,7 +110,7 @@ def _held(raw: torch.Tensor, op: str, g: AxisGroup, finish: Callable | None = No
     if own:
         raw = raw.new_empty(0).set_(raw)
     p.early = raw if finish is None else finish(raw)
-    return _lazy.hold(p)
+    return _lazy.hold(p, src)
 
 
 def _record(op: str, g: AxisGroup, x: torch.Tensor, how: str = "",
@@ -185,10 +186,11 @@ def all_gather(x: torch.Tensor, g: AxisGroup, dim: int, lazy: bool = False) -> t
     if g.size == 1:
         return x.clone()
     _record("all_gather", g, x)
-    y = _ops.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), g.size, g.group_name)
+    send = x.movedim(dim, 0).contiguous()
+    y = _ops.all_gather_into_tensor(send, g.size, g.group_name)
     if _defer.pending is None:
         if lazy and g.order is None and _waits.allow and _lazy.ready():
-            return _held(y, "all_gather", g, lambda y: y.movedim(0, dim), True)
+            return _held(y, "all_gather", g, lambda y: y.movedim(0, dim), True, send)
         return _blocks_from_group_order(_wait(y, "all_gather", g), g).movedim(0, dim)
     return _finish(y, "all_gather", g, lambda y: _blocks_from_group_order(y, g).movedim(0, dim),
                    view=g.order is None)
@@ -204,7 +206,7 @@ def reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int, lazy: bool = False) 
     r = _ops.reduce_scatter_tensor(y, "sum", g.size, g.group_name)
     if _defer.pending is None:
         if lazy and _waits.allow and _lazy.ready():
-            return _held(r, "reduce_scatter", g, lambda r: r.movedim(0, dim), True)
+            return _held(r, "reduce_scatter", g, lambda r: r.movedim(0, dim), True, y)
         return _wait(r, "reduce_scatter", g).movedim(0, dim)
     return _finish(r, "reduce_scatter", g, lambda r: r.movedim(0, dim))
 
@@ -246,8 +248,9 @@ def permute(x: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...],
         flat = flat[:0]
     if me in src:
         recv[g.group_rank(src[me])] = n
-    y = _ops.all_to_all_single(flat.contiguous(), recv, send, g.group_name)
+    flat = flat.contiguous()
+    y = _ops.all_to_all_single(flat, recv, send, g.group_name)
     if me in src and lazy and _waits.allow and _lazy.ready():
-        return _held(y, "permute", g, lambda y: y.view(x.shape))
+        return _held(y, "permute", g, lambda y: y.view(x.shape), src=flat)
     y = _wait(y, "permute", g)
     return y.view(x.shape) if me in src else torch.zeros_like(x)

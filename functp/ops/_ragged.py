@@ -31,6 +31,7 @@ from . import _context
 from . import _ops
 from . import _primitives as prim
 from ._collectives import AxisName, _group, _need_tensor
+from ..runtime import _crosscheck
 from ..runtime._errors import ShardingError
 from ..mesh._mesh import AxisGroup, group_of
 
@@ -202,8 +203,11 @@ def ragged_all_to_all(operand: torch.Tensor, output: torch.Tensor, input_offsets
     Backward: the same exchange reversed (``operand``'s gradient gathered from the
     rows' destinations; ``output``'s gradient zero where rows landed). Host syncs:
     one for the sizes when any argument is a tensor or ``recv_offsets`` is missing;
-    none with lists and ``recv_offsets``. Bad sizes (a run outside ``operand`` or
-    ``output``, counts the peers do not agree on) raise ``ShardingError``; with the
+    none with lists and ``recv_offsets`` (then the peers' sizes are exchanged and
+    compared only in the check mode, ``FUNCTP_DEBUG=1``: a run the receiver does not
+    expect cannot be seen without that exchange). Bad sizes (a run outside
+    ``operand`` or ``output``, counts the peers do not agree on, ``recv_offsets``
+    other than the senders' ``output_offsets``) raise ``ShardingError``; with the
     check mode on, on every rank. Example (2 ranks, rank 0 sends 1 row to rank 1)::
 
         out = functp.ragged_all_to_all(x, buf, [0, 0], [0, 1], [0, 2], [0, 0], "ep")
@@ -248,8 +252,23 @@ def _sizes(args, recv_offsets, g: AxisGroup):
     host sync (and one small all-to-all when the landing offsets are not given): each
     rank learns its peers' ``output_offsets`` and ``send_sizes`` for it."""
     n = g.size
-    if recv_offsets is not None and not any(isinstance(a, torch.Tensor) for a in args):
-        return (*args, list(recv_offsets))
+    if recv_offsets is not None:
+        recv_offsets = _ints(recv_offsets, n, "recv_offsets")
+        if isinstance(recv_offsets, torch.Tensor):
+            recv_offsets = recv_offsets.tolist()
+    if (recv_offsets is not None and not _crosscheck.ENABLED
+            and not any(isinstance(a, torch.Tensor) for a in args)):
+        return (*args, recv_offsets)
+    if recv_offsets is not None and _crosscheck.ENABLED:
+        # the check mode: the sizes exchanged as without recv_offsets, and compared
+        *sizes, land = _sizes(args, None, g)
+        if land != [recv_offsets[j] if sizes[3][j] else land[j] for j in range(n)]:
+            raise ShardingError(
+                f"functp.ragged_all_to_all over {g.axes}: recv_offsets {recv_offsets} "
+                f"(where rank {g.index} writes the rows from each peer) differ from the "
+                f"peers' output_offsets for it, {land}; pass the plan's own recv_offsets "
+                f"(functp.ragged_offsets) or leave them out [FUNCTP_DEBUG check]")
+        return (*sizes, recv_offsets)
     mine = torch.stack([torch.as_tensor(a, dtype=torch.int64).reshape(-1) for a in args], 1)
     if recv_offsets is None:
         # row j (my send, output offset and recv for peer j) goes to peer j: each side

@@ -12,6 +12,7 @@ Values are registered style names (``functp.parallel._styles``) or ``functp.Styl
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
 import warnings
@@ -27,6 +28,7 @@ from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import peek_interpreter_stack
 from ..mesh._mesh import Mesh
 from ..mesh._layout import uneven
+from ..mapping._remat import recompute_within, reparametrized
 from ..mapping._sharding import unshard
 from ..mesh._spec import P, normalize_spec
 from ._fsdp_style import FullyShard
@@ -226,8 +228,9 @@ class Parallelized:
                 f"inside itself; call it once per forward")
         state.params, state.exits = params, []
         try:
-            return functional_call(self.module, call_params, args, kwargs,
-                                   tie_weights=True, strict=False)
+            with recompute_within(self._again(params, call_params)):
+                return functional_call(self.module, call_params, args, kwargs,
+                                       tie_weights=True, strict=False)
         except ShardingError:
             raise
         except (RuntimeError, ValueError, IndexError) as e:
@@ -237,6 +240,26 @@ class Parallelized:
             state.params, state.exits, state.stacks = None, None, {}
             for fn in reversed(exits):
                 fn()
+
+    def _again(self, params: dict, call_params: dict):
+        """For a ``functp.checkpoint`` inside the module, whose recompute runs in the
+        backward, after this call returned: the call's parameters swapped in again
+        (each through the recompute's ``swap``) and the hooks on while it runs."""
+        @contextlib.contextmanager
+        def enter(swap):
+            state = self._call
+            was = state.params, state.exits, state.stacks
+            state.params, state.exits, state.stacks = (
+                {k: swap(v) for k, v in params.items()}, [], {})
+            try:
+                with reparametrized(self.module, call_params, swap):
+                    yield
+            finally:
+                exits = state.exits
+                state.params, state.exits, state.stacks = was
+                for fn in reversed(exits):
+                    fn()
+        return enter
 
     def _failed(self, e: BaseException) -> ShardingError:
         """A raw error from inside the module under the plan, as a ShardingError

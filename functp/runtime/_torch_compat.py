@@ -108,6 +108,8 @@ SingleLevelFunction = _need("torch.autograd.function._SingleLevelFunction",
                             "a collective's rule at one torch.func level")
 will_engine_execute_node = _need("torch._C._will_engine_execute_node",
                                  "whether this backward reaches a body's entry (gradient buckets)")
+reparametrize_module = _need("torch.nn.utils.stateless._reparametrize_module",
+                             "functp.checkpoint's recompute inside functional_call")
 top_saved_tensors_hooks = _need("torch._C._autograd._top_saved_tensors_default_hooks",
                                 "whether FSDP's free_full_weight runs inside other "
                                 "saved-tensor hooks (a checkpointed region)")

@@ -15,8 +15,10 @@ random number generators and the default dtype, so ``torch.manual_seed(0)`` then
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import re
 import random
 import threading
 import time
@@ -24,13 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from ._errors import ShardingError
+from ._errors import ShardingError, first_line
 
 # where functp's own code lives: frames from here are functp's, not the user's (the check
 # mode's call sites, simulate's stuck-rank report, estimate's host reads)
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from ._torch_compat import (c10d_functional as _c10d, cpu_group, forward_ad,
-                            gloo_backend, set_group_timeout, unregister_process_group)
+from ._torch_compat import (backend_timeout, c10d_functional as _c10d, cpu_group,
+                            forward_ad, gloo_backend, set_group_timeout,
+                            unregister_process_group)
 
 # True while some simulate() runs: the one test the hot path pays for waits
 SIMULATING = False
@@ -262,6 +265,41 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     finally:
         run.waiting[me] = None
         run.hold(me)
+
+
+def _world_timeout() -> str:
+    """How long the world group waits, as words (the message of a lost peer)."""
+    try:
+        t = (_local.run.timeout if _local.run is not None
+             else backend_timeout(dist.group.WORLD, device().type))
+        return f"{t.total_seconds():g} s"
+    except Exception:         # noqa: BLE001 - the timeout is a courtesy in a message
+        return "the process group's timeout"
+
+
+@contextlib.contextmanager
+def peers(what: str, peer: int | None = None, cls: type = ShardingError):
+    """Around a world-group operation (``what``, as the user called it): a backend's
+    error from waiting on the others (gloo's "Timed out waiting ...", "Connection
+    closed by peer") raised as ``cls`` naming the operation, the ``peer`` it waited
+    for (when known) and the timeout, as a failed collective's is. Example::
+
+        with peers("functp.print_ranks"):
+            texts = all_gather_bytes(data)
+    """
+    try:
+        yield
+    except RuntimeError as e:    # (functp's own errors are ValueErrors: passed on)
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e))[:200] or type(e).__name__
+        who = f"rank {peer}" if peer is not None else "a rank"
+        err = cls(
+            f"{what} failed: {reason}. It waits for every rank of the world, and {who} "
+            f"did not join it within the timeout ({_world_timeout()}), or exited: check "
+            f"that every rank calls {what} at the same point of the program and that "
+            f"none raised or returned before it (its own error says why); "
+            f"make_mesh(..., timeout=seconds) sets how long to wait")
+        err.__functp_agreed__ = True     # (past agreeing: a peer is gone)
+        raise err from e
 
 
 def broadcast(t: torch.Tensor, src: int) -> torch.Tensor:

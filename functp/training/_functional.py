@@ -6,6 +6,8 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
+from ..mapping._remat import recompute_within, reparametrized
+
 __all__ = ["functionalize"]
 
 
@@ -31,13 +33,17 @@ def functionalize(module: torch.nn.Module, *, with_buffers: bool = False):
     params = {k: v.detach() for k, v in module.named_parameters()}
     if not with_buffers:
         def apply(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any):
-            return functional_call(module, params, args, kwargs, tie_weights=True, strict=False)
+            # (a functp.checkpoint inside the module swaps them in again to recompute)
+            with recompute_within(lambda swap: reparametrized(module, params, swap)):
+                return functional_call(module, params, args, kwargs, tie_weights=True,
+                                       strict=False)
         return apply, params
 
     buffers = {k: v.detach() for k, v in module.named_buffers()}
 
     def apply_b(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                 *args: Any, **kwargs: Any):
-        return functional_call(module, (params, buffers), args, kwargs, tie_weights=True,
-                               strict=False)
+        with recompute_within(lambda swap: reparametrized(module, (params, buffers), swap)):
+            return functional_call(module, (params, buffers), args, kwargs, tie_weights=True,
+                                   strict=False)
     return apply_b, params, buffers
