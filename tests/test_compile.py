@@ -8,6 +8,7 @@ import torch
 
 import functp
 from functp import P
+from functp.runtime import _torch_compat
 from _oracle import assert_tree_close, randn
 
 GLOO = True     # gloo processes: compiled graphs wait on collectives inside, where
@@ -544,11 +545,22 @@ def _compiled_hf_body(model_type: str, shape: tuple, names: tuple, paths: tuple,
             f"step {log.summary()}")
 
 
+# torch 2.11/2.12 answer torch.compiler.is_compiling() false where Dynamo runs a vma body's
+# Python on fake tensors; transformers' mask code asks it and takes its data-dependent
+# branch there (GuardOnDataDependentSymNode). functp cannot answer for torch without
+# patching it: compiling a transformers model's step needs torch 2.13 (docs/fast.md).
+_NEEDS_213 = pytest.mark.skipif(
+    not _torch_compat.SESSION_IS_COMPILING,
+    reason="transformers' mask code compiles inside a vma body from torch 2.13 on")
+
+
+@_NEEDS_213
 def test_inductor_compiles_a_transformers_llama_through_parallelize_tp2(run):
     run(2, _compiled_hf_body, "llama", (2,), ("tp",),
         ("torch.func.grad", "functp.value_and_grad", "tape"), timeout=900)
 
 
+@_NEEDS_213
 def test_inductor_compiles_a_transformers_llama_through_parallelize_dp2_tp2(run):
     run(4, _compiled_hf_body, "llama", (2, 2), ("dp", "tp"), ("torch.func.grad",),
         timeout=900)
@@ -558,5 +570,6 @@ def test_inductor_compiles_a_check_vma_false_body_of_gpt2(run):
     run(2, _compiled_hf_body, "gpt2", (2,), ("tp",), ("tape",), False, timeout=900)
 
 
+@_NEEDS_213
 def test_inductor_compiles_a_tied_sliding_window_gemma3_through_parallelize_tp2(run):
     run(2, _compiled_hf_body, "gemma3_text", (2,), ("tp",), ("torch.func.grad",), timeout=900)

@@ -288,7 +288,12 @@ CheckpointException = _need("torch.distributed.checkpoint.api.CheckpointExceptio
 # on fake tensors; 2.11 and 2.12 answer true only inside what Dynamo traces itself (a
 # vma body's check-mode exchange then ran on fake tensors and failed to compile). There,
 # the session's compile id answers instead.
-if hasattr(torch.compiler, "_compile_session_context"):     # torch >= 2.13
+# transformers asks the same question (``is_torchdynamo_compiling``) to keep its mask code
+# off data-dependent branches, so on 2.11/2.12 a transformers model's vma body does not
+# compile (GuardOnDataDependentSymNode in its padding-mask check): SESSION_IS_COMPILING
+# says whether this torch answers for the whole session.
+SESSION_IS_COMPILING = hasattr(torch.compiler, "_compile_session_context")   # torch >= 2.13
+if SESSION_IS_COMPILING:
     is_compiling = torch.compiler.is_compiling              # an alias: asked per collective
 else:
     _compile_id = _need("torch._guards.CompileContext.current_compile_id",
