@@ -207,27 +207,9 @@ class Sink:
         return True
 
     def _layout(self) -> None:
-        """The buckets, from the inputs' order (the same on every rank); the gradients
-        no node of this backward will send counted as zeros at once."""
-        cfg = _get()
-        first, cap = cfg["first_bucket_mb"] * 2**20, cfg["bucket_mb"] * 2**20
-        plan = []
-        for _, key in sorted((group_of(k).axes, k) for k in self.members):
-            by_dtype: dict = {}
-            for j in reversed(self.members[key]):
-                by_dtype.setdefault(str(self.meta[j][1]), []).append(j)
-            for _, js in sorted(by_dtype.items()):
-                cur, size, lim = [], 0, first
-                for j in js:
-                    cur.append(j)
-                    size += self.meta[j][3]
-                    if size >= lim:
-                        plan.append((key, cur))
-                        cur, size, lim = [], 0, cap
-                if cur:
-                    plan.append((key, cur))
-        # (a stable sort: the bucket whose last gradient comes soonest goes first)
-        plan.sort(key=lambda b: -min(b[1]))
+        """The buckets (:meth:`_cut`); the gradients no node of this backward will
+        send counted as zeros at once."""
+        plan = self._cut(_get())
         self.plan, self.left = plan, [len(js) for _, js in plan]
         for b, (key, js) in enumerate(plan):
             nodes = self.nodes[key]
@@ -239,6 +221,34 @@ class Sink:
                     self.left[b] -= 1
         self._advance()
 
+    def _cut(self, cfg: dict) -> list:
+        """``[(group key, [inputs])]`` in launch order, from the inputs' order alone
+        (the same on every rank): per group (by its axes) and dtype, the inputs last to
+        first, cut at ``bucket_mb``; the bucket whose last gradient comes soonest first."""
+        streams = []
+        for _, key in sorted((group_of(k).axes, k) for k in self.members):
+            by_dtype: dict = {}
+            for j in reversed(self.members[key]):
+                by_dtype.setdefault(str(self.meta[j][1]), []).append(j)
+            streams += [(key, js) for _, js in sorted(by_dtype.items())]
+        # the first bucket (DDP's small one, launched early) is that of the stream whose
+        # gradients come first: the one holding the last input
+        lead = max(range(len(streams)), key=lambda s: streams[s][1][0], default=0)
+        plan = []
+        for s, (key, js) in enumerate(streams):
+            cur, size = [], 0
+            lim = (cfg["first_bucket_mb"] if s == lead else cfg["bucket_mb"]) * 2**20
+            for j in js:
+                cur.append(j)
+                size += self.meta[j][3]
+                if size >= lim:
+                    plan.append((key, cur))
+                    cur, size, lim = [], 0, cfg["bucket_mb"] * 2**20
+            if cur:
+                plan.append((key, cur))
+        plan.sort(key=lambda b: -min(b[1]))      # (stable: ties keep the streams' order)
+        return plan
+
     def _advance(self) -> None:
         while self.next < len(self.plan) and self.left[self.next] == 0:
             self._launch(*self.plan[self.next])
@@ -248,6 +258,7 @@ class Sink:
         cts = []
         for j in js:
             ct = self.got[(j, key)]
+            self.got[(j, key)] = None     # (the bucket holds it now: freed once sent)
             if ct is None:
                 shape, dtype, device, _ = self.meta[j]
                 ct = torch.zeros(shape, dtype=dtype, device=device)
