@@ -275,16 +275,17 @@ def _qwen3_moe_16_experts():
     # a dp2 x tp2 mesh the experts each dp shard's tokens reach differ
     import test_hf_models as hf
     prev = hf.TINY
-    hf.TINY = {**prev, "num_experts": 16}
+    hf.TINY = {**prev, "num_experts": 16, "num_local_experts": 16}   # (either name)
     try:
         return hf._survey("qwen3_moe", (2, 2), ("dp", "tp"))
     finally:
         hf.TINY = prev
 
 
-def test_qwen3_moe_under_tp_and_dp_runs_exact_with_the_check_on(run):
+def test_qwen3_moe_under_tp_and_dp_runs_exact_with_the_check_on():
     # on main: "ranks disagree ... backward all_reduce(sum) over ('dp', 'tp')" on
-    # ranks [0, 1] against "over ('tp',)" on ranks [2, 3]
-    for r, (outcome, detail) in enumerate(run(4, _qwen3_moe_16_experts)):
+    # ranks [0, 1] against "over ('tp',)" on ranks [2, 3] (under simulate, which has the
+    # check on by default, as the issue found it)
+    for r, (outcome, detail) in enumerate(functp.simulate(_qwen3_moe_16_experts, 4, check=True)):
         assert outcome == "ran", f"rank {r}: {detail}"
         assert detail[0] < 1e-10, f"rank {r}: {detail}"
