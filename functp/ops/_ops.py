@@ -324,8 +324,9 @@ def _pvary_raw(xs, group, sum_mode):
 
 
 def _pvary_ctx(ctx, args, output):
-    xs, ctx.group, ctx.sum_mode = args
-    ctx.xs = [(x.shape, x.dtype, x.device) for x in xs]
+    # (the inputs, not saved for backward: only their shapes are read, for the zeros
+    # of an unused output; a list kept as it is costs no call on every step)
+    ctx.xs, ctx.group, ctx.sum_mode = args
     ctx.set_materialize_grads(False)
 
 
@@ -337,9 +338,8 @@ def _pvary_bwd(ctx, *cts):
     # them has nothing to send, and no peer that shares its program or data does.
     needs = ctx.needs_input_grad[-len(cts):]
     want = [i for i, c in enumerate(cts) if c is not None and needs[i]]
-    if want and len(want) < sum(needs):
-        cts = [c if c is not None or not needs[i] else
-               torch.zeros(ctx.xs[i][0], dtype=ctx.xs[i][1], device=ctx.xs[i][2])
+    if want and None in cts:          # (an operator, not a call: most steps pass here)
+        cts = [c if c is not None or not needs[i] else torch.zeros_like(ctx.xs[i])
                for i, c in enumerate(cts)]
         want = [i for i, c in enumerate(cts) if c is not None and needs[i]]
     grads: list[Any] = [None] * len(cts)
