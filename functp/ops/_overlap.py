@@ -177,8 +177,7 @@ class Sink:
         """Launches ``launch()`` (a collective of ``ct``, the gradient of input ``j``)
         without waiting, its result added to input ``j``'s gradient at the entry;
         False (nothing launched) where this backward cannot defer."""
-        if not (not _ops._differentiated(ct) and _level_ok()
-                and will_engine_execute_node(self.node)):
+        if not self._defers(ct):
             return False
         with prim.deferring() as pending:
             out = launch()
