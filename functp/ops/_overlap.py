@@ -235,7 +235,7 @@ class Sink:
         lead = max(range(len(streams)), key=lambda s: streams[s][1][0], default=0)
         plan = []
         for s, (key, js) in enumerate(streams):
-            cur, size = [], 0
+            cur, size, start = [], 0, len(plan)
             lim = (cfg["first_bucket_mb"] if s == lead else cfg["bucket_mb"]) * 2**20
             for j in js:
                 cur.append(j)
@@ -243,7 +243,9 @@ class Sink:
                 if size >= lim:
                     plan.append((key, cur))
                     cur, size, lim = [], 0, cfg["bucket_mb"] * 2**20
-            if cur:
+            if cur and size < lim / 2 and len(plan) > start:
+                plan[-1][1].extend(cur)    # (a small remainder, e.g. the first input's
+            elif cur:                      # bias, rides with the stream's bucket before it)
                 plan.append((key, cur))
         plan.sort(key=lambda b: -min(b[1]))      # (stable: ties keep the streams' order)
         return plan
