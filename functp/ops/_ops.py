@@ -324,15 +324,24 @@ def _pvary_raw(xs, group, sum_mode):
 
 
 def _pvary_ctx(ctx, args, output):
-    _, ctx.group, ctx.sum_mode = args
+    # (the inputs, not saved for backward: only their shapes are read, for the zeros
+    # of an unused output; a list kept as it is costs no call on every step)
+    ctx.xs, ctx.group, ctx.sum_mode = args
     ctx.set_materialize_grads(False)
 
 
 def _pvary_bwd(ctx, *cts):
     # the cotangents of every differentiated input, summed in one all-reduce per
-    # dtype (a gradient bucket, as DDP does); unused outputs add nothing
+    # dtype (a gradient bucket, as DDP does). An output this rank did not use (an
+    # expert no token reached here) adds zeros, so that the bucket holds the same
+    # inputs on every rank (DDP's find_unused_parameters); a rank that used none of
+    # them has nothing to send, and no peer that shares its program or data does.
     needs = ctx.needs_input_grad[-len(cts):]
     want = [i for i, c in enumerate(cts) if c is not None and needs[i]]
+    if want and None in cts:          # (an operator, not a call: most steps pass here)
+        cts = [c if c is not None or not needs[i] else torch.zeros_like(ctx.xs[i])
+               for i, c in enumerate(cts)]
+        want = [i for i, c in enumerate(cts) if c is not None and needs[i]]
     grads: list[Any] = [None] * len(cts)
     summed = bucketed_psum([cts[i] for i in want], ctx.group, ctx.sum_mode)
     if ctx.sum_mode and want and _differentiated(cts[want[0]]):

@@ -12,9 +12,11 @@ Launch points:
 - a replicated input's vma alias (the ``pvary`` whose transpose is the gradient
   all-reduce) passes, at its first use in the body, through ``functp::grad_ready``
   (:func:`ready_point`). Made there, its node runs as soon as that gradient is
-  complete; its backward adds the gradient to an open bucket of its group and dtype,
-  and launches the bucket's all-reduce once it holds ``bucket_mb`` (the first one:
-  ``first_bucket_mb``, as DDP does) or once every alias's gradient has arrived.
+  complete; its backward adds the gradient to its bucket. The buckets are cut from
+  the inputs' order (reversed, per group and dtype: ``bucket_mb`` each, the first
+  ``first_bucket_mb``, as DDP does), never from the order a rank used them in, and
+  launched in that order, each once its gradients are in (a gradient this rank will
+  not send counts as zeros): every rank pairs the same inputs (see :class:`Sink`).
 - an ``all_gather`` of such an input (FSDP): the reduce-scatter of its backward is
   launched there and waited on at the entry (``_ops._ag_bwd`` asks the input's sink).
 
@@ -33,12 +35,14 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 
 import torch
 
 from . import _context, _lazy
 from . import _ops
 from . import _primitives as prim
+from ..mesh._mesh import group_of
 from ..runtime import _compile, _world
 from ..runtime._torch_compat import (TransformGrad, layer_stack_depth, peek_interpreter_stack,
                             will_engine_execute_node)
@@ -48,6 +52,7 @@ __all__ = ["set_overlap"]
 SINK = "_functp_sink"          # an entry output's __dict__ key: (its Sink, its index)
 _TENSORS = (torch.Tensor, torch.nn.Parameter)     # the inputs that may get a sink
 _READY = "_functp_ready"       # a grad_ready output's: made once per alias
+_VMA = "_functp_vma"           # a tensor's vma tag, (run, axes) (``_vma``, which imports this)
 
 # the settings, read at each launch: the process's, or a simulated rank's own (set in
 # its thread, as a process under torchrun sets its own)
@@ -118,23 +123,53 @@ def _level_ok() -> bool:
 
 
 class Sink:
-    """The backward state of one body's entry: open buckets, launched collectives, and
-    the results each input's gradient still gets."""
+    """The backward state of one body's entry: its gradient buckets, launched
+    collectives, and the results each input's gradient still gets.
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    The buckets do not depend on the order in which a rank used its inputs (experts
+    run in the order their tokens arrive), nor on whether it used them at all: they
+    are cut from the inputs' own order (reversed, as DDP cuts them from the
+    parameters': the last used fill first), per group and dtype, and launched in that
+    order. A group's stream holds every input replicated over its axes (each of them
+    has an alias over it), so an input this rank did not use (an expert no token
+    reached) adds a zero gradient, as DDP's ``find_unused_parameters`` does, and the
+    all-reduce pairs the same inputs on every rank. A group takes part once some input
+    used its alias here; its peers, holding the same data or the same program, do too."""
+
+    def __init__(self, local: list) -> None:
+        self.n = len(local)
         self.node = None        # the entry's autograd node
-        self.expected = 0       # grad_ready points made in the forward
+        self.outs: list = []    # weak references to the entry's outputs (their vma tags)
+        self.meta = [(x.shape, x.dtype, x.device, x.nbytes) for x in local]
+        self.members: dict = {}  # group key -> the inputs replicated over its axes
+        self.nodes: dict = {}    # group key -> {input: its grad_ready node}
         self.reset()
 
     def reset(self) -> None:
         self.extra: list = [[] for _ in range(self.n)]   # per input: deferred results
-        self.open: dict = {}          # (group key, dtype) -> [[(index, gradient)], bytes]
         self.pending: list = []       # prim.Pending, in launch order
-        self.launched = 0             # buckets launched in this backward
-        self.fired = 0                # grad_ready backwards run in this backward
+        self.deferring = None         # decided at this backward's first gradient
+        self.got: dict = {}           # (input, group key) -> its gradient (None: zero)
+        self.plan = None              # [(group key, [inputs])], in launch order
+        self.left: list = []          # per bucket: gradients still to come
+        self.where: dict = {}         # (input, group key) -> its bucket
+        self.next = 0                 # the next bucket to launch
 
-    def _defers(self, ct: torch.Tensor) -> bool:
+    def ready(self, j: int, key: str, node) -> None:
+        """In the forward: input ``j``'s alias over group ``key`` got its launch point
+        ``node``; the first one of a group enrols every input replicated over it."""
+        if key not in self.members:
+            axes = group_of(key).axis_set
+            tags = [r() for r in self.outs]
+            self.members[key] = [i for i, y in enumerate(tags) if y is not None
+                                 and _VMA in y.__dict__ and not axes & y.__dict__[_VMA][1]]
+            self.nodes[key] = {}
+        self.nodes[key][j] = node
+
+    def _defers(self, ct: torch.Tensor | None) -> bool:
+        if ct is None:      # (no gradient reached this rank's launch points)
+            return (_level_ok() and will_engine_execute_node(self.node)
+                    and (not torch.is_grad_enabled() or peek_interpreter_stack() is not None))
         return (not _ops._differentiated(ct) and _level_ok()
                 and will_engine_execute_node(self.node))
 
@@ -150,60 +185,105 @@ class Sink:
         self.extra[j].append(out)
         return True
 
-    def add(self, j: int, key: str, ct: torch.Tensor) -> bool:
-        """Adds the gradient ``ct`` of input ``j``'s alias over group ``key`` to a
-        bucket (launched once full); False where this backward cannot defer."""
-        if not self._defers(ct):
-            self.fired += 1
+    def add(self, j: int, key: str, ct: torch.Tensor | None) -> bool:
+        """Input ``j``'s gradient ``ct`` through its alias over group ``key`` (None: no
+        gradient came) joins its bucket, launched once it and every bucket before it
+        are complete; False where this backward cannot defer (``ct`` is passed on)."""
+        if self.deferring is None:
+            if ct is None:
+                self.got[(j, key)] = None     # (counted once the plan is made)
+                return True
+            self.deferring = self._defers(ct)
+            if self.deferring:
+                self._layout()
+        if not self.deferring:
             return False
-        b = self.open.setdefault((key, ct.dtype), [[], 0])
-        b[0].append((j, ct))
-        b[1] += ct.numel() * ct.element_size()
-        cfg = _get()
-        cap = cfg["first_bucket_mb"] if self.launched == 0 else cfg["bucket_mb"]
-        if b[1] >= cap * 2**20:
-            self._launch((key, ct.dtype))
-        self.arrived()
+        slot = (j, key)
+        if slot not in self.got:
+            self.got[slot] = ct
+            self.left[self.where[slot]] -= 1
+            self._advance()
         return True
 
-    def arrived(self) -> None:
-        """One alias's gradient is in (or none will come); once every alias's is, the
-        open buckets need not wait for more."""
-        self.fired += 1
-        if self.fired == self.expected and self.open:
-            self.flush()
+    def _layout(self) -> None:
+        """The buckets (:meth:`_cut`); the gradients no node of this backward will
+        send counted as zeros at once."""
+        plan = self._cut(_get())
+        self.plan, self.left = plan, [len(js) for _, js in plan]
+        for b, (key, js) in enumerate(plan):
+            nodes = self.nodes[key]
+            for j in js:
+                self.where[(j, key)] = b
+                node = nodes.get(j)
+                if (j, key) in self.got or node is None or not will_engine_execute_node(node):
+                    self.got[(j, key)] = None
+                    self.left[b] -= 1
+        self._advance()
 
-    def _launch(self, k) -> None:
-        items = self.open.pop(k)[0]
+    def _cut(self, cfg: dict) -> list:
+        """``[(group key, [inputs])]`` in launch order, from the inputs' order alone
+        (the same on every rank): per group (by its axes) and dtype, the inputs last to
+        first, cut at ``bucket_mb``; the bucket whose last gradient comes soonest first."""
+        streams = []
+        for _, key in sorted((group_of(k).axes, k) for k in self.members):
+            by_dtype: dict = {}
+            for j in reversed(self.members[key]):
+                by_dtype.setdefault(str(self.meta[j][1]), []).append(j)
+            streams += [(key, js) for _, js in sorted(by_dtype.items())]
+        # the first bucket (DDP's small one, launched early) is that of the stream whose
+        # gradients come first: the one holding the last input
+        lead = max(range(len(streams)), key=lambda s: streams[s][1][0], default=0)
+        plan = []
+        for s, (key, js) in enumerate(streams):
+            cur, size, start = [], 0, len(plan)
+            lim = (cfg["first_bucket_mb"] if s == lead else cfg["bucket_mb"]) * 2**20
+            for j in js:
+                cur.append(j)
+                size += self.meta[j][3]
+                if size >= lim:
+                    plan.append((key, cur))
+                    cur, size, lim = [], 0, cfg["bucket_mb"] * 2**20
+            if cur and size < lim / 2 and len(plan) > start:
+                plan[-1][1].extend(cur)    # (a small remainder, e.g. the first input's
+            elif cur:                      # bias, rides with the stream's bucket before it)
+                plan.append((key, cur))
+        plan.sort(key=lambda b: -min(b[1]))      # (stable: ties keep the streams' order)
+        return plan
+
+    def _advance(self) -> None:
+        while self.next < len(self.plan) and self.left[self.next] == 0:
+            self._launch(*self.plan[self.next])
+            self.next += 1
+
+    def _launch(self, key: str, js: list) -> None:
+        cts = []
+        for j in js:
+            ct = self.got[(j, key)]
+            self.got[(j, key)] = None     # (the bucket holds it now: freed once sent)
+            if ct is None:
+                shape, dtype, device, _ = self.meta[j]
+                ct = torch.zeros(shape, dtype=dtype, device=device)
+            cts.append(ct)
         with prim.deferring() as pending:
-            summed = _ops.bucketed_psum([ct for _, ct in items], k[0], False)
+            summed = _ops.bucketed_psum(cts, key, False)
         self.pending.extend(pending)
-        self.launched += 1
-        for (j, _), s in zip(items, summed):
+        for j, s in zip(js, summed):
             self.extra[j].append(s)
 
-    def flush(self) -> None:
-        for k in list(self.open):
-            self._launch(k)
-
     def finish(self, cts) -> list:
-        """At the entry's backward: the open buckets launched, every deferred collective
-        waited on (in launch order), each input's gradient with its results added."""
-        self.flush()
+        """At the entry's backward: the buckets not yet launched launched (with zeros
+        for the gradients that never came), every deferred collective waited on (in
+        launch order), each input's gradient with its results added."""
         try:
-            for i, p in enumerate(self.pending):
-                try:
-                    p.wait()
-                except Exception:
-                    # the first failure is the step's error; the later buckets are
-                    # waited on too (they fail at once on a broken group), so that none
-                    # is left registered with c10d as never waited on
-                    for q in self.pending[i + 1:]:
-                        try:
-                            q.wait()
-                        except Exception:       # noqa: BLE001 - reported: the first
-                            pass
-                    raise
+            if self.deferring is None and self.members:
+                self.deferring = self._defers(next((c for c in cts if c is not None), None))
+                if self.deferring:
+                    self._layout()
+            if self.deferring:
+                while self.next < len(self.plan):
+                    self._launch(*self.plan[self.next])
+                    self.next += 1
+            _wait_all(self.pending)
             grads = []
             for ct, extra in zip(cts, self.extra):
                 for t in extra:
@@ -212,6 +292,22 @@ class Sink:
             return grads
         finally:
             self.reset()      # (a retained graph's next backward starts afresh)
+
+
+def _wait_all(pending: list) -> None:
+    """Waits on each, in order; the first failure is the step's error, the later ones
+    are waited on too (they fail at once on a broken group), so that none is left
+    registered with c10d as never waited on."""
+    for i, p in enumerate(pending):
+        try:
+            p.wait()
+        except Exception:
+            for q in pending[i + 1:]:
+                try:
+                    q.wait()
+                except Exception:       # noqa: BLE001 - reported: the first
+                    pass
+            raise
 
 
 # The ops take an int token for their Sink (a schema has no place for an object);
@@ -259,9 +355,7 @@ def _ready_ctx(ctx, args, output):
 
 
 def _ready_bwd(ctx, ct):
-    if ct is None:
-        ctx.sink.arrived()
-    elif ctx.sink.add(ctx.j, ctx.key, ct):
+    if ctx.sink.add(ctx.j, ctx.key, ct):
         return None, None
     return ct, None
 
@@ -302,13 +396,14 @@ def enter(local: list) -> None:
     if (not torch.is_grad_enabled() or _context.active() or _compile.tracing()
             or not _level_ok()):
         return
-    sink = Sink(len(idx))
+    sink = Sink([local[i] for i in idx])
     token = _put(sink)
     try:
         outs = overlap_entry([local[i] for i in idx], token)
     finally:
         del _by_token[token]
     sink.node = outs[0].grad_fn
+    sink.outs = [weakref.ref(y) for y in outs]
     for j, (i, y) in enumerate(zip(idx, outs)):
         y.__dict__[SINK] = (sink, j)
         local[i] = y
@@ -326,7 +421,7 @@ def ready_point(alias: torch.Tensor, entry: torch.Tensor, key: str) -> torch.Ten
         out = grad_ready(alias, token)
     finally:
         del _by_token[token]
-    sink.expected += 1
+    sink.ready(j, key, out.grad_fn)
     out.__dict__.update(alias.__dict__)      # (its vma tag)
     out.__dict__[_READY] = True
     return out

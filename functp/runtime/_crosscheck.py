@@ -4,19 +4,23 @@ errors a failed collective turns into.
 SPMD code goes wrong quietly when ranks disagree: a collective one rank skipped pairs
 with the next one of another rank; blocks of other shapes or dtypes crash inside the
 backend or come back as garbage. In the check mode every collective (forward and
-backward) and every ``shard_map`` boundary first exchanges a five-number fingerprint
-over the whole mesh: a sequence number, a hash of what runs (collective, axes,
-direction; a boundary's leaves), a hash of the block (dtype and shape, compared within
-one process group of the collective's axes) and that group's index. Where it was
-called is not compared (the same ``psum`` in both branches of an ``if`` is the same
-collective) but is printed when ranks differ. If the fingerprints differ, the
-ranks exchange their descriptions and every rank raises the same ``ShardingError``
+backward) and every ``shard_map`` boundary first exchanges a fingerprint over the
+whole mesh: the axes of its process group (a boundary's: all), a sequence number in
+that group, a hash of what runs (collective, axes, direction; a boundary's leaves), a
+hash of the block (dtype and shape) and the rank's coordinates. Each rank is compared
+with the peers of its own group only: groups may run different numbers of
+collectives (a MoE's tensor-parallel ones follow its data-parallel shard's routing),
+and a rank whose group is done waits, exchanging again, while others finish theirs.
+Where it was called is not compared (the same ``psum`` in both branches of an ``if``
+is the same collective) but is printed when ranks differ. If a group's fingerprints
+differ, or no rank can go on (each waits for a peer that is elsewhere), the ranks
+exchange their descriptions and every rank raises the same ``ShardingError``
 naming each rank's collective and call site — before the real collective runs, so
 nothing is left half-done. A rank that never arrives (it returned early or raised)
 makes the others fail after the mesh's timeout, with the collective they waited in.
 
 Like ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, it costs an extra small all-gather per
-collective (``benchmarks/crosscheck.py`` measures it); off, it costs one flag test.
+collective (and one per extra round a waiting group takes) (``benchmarks/crosscheck.py`` measures it); off, it costs one flag test.
 Nothing is checked while ``torch.compile`` traces.
 """
 from __future__ import annotations
@@ -135,30 +139,68 @@ def _reason(e: BaseException) -> str:
 
 
 def check(check, head: str, details: tuple[str, ...] = (), block: str = "",
-          instance: int = 0) -> None:
-    """Every rank of ``check``'s group compares ``head`` (one line: what runs) and
-    ``details`` (e.g. one line per input leaf) with all others, and ``block`` (a
-    collective's dtype and shape) with the ranks of the same ``instance`` (of its
-    process group: blocks of uneven layouts differ between groups); raises on every
-    rank if they differ."""
-    seq = _seq.get(check.group_name, 0)
-    _seq[check.group_name] = seq + 1
+          axes: tuple[str, ...] | None = None) -> None:
+    """The ranks of the process group over ``axes`` (None: the whole mesh of
+    ``check``) compare ``head`` (one line: what runs), ``details`` (e.g. one line per
+    input leaf) and ``block`` (a collective's dtype and shape); raises on every rank of
+    the mesh if they differ.
+
+    Each exchange is over the whole mesh, but a rank is only held to its own group's
+    peers: where the number of a group's collectives depends on data that group
+    shares (a MoE's tensor-parallel collectives, per data-parallel shard), a group
+    that is done waits, repeating its exchange, while the others go on with theirs
+    (:func:`_verdict`). A rank whose peers are at another collective of the same
+    group, or a mesh where no rank can go on, is a disagreement."""
+    mask = _mask(check, axes)
+    name = f"{check.group_name}|{mask}"
+    seq = _seq.get(name, 0)
+    _seq[name] = seq + 1
     site = call_site()
     body = "\n".join(details)
     # (the call site is printed, never compared: the same collective reached from two
     # source lines, as in both branches of an if, is the same collective)
-    row = torch.tensor([seq, _crc(head + "\n" + body), _crc(block), instance],
+    row = torch.tensor([mask, seq, _crc(head + "\n" + body), _crc(block), *check.coordinate],
                        dtype=torch.int64, device=check.device)
     what = f"{head} {block}".rstrip()
-    table = _gather(row, check, f"{what} (check #{seq}) at {site}").view(check.size, 4)
-    same = (table[:, :2] == table[0, :2]).all()
-    for i in table[:, 3].unique():
-        rows = table[table[:, 3] == i, 2]
-        same = same & (rows == rows[0]).all()
-    if bool(same):
-        return
+    while True:
+        table = _gather(row, check, f"{what} (check #{seq}) at {site}").view(check.size, -1)
+        go, me = _verdict(table.cpu(), check)
+        if go is None:
+            break
+        if go[me]:
+            return
+    # every rank raises in this exchange, some at a group's collective, some at the
+    # mesh's: they count afresh, together, so that the mesh stays usable
+    forget(f"{check.group_name}|")
     texts = _texts(f"#{seq} {what}\n      at {site}\n{body}", check)
     raise agreed(ShardingError(_disagreement(texts, check)))
+
+
+def _mask(check, axes: tuple[str, ...] | None) -> int:
+    """The axes of a group as bits, in the mesh's order (all of them: the whole mesh)."""
+    names = check.axis_names
+    return sum(1 << i for i, a in enumerate(names) if axes is None or a in axes)
+
+
+def _verdict(table: torch.Tensor, check):
+    """From every rank's row (its group's axes as bits, sequence number, what it runs,
+    its block, its coordinates), the same answer on every rank: which ranks go on
+    (all of their group is at the same collective), and this rank's row; None when
+    ranks disagree (a peer of the same group is at another of its collectives) or no
+    rank can go on (each waits for a peer that is elsewhere)."""
+    masks, fps, coords = table[:, 0], table[:, :4], table[:, 4:]
+    if coords.shape[1] == 0:             # (a check group without coordinates: one group)
+        return (None if bool((fps != fps[0]).any()) else torch.ones(len(fps)).bool()), 0
+    me = int((coords == torch.tensor(check.coordinate)).all(-1).nonzero()[0, 0])
+    bits = ((masks[:, None] >> torch.arange(coords.shape[1])) & 1).bool()
+    # peers[r, m]: m is in r's group (the same place on every axis outside it)
+    peers = ((coords[:, None, :] == coords[None, :, :]) | bits[:, None, :]).all(-1)
+    same = (fps[:, None, :] == fps[None, :, :]).all(-1)
+    same_group = masks[:, None] == masks[None, :]
+    if bool((peers & same_group & ~same).any()):
+        return None, me
+    go = (~peers | same).all(-1)
+    return (go if bool(go.any()) else None), me
 
 
 def _texts(text: str, check) -> list[str]:
@@ -263,7 +305,7 @@ def collective(op: str, g, x: torch.Tensor) -> None:
     if _skip(x):
         return
     check(g.check, f"{_direction()} {op} over {g.axes} of", block=f"{x.dtype} {tuple(x.shape)}",
-          instance=g.instance)
+          axes=g.axes)
 
 
 def boundary(mesh, name: str, where: str, paths: list[str], leaves: list) -> None:
