@@ -34,7 +34,7 @@ def gather_group(blocks: dict[Hashable, tuple[torch.Tensor, int]], axis,
     **Arguments:** ``blocks`` – key -> (this rank's block, the dimension it is split
     on over ``axis``); ``axis`` – a mesh axis or a tuple of them; ``replicate`` – axes
     over which the blocks are replicated (HSDP): their gradient is also summed over
-    them, once for the group's flat buffer.
+    them, in the gradient buckets of the body's replicated inputs.
 
     **Returns:** key -> the whole weight (the blocks of every rank concatenated along
     their dimension, in rank order), as ``all_gather(block, axis, axis=dim,
@@ -50,10 +50,13 @@ def gather_group(blocks: dict[Hashable, tuple[torch.Tensor, int]], axis,
         by_dtype.setdefault((block.dtype, block.device), []).append(key)
     size, out = axis_size(axis), {}
     for keys in by_dtype.values():
-        parts = [blocks[k][0].reshape(-1) for k in keys]
+        # HSDP: each block through its own alias over the replicas, whose gradients the
+        # body's entry sums in its buckets with the rest of the replicated inputs (a
+        # pvary of the flat buffer instead would leave those aliases unused, and the
+        # entry's bucket, holding every replicated input on every rank, sends zeros)
+        parts = [(pvary(blocks[k][0], replicate) if replicate else blocks[k][0]).reshape(-1)
+                 for k in keys]
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)          # copy-in
-        if replicate:
-            flat = pvary(flat, replicate)
         gathered = all_gather(flat, axis, axis=0, tiled=True).view(size, -1)
         # (split, not a slice per weight: its transpose is one concatenation)
         for key, piece in zip(keys, gathered.split([p.numel() for p in parts], dim=1)):
