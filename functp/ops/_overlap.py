@@ -235,15 +235,17 @@ class Sink:
         lead = max(range(len(streams)), key=lambda s: streams[s][1][0], default=0)
         plan = []
         for s, (key, js) in enumerate(streams):
-            cur, size, start = [], 0, len(plan)
+            cur, size, start, prev = [], 0, len(plan), 0
             lim = (cfg["first_bucket_mb"] if s == lead else cfg["bucket_mb"]) * 2**20
             for j in js:
                 cur.append(j)
                 size += self.meta[j][3]
                 if size >= lim:
                     plan.append((key, cur))
-                    cur, size, lim = [], 0, cfg["bucket_mb"] * 2**20
-            if cur and size < lim / 2 and len(plan) > start:
+                    cur, size, prev, lim = [], 0, lim, cfg["bucket_mb"] * 2**20
+            # (half the bucket it would join: the first, small, bucket leaves early and
+            # keeps to itself what is not small beside it)
+            if cur and size < prev / 2 and len(plan) > start:
                 plan[-1][1].extend(cur)    # (a small remainder, e.g. the first input's
             elif cur:                      # bias, rides with the stream's bucket before it)
                 plan.append((key, cur))
