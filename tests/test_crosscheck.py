@@ -274,12 +274,8 @@ def _qwen3_moe_16_experts():
     # tests/test_hf_models.py's tiny model and exactness survey, with 16 experts: on
     # a dp2 x tp2 mesh the experts each dp shard's tokens reach differ
     import test_hf_models as hf
-    prev = hf.TINY
-    hf.TINY = {**prev, "num_experts": 16, "num_local_experts": 16}   # (either name)
-    try:
-        return hf._survey("qwen3_moe", (2, 2), ("dp", "tp"))
-    finally:
-        hf.TINY = prev
+    return hf._survey("qwen3_moe", (2, 2), ("dp", "tp"), num_experts=16,
+                      num_local_experts=16)     # (either name)
 
 
 def test_qwen3_moe_under_tp_and_dp_runs_exact_with_the_check_on():

@@ -105,8 +105,10 @@ def _types() -> list[str]:
     return out
 
 
-def _build(model_type: str):
-    config = CONFIG_MAPPING[model_type](**{**TINY, **EXTRA.get(model_type, {})})
+def _build(model_type: str, **fields):
+    # (fields: a test's own changes to TINY, passed here rather than set on the module,
+    # which simulated ranks share)
+    config = CONFIG_MAPPING[model_type](**{**TINY, **EXTRA.get(model_type, {}), **fields})
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     torch.manual_seed(0)                         # the same weights on every rank
     return cls(config).double().eval()
@@ -129,10 +131,10 @@ def _max_error(actual: dict, expected: dict, loss, ref_loss) -> tuple[float, str
     return worst
 
 
-def _survey(model_type: str, shape: tuple, names: tuple):
+def _survey(model_type: str, shape: tuple, names: tuple, **fields):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")         # transformers' notes about tiny configs
-        model = _build(model_type)
+        model = _build(model_type, **fields)
     mesh = functp.make_mesh(shape, names)
     dp = "dp" if "dp" in names else None
     g = torch.Generator().manual_seed(0)

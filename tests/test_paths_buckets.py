@@ -96,12 +96,7 @@ def _longcat_dp2_tp2():
     # tests/test_hf_models.py's tiny model and exactness survey; every token picks 4
     # of 4 routed and 256 identity experts, so a dp shard may reach no routed expert
     import test_hf_models as hf
-    prev = hf.TINY
-    hf.TINY = {**prev, "num_experts_per_tok": 4}
-    try:
-        return hf._survey("longcat_flash", (2, 2), ("dp", "tp"))
-    finally:
-        hf.TINY = prev
+    return hf._survey("longcat_flash", (2, 2), ("dp", "tp"), num_experts_per_tok=4)
 
 
 def test_longcat_flash_on_dp2_tp2_is_exact(run):
