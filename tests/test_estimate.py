@@ -264,22 +264,60 @@ def test_bad_arguments():
         functp.estimate(lambda: None, 4, ranks=[4])
 
 
-def test_host_reads_name_the_line():
-    def reads_a_value():
-        x = torch.randn(4)
-        return int(x.sum().item())           # the line the error names
+def test_host_reads_are_answered_by_the_rules_and_listed():
+    def reads_values(w):
+        x = torch.arange(6.0)                       # made by the program: known
+        known = int(x.sum().item())
+        unknown = (torch.randn(512, 256) @ w).sum().item()     # too large to compute
+        mine = bool((torch.randn(512, 256) @ w).max() > 0)
+        picked = torch.randn(512, 256).nonzero().shape[0]      # a value-dependent shape
+        return known, unknown, mine, picked, torch.tensor([3, 1]).tolist()
 
-    with pytest.raises(ShardingError, match=r"reads a tensor's value on the host .*"
-                       r"test_estimate.py:\d+ in reads_a_value: return int\(x.sum\(\).item\(\)\)"
-                       r".*pass what it reads in as Python numbers"):
-        functp.estimate(reads_a_value, 2)
+    w = torch.randn(256, 256)
+    est = functp.estimate(reads_values, 2, w, reads={"mine = bool": True})
+    assert est.result == (15, 0.0, True, 0, [3, 1]), est.result
+    yours = [r for r in est[0].reads if r.how == "yours ('mine = bool')"]
+    assert len(yours) == 1 and "in reads_values (mine = bool(" in yours[0].site, yours
+    text = str(est)
+    for read in est[0].reads:
+        assert f"host read: {read}" in text
+        assert "test_estimate.py:" in read.site, read
+    # without a value of yours: the rules' own
+    est = functp.estimate(reads_values, 2, w)
+    assert est.result == (15, 0.0, False, 0, [3, 1]), est.result
+    hows = sorted({r.how for r in est[0].reads})
+    assert hows == ["computed", "default 0"], hows
+    assert {r.op for r in est[0].reads} >= {"aten._local_scalar_dense", "aten.nonzero"}
 
-    def masks():
-        x = torch.randn(4)
-        return x[x > 0]
-    with pytest.raises(ShardingError, match=r"output shape depends on the values .*"
-                       r"in masks: return x\[x > 0\]"):
-        functp.estimate(masks, 2)
+
+def test_masks_made_from_the_batch_read_their_real_value():
+    def masked(keep):
+        x = torch.randn(4, 3)
+        m = torch.tensor([True, False, keep, True])
+        return x[m].shape[0], bool(m.all())
+
+    assert functp.estimate(masked, 1, True).result == (3, False)
+    assert functp.estimate(masked, 1, False).result == (2, False)
+
+
+def test_routing_assumption_picks_the_experts():
+    def route(tokens, k):
+        scores = torch.randn(tokens, 8) @ torch.randn(8, 8)
+        _, idx = scores.topk(k, dim=-1)
+        assert all(len(set(row)) == k for row in idx.tolist())   # one pick per expert
+        return torch.bincount(idx.flatten(), minlength=8).tolist()
+
+    assert functp.estimate(route, 1, 12, 2).result == [3] * 8
+    assert functp.estimate(route, 1, 5, 2).result == [2, 2] + [1] * 6
+    counts = [4, 4, 4, 0, 0, 0, 0, 0]
+    est = functp.estimate(route, 1, 6, 2, routing=counts)
+    assert est.result == counts
+    assert [r.how for r in est[0].reads if r.op == "aten.topk"] == [f"routing {counts}"]
+    with pytest.raises(ShardingError, match=r"routing=\[12, 0, 0, 0, 0, 0, 0, 0\] at "
+                       r"test_estimate.py:\d+ in route \(.*topk.*\): topk picks 12 .* none above 6"):
+        functp.estimate(route, 1, 6, 2, routing=[12] + [0] * 7)
+    with pytest.raises(ShardingError, match=r"routing='even' must be \"uniform\""):
+        functp.estimate(route, 1, 6, 2, routing="even")
 
 
 def test_step_time_from_the_profile():
