@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from ..runtime import _comm_log
 from ..runtime import _crosscheck
 from . import _estimate_plot
+from . import _host_reads
 from ..mesh import _mesh
 from ..runtime import _world
 from ..runtime._errors import ShardingError
@@ -258,7 +259,11 @@ class RankEstimate:
     ``Communication``: the buffers collectives wrote (their outputs, the gradient
     buckets reduced in place, the contiguous copies made for them), taken out of
     the category MemTracker filed them under (the total is MemTracker's);
-    ``seconds``: the predicted step time on the ``hardware=`` profile, or None.
+    ``seconds``: the predicted step time on the ``hardware=`` profile, or None;
+    ``reads``: each value the program read on the host (``.item()``, ``tolist()``,
+    ``bool()``, a value-dependent shape, a router's ``topk``) as a
+    :class:`~functp.tools._host_reads.HostRead`: the operator, the call site and
+    the rule that answered it.
     """
     rank: int
     comm: _comm_log.comm_log
@@ -268,6 +273,7 @@ class RankEstimate:
     peak_bytes: int
     memory: dict[str, int]
     seconds: StepTime | None = None
+    reads: list = field(default_factory=list)
     calls: list = field(default_factory=list, repr=False)
     result: Any = field(default=None, repr=False)
 
@@ -339,6 +345,8 @@ class Estimate:
             if e.seconds is not None:
                 lines.append(f"        compute {_secs(e.seconds.compute)}, "
                              f"communication {_secs(e.seconds.communication)}")
+            for read in e.reads:
+                lines.append(f"        host read: {read}")
             if e.uncounted:       # the most called first; est[r].uncounted has them all
                 top = sorted(e.uncounted.items(), key=lambda kv: (-kv[1], kv[0]))
                 more = f", and {len(top) - 5} more" if len(top) > 5 else ""
@@ -349,6 +357,7 @@ class Estimate:
 
 def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
              hardware: str | Hardware | None = None, ranks: str | Sequence[int] = "auto",
+             reads: dict | None = None, routing: str | Sequence[int] = "uniform",
              **kwargs: Any) -> Estimate:
     """Runs ``fn(*args, **kwargs)`` as rank 0 (and ``ranks``) of ``nprocs`` on fake
     tensors, and reports what each traced rank's step issues and computes.
@@ -370,14 +379,15 @@ def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
     ``1 + 2 * len(mesh axes)`` traces at most when no axis differs. Give ``ranks=``
     to trace exactly those ranks instead.
 
-    A program that needs values (``.item()``, ``.tolist()``, an ``if`` on a tensor,
-    masked indexing) cannot run without data: it raises ``ShardingError`` naming
-    the line; pass such numbers (split sizes, token counts) in as arguments.
+    Values read on the host (``.item()``, ``.tolist()``, ``if`` on a tensor, masks,
+    a router's ``topk``) follow the rules of ``functp/tools/_host_reads.py``, each
+    read listed in the printout with its call site and rule.
 
     **Arguments:** ``fn`` – the per-rank program; ``nprocs`` – the number of ranks
     it is written for; ``hardware`` – a profile name (``"h100-sxm"``, ``"a100"``)
     or a ``Hardware``, to predict the step time; ``ranks`` – ``"auto"`` or the
-    ranks to trace; ``*args``/``**kwargs`` – passed to ``fn``.
+    ranks to trace; ``reads`` – ``{call site substring: value}``; ``routing`` –
+    ``"uniform"`` or each expert's (token, choice) pairs; ``*args``/``**kwargs`` – to ``fn``.
 
     **Returns:** an :class:`Estimate`: ``est.comm`` (a ``comm_log``), ``est.flops``,
     ``est.peak_bytes`` and ``est.memory`` (its breakdown), ``est.seconds`` (a
@@ -401,8 +411,7 @@ def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
         est.peak_bytes           # 20971520: the 4096 x 1024 block and its kin
         print(est)               # a table per rank, with the predicted step time
     """
-    ranks = _check_call(nprocs, ranks)
-    auto = ranks == "auto"
+    ranks = _check_call(nprocs, ranks, reads, routing)
     hw = hardware_profile(hardware) if hardware is not None else None
     est = Estimate(nprocs, hardware=hw)
 
@@ -412,11 +421,11 @@ def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
         # the same program gives the same peak. The caller's objects are frozen
         # meanwhile, which makes those collections cheap.
         gc.collect()
-        return _trace(fn, nprocs, r, args, kwargs, hw)
+        return _trace(fn, nprocs, r, args, kwargs, hw, (reads, routing))
     gc.collect()
     gc.freeze()
     try:
-        if auto:
+        if ranks == "auto":
             traced, stands_for = _distinct_ranks(trace, nprocs)
             est.per_rank = {r: traced[r][0] for r in stands_for}
             est.alike, est.traced = stands_for, sorted(traced)
@@ -428,8 +437,9 @@ def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
     return est
 
 
-def _check_call(nprocs, ranks):
+def _check_call(nprocs, ranks, reads=None, routing="uniform"):
     """``estimate``'s arguments checked: ``"auto"`` or the sorted ranks to trace."""
+    _host_reads.Values(reads, routing)      # (raises on a bad routing=)
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ShardingError(f"functp.estimate: nprocs must be a positive int, got {nprocs!r}")
     if not (isinstance(ranks, str) and ranks == "auto"):
@@ -501,7 +511,8 @@ def _distinct_ranks(trace, nprocs: int) -> tuple[dict, dict[int, list[int]]]:
 
 
 def _trace(fn, nprocs: int, rank: int, args, kwargs,
-           hw: Hardware | None) -> tuple[RankEstimate, _DryRank]:
+           hw: Hardware | None, rules: tuple = (None, "uniform")
+           ) -> tuple[RankEstimate, _DryRank]:
     """Runs ``fn`` once as ``rank``, on fake tensors, under torch's counters."""
     prefix = f"functp_dry{next(_ids)}_"
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -510,18 +521,22 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
     dry = _DryRank(rank, nprocs, prefix)
     _world.set_dry_run(dry)
     try:
-        with mode:
-            fargs, fkwargs = optree.tree_map(
-                lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x,
-                (args, kwargs), none_is_leaf=True)
+        with mode, _host_reads.Values(*rules) as values, _host_reads.ToList(values):
+            fargs, fkwargs = optree.tree_map(lambda x: values.fake_of(mode, x),
+                                             (args, kwargs), none_is_leaf=True)
             # (MemTracker on top, as on a real run: it sees the operators the
-            # program calls, not FlopCounterMode's decompositions of them)
+            # program calls, not FlopCounterMode's decompositions of them; the
+            # values just above the fakes, where the others see every operator)
             with _comm_log.comm_log() as log, _OpRecorder() as ops, \
                     FlopCounterMode(display=False) as flops, _Tracker() as mem:
                 try:
                     result = fn(*fargs, **fkwargs)
                 except (DataDependentOutputException, DynamicOutputShapeException) as e:
                     raise _host_read(e, rank) from None
+                except RuntimeError as e:
+                    if "_apply(): Couldn't swap" not in str(e):
+                        raise
+                    raise _conversion(e, rank) from None
     finally:
         _world.set_dry_run(None)
         _crosscheck.set_debug(previous)
@@ -543,7 +558,22 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
             sum(collective_seconds(hw, e.op, e.nbytes, dry.members[frozenset(e.axes)])
                 for e in log.events))
     return RankEstimate(rank, log, int(flops.get_total_flops()), by_op, ops.uncounted,
-                        int(snap.get("Total", 0)), breakdown, seconds, ops.calls, result), dry
+                        int(snap.get("Total", 0)), breakdown, seconds, values.reads,
+                        ops.calls, result), dry
+
+
+def _conversion(e: BaseException, rank: int) -> ShardingError:
+    """The error for ``module.to(dtype or device)`` of a module built in the program:
+    torch swaps fake parameters for converted ones, and refuses when its fake-tensor
+    cache holds a weak reference to one (every fake parameter)."""
+    return ShardingError(
+        f"functp.estimate (rank {rank}): {e} — a module built inside the estimated "
+        f"program cannot be converted with .to(dtype)/.to(device)/.double()/.half() "
+        f"under fake tensors (torch cannot swap fake parameters). Build it in that "
+        f"dtype and on that device instead: torch.set_default_dtype(torch.bfloat16) "
+        f"and `with torch.device('cuda'):` around its construction (transformers: "
+        f"Model(config) inside them, or from_pretrained(..., dtype=torch.bfloat16)), "
+        f"and restore the default dtype after")
 
 
 def _host_read(e: BaseException, rank: int) -> ShardingError:
