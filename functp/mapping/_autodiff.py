@@ -28,7 +28,9 @@ __all__ = ["grad", "value_and_grad"]
 def _nested() -> bool:
     """Inside a torch.func transform, a shard_map body or a compiled region: the
     caller may differentiate or batch through us, so torch.func must run."""
-    return _depth() > 0 or _context.top() is not None or _compile.tracing()
+    # (compiling first: torch 2.11/2.12's Dynamo cannot trace functorch's layer-depth
+    # query, and traced, the answer is True whatever the depth)
+    return _compile.tracing() or _depth() > 0 or _context.top() is not None
 
 
 def _argnums(argnums, n: int, name: str) -> tuple[int, ...]:
