@@ -93,3 +93,27 @@ def comm_stats(log) -> dict[str, tuple[int, int]]:
         c, b = out.get(k, (0, 0))
         out[k] = (c + 1, b + e.nbytes)
     return out
+
+
+class LivePeak(torch.utils._python_dispatch.TorchDispatchMode):
+    """Within it, ``peak``: the most bytes of tensor storage alive at once among the
+    storages the ops made (views and in-place results count as their input's)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+        self.weak, self.live, self.peak = StorageWeakRef, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # (a view's or an in-place op's storage is its input's: made before, if unseen)
+        given = {t.untyped_storage().data_ptr()
+                 for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in optree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st.data_ptr() not in self.live and st.data_ptr() not in given:
+                    self.live[st.data_ptr()] = (self.weak(st), st.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out

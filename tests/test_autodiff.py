@@ -8,8 +8,7 @@ import torch
 
 import functp
 from functp import P, ShardingError
-from _oracle import randn
-from test_grads import _LivePeak
+from _oracle import LivePeak, randn
 
 
 def _mlp(p, x):
@@ -78,7 +77,7 @@ def test_top_level_uses_tape_memory():
     for name, fn in [("functp", lambda: functp.grad(_mlp)(p, x)),
                      ("torch.func", lambda: torch.func.grad(_mlp)(p, x)),
                      ("tape", lambda: _tape_step(p, x))]:
-        with _LivePeak() as m:
+        with LivePeak() as m:
             g = fn()
         del g
         peaks[name] = m.peak

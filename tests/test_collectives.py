@@ -2,7 +2,8 @@
 unsharded float64 oracle, through torch.func.grad and tape autograd, on 1-d meshes of
 2, 4 and 8 ranks and on axis tuples of 2-d meshes (in and out of mesh order); and
 its adjoint identity <f(x), y> = <x, fᵀ(y)> on the vma types of its input and
-output, with fᵀ its backward (vjp and tape), and its batching rule (``_adjoint.py``)."""
+output, with fᵀ its backward (vjp and tape), and its batching rule (``_adjoint.py``).
+Each op's program and its unsharded equivalent: ``_programs._case``."""
 from __future__ import annotations
 
 import math
@@ -14,7 +15,7 @@ import functp
 from functp import P
 import _adjoint
 from _adjoint import MESH_IDS, MESHES, assert_adjoint, typed
-from _oracle import check_program, randn
+from _programs import _collective_body, _one_pair, _ring
 
 # (mesh shape, mesh axis names, the axis tuple the collective runs over)
 GROUPS = [
@@ -29,93 +30,6 @@ GROUPS = [
 GROUP_IDS = [f"{'x'.join(map(str, s))}-{'+'.join(ax)}" for s, _, ax in GROUPS]
 
 
-def _readout(out, w):
-    """A nonlinear scalar of a collective's output, so its cotangent is not constant."""
-    return (out * w).sum() + 0.5 * (out.sin() ** 2).sum()
-
-
-def _case(name, mesh, axes, **kw):
-    """(global_fn, local_fn, args, in_specs) for one collective over ``axes``."""
-    n = mesh.axis_size(axes)
-    A = axes if len(axes) > 1 else axes[0]
-    x = randn(n * 2, 3, seed=1)
-    if name in ("psum", "pmean", "pmax", "pmin"):
-        red = {"psum": lambda b: b.sum(0), "pmean": lambda b: b.mean(0),
-               "pmax": lambda b: b.amax(0), "pmin": lambda b: b.amin(0)}[name]
-        coll = getattr(functp, name)
-        if kw.get("ties"):
-            x = randn(2, 3, seed=1).repeat(n, 1)
-            x[0, 0] += 1.0            # one element with a unique extremum
-        w = randn(2, 3, seed=2)
-        return (lambda x, w: _readout(red(x.view(n, 2, 3)), w),
-                lambda x, w: _readout(coll(x, A), w), (x, w), (P(A), P()))
-    if name in ("all_gather", "all_gather_invariant"):
-        axis, tiled = kw["axis"], kw["tiled"]
-        join = torch.cat if tiled else torch.stack
-        w = join(list(randn(n * 2, 3, seed=2).view(n, 2, 3)), axis)
-        if name == "all_gather":    # the result varies over A: every rank's copy is
-            # averaged back to one replicated value (pmean of identical copies)
-            loc = lambda x, w: functp.pmean(_readout(functp.all_gather(x, A, axis=axis, tiled=tiled), w), A)
-        else:
-            loc = lambda x, w: _readout(functp.all_gather_invariant(x, A, axis=axis, tiled=tiled), w)
-        return (lambda x, w: _readout(join(list(x.view(n, 2, 3)), axis), w), loc,
-                (x, w), (P(A), P()))
-    if name == "psum_scatter":
-        d, tiled = kw["dim"], kw["tiled"]
-        shape = [2, 3]
-        shape[d] = 2 * n if tiled else n
-        xs = randn(n, *shape, seed=1)       # rank i contributes xs[i]
-        total = xs.sum(0)
-        if tiled:
-            out_spec = P(*[None] * d, A)
-            w = randn(*total.shape, seed=2)
-            glob = lambda xs, w: _readout(xs.sum(0), w)
-            loc = lambda xs, w: functp.psum(_readout(
-                functp.psum_scatter(xs[0], A, scatter_dimension=d, tiled=True), w), A)
-        else:
-            out_spec = P(A)
-            w = randn(*total.movedim(d, 0).shape, seed=2)
-            glob = lambda xs, w: _readout(xs.sum(0).movedim(d, 0), w)
-            loc = lambda xs, w: functp.psum(_readout(
-                functp.psum_scatter(xs[0], A, scatter_dimension=d).unsqueeze(0), w), A)
-        return glob, loc, (xs, w), (P(A), out_spec)
-    if name == "all_to_all":
-        split, concat, tiled = kw["split"], kw["concat"], kw["tiled"]
-        if tiled:   # moves the split of a (2n, 3n) matrix from dim `concat` to `split`
-            x = randn(2 * n, 3 * n, seed=1)
-            in_spec = P(*[None] * concat, A)
-            out_spec = P(*[None] * split, A)
-            w = randn(2 * n, 3 * n, seed=2)
-            glob = lambda x, w: _readout(x, w)
-        else:       # split=0, concat=1: rank j gets row j of every rank's block
-            x = randn(n * n, 5, seed=1)
-            in_spec, out_spec = P(A), P(A)
-            w = randn(n * 5, n, seed=2)
-            glob = lambda x, w: _readout(torch.cat([x.view(n, n, 5)[:, j].T for j in range(n)]), w)
-        loc = lambda x, w: functp.psum(_readout(
-            functp.all_to_all(x, A, split, concat, tiled=tiled), w), A)
-        return glob, loc, (x, w), (in_spec, out_spec)
-    if name == "ppermute":
-        perm = kw["perm"](n)
-        w = randn(n * 2, 3, seed=2)
-
-        def glob(x, w):
-            blocks = list(x.view(n, 2, 3))
-            out = [torch.zeros_like(blocks[0]) for _ in range(n)]
-            for s, d in perm:
-                out[d] = blocks[s]
-            return _readout(torch.cat(out), w)
-        loc = lambda x, w: functp.psum(_readout(functp.ppermute(x, A, perm), w), A)
-        return glob, loc, (x, w), (P(A), P(A))
-    raise KeyError(name)
-
-
-def _collective_body(shape, names, axes, name, kw, check_vma):
-    mesh = functp.make_mesh(shape, names)
-    glob, loc, args, specs = _case(name, mesh, axes, **kw)
-    check_program(mesh, glob, loc, args, specs, check_vma=check_vma)
-
-
 VMA = pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
 ON_GROUPS = pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
 ADJOINT = pytest.mark.parametrize("mesh", MESHES, ids=MESH_IDS)
@@ -128,14 +42,6 @@ def _value(run, group, name, kw, check_vma):
 
 def _check_adjoint(run, mesh, check_vma, cases, gloo=False):
     assert_adjoint(run(math.prod(mesh[0]), _adjoint.body, mesh, check_vma, cases, gloo=gloo))
-
-
-def _ring(n):
-    return [(i, (i + 1) % n) for i in range(n)]
-
-
-def _one_pair(n):
-    return [(0, n - 1)]
 
 
 # -- the adjoint cases: (checker, A, n, X, E) as _adjoint.body gives them ----------------------

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 import functp
-from test_layouts import _dp_body, _fsdp_body, _megatron_body, _sp_body, _two_d_body
+from _programs import _dp_body, _fsdp_body, _megatron_body, _sp_body, _two_d_body
 
 F64 = 8
-W1, B1, W2, B2 = 16 * 8 * F64, 16 * F64, 8 * 16 * F64, 8 * F64    # the MLP of test_layouts
+W1, B1, W2, B2 = 16 * 8 * F64, 16 * F64, 8 * 16 * F64, 8 * F64    # the layouts' MLP (_programs)
 PARAM_BYTES = W1 + B1 + W2 + B2
 PARAMS = (0,)      # differentiate the parameters only, as a training step does
 

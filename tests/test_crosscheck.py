@@ -271,9 +271,9 @@ def test_peers_of_one_group_that_disagree_still_raise(run, world, how):
 
 
 def _qwen3_moe_16_experts():
-    # tests/test_hf_models.py's tiny model and exactness survey, with 16 experts: on
+    # tests/_hf.py's tiny model and exactness survey, with 16 experts: on
     # a dp2 x tp2 mesh the experts each dp shard's tokens reach differ
-    import test_hf_models as hf
+    import _hf as hf
     return hf._survey("qwen3_moe", (2, 2), ("dp", "tp"), num_experts=16,
                       num_local_experts=16)     # (either name)
 

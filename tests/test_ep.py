@@ -3,60 +3,19 @@ unsharded float64 MoE: loss and every gradient through ``torch.func.grad`` and t
 autograd, on dp x ep and ep x tp meshes (2 x 2) and on 4 and 8 ranks (1-d); a
 capacity factor's drops against a reference that drops by hand; the bytes the
 dispatch sends equal the routed pairs' bytes, where the padded dispatch sends the
-worst case; routes to no expert are an error on every rank."""
+worst case; routes to no expert are an error on every rank. The block and its
+unsharded oracle: ``_moe.py``."""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from torch import nn
 
 import functp
 from functp import P
-from functp.models.llama import LlamaConfig, LlamaExperts, LlamaMoE
+from _moe import H, K, S, _batch, _block, _reference
 from _oracle import assert_tree_close
-
-H, F, S, K = 8, 12, 3, 2         # hidden, intermediate, sequence, experts per token
-
-
-class Block(nn.Module):
-    """A dense MLP (tensor-parallel on a tp axis) and an MoE after it, residual."""
-
-    def __init__(self, experts: int):
-        super().__init__()
-        self.up, self.down = nn.Linear(H, F), nn.Linear(F, H)
-        self.moe = LlamaMoE(LlamaConfig(hidden_size=H, intermediate_size=F,
-                                        num_experts=experts, num_experts_per_tok=K))
-
-    def forward(self, x):
-        x = x + self.down(torch.tanh(self.up(x)))
-        return x + self.moe(x)
-
-
-class HitExperts(LlamaExperts):
-    """Runs only the experts some row is routed to, as transformers' eager experts do:
-    with no rows its output is a constant, connected to nothing."""
-
-    def forward(self, x, weights, indices):
-        out = torch.zeros_like(x)
-        for e in sorted(set(indices.flatten().tolist())):
-            w = (weights * (indices == e)).sum(-1, keepdim=True)
-            gate, up = (x @ self.gate_up_proj[e].T).chunk(2, dim=-1)
-            out = out + w * ((torch.nn.functional.silu(gate) * up) @ self.down_proj[e].T)
-        return out
-
-
-def _block(experts: int) -> Block:
-    torch.manual_seed(0)
-    block = Block(experts).double()
-    block.moe.experts.__class__ = HitExperts
-    return block
-
-
-def _batch(rows: int, seq: int = S) -> torch.Tensor:
-    return torch.randn(rows, seq, H, generator=torch.Generator().manual_seed(1),
-                       dtype=torch.float64)
 
 
 def _plan(mesh, dispatch) -> dict:
@@ -85,21 +44,6 @@ def _drop_by_hand(weights, idx, chunks: int, experts: int, cf: float, policy: st
             for t, j in pairs[cap:]:
                 w[t, j] = 0
     return w.reshape(weights.shape)
-
-
-def _reference(module, x, drop=None):
-    """Loss and gradients of the unsharded module (routes dropped by hand if asked)."""
-    apply, full = functp.functionalize(module)
-    hook = None
-    if drop is not None:
-        hook = module.moe.router.register_forward_hook(
-            lambda m, a, out: (drop(*out), out[1]))
-    try:
-        grads, loss = torch.func.grad_and_value(lambda p: (apply(p, x) ** 2).mean())(full)
-    finally:
-        if hook is not None:
-            hook.remove()
-    return grads, loss
 
 
 def _program(shape, names, experts, dispatch, drop=None, route=None, rows=2, seq=S):
@@ -242,12 +186,14 @@ def test_comm_log_counts_exactly_the_routed_pairs(run):
     row = H * 8                                   # float64 rows of H
     for log, sent, received in run(4, _bytes, functp.ExpertDispatch()):
         # forward: the pairs out, their results back; backward: the same, reversed
-        assert log.nbytes("ragged_all_to_all") == 2 * (sent + received) * row
-        assert log.count("ragged_all_to_all") == 4
+        assert log.nbytes("ragged_all_to_all") == 2 * (sent + received) * row, (
+            log.summary(), sent, received)
+        assert log.count("ragged_all_to_all") == 4, log.summary()
     for log, sent, _ in run(4, _bytes, functp.ExpertDispatch(dispatch="padded")):
         # the padded blocks: every block holds all of a rank's pairs (4 blocks of
         # `sent` rows), forward and back, plus the expert ids (int64, forward)
-        assert log.nbytes("all_to_all") == 4 * (4 * sent * row) + 4 * sent * 8
+        assert log.nbytes("all_to_all") == 4 * (4 * sent * row) + 4 * sent * 8, (
+            log.summary(), sent)
 
 
 def _padded_bytes(cf):
@@ -264,8 +210,8 @@ def test_pad_to_capacity_sends_capacity_rows_to_every_peer(run, cf):
     for log, sent, dropped in run(4, _padded_bytes, cf):
         cap = math.ceil(sent / 8 * cf)
         per_peer = 2 * cap * H * 8                  # local experts x capacity x hidden x 8 B
-        assert log.nbytes("ragged_all_to_all") == 4 * 4 * per_peer
-        assert log.count("ragged_all_to_all") == 4
+        assert log.nbytes("ragged_all_to_all") == 4 * 4 * per_peer, (log.summary(), sent, cap)
+        assert log.count("ragged_all_to_all") == 4, log.summary()
 
 
 def _bad_route():

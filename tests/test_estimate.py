@@ -519,7 +519,7 @@ def test_contiguous_copy_for_a_collective_is_communication():
 def _hf_step(model, params, *, mesh=None, specs=None, apply=None):
     """One torch.func.grad step of a transformers causal LM on token ids, no mask:
     plain (``functional_call``) or through its plan (``apply``, ``specs``) on ``mesh``."""
-    import test_hf_models as hf
+    import _hf as hf
     ids = torch.randint(3, hf.VOCAB, (hf.BATCH, hf.SEQ))
     if apply is None:
         def loss(p, i):
@@ -534,7 +534,7 @@ def _hf_step(model, params, *, mesh=None, specs=None, apply=None):
 
 def _hf_model(model_type, layers=2):
     import warnings
-    import test_hf_models as hf
+    import _hf as hf
     config = hf.CONFIG_MAPPING[model_type](**{**hf.TINY, **hf.EXTRA.get(model_type, {}),
                                               "num_hidden_layers": layers})
     cls = getattr(hf.transformers, hf.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
@@ -569,7 +569,7 @@ def _steps(models: dict) -> dict:
 def test_every_hf_model_class_estimates_under_func_grad_without_a_mask():
     # every type test_hf_models.py builds, unsharded, in one estimate (one trace: quick)
     pytest.importorskip("transformers")
-    import test_hf_models as hf
+    import _hf as hf
     models = {t: _one_layer_or_two(t) for t in hf._types() if t not in hf.NOT_BUILT}
     est = functp.estimate(_steps, 1, models)
     assert est.result == {}, est.result
@@ -647,7 +647,7 @@ def _hf_moe_step(n):
                 p.zero_()
     mesh = functp.make_mesh((n,), ("ep",))
     apply, params, specs = functp.parallelize(model, mesh, "auto")
-    import test_hf_models as hf
+    import _hf as hf
     ids = torch.randint(3, hf.VOCAB, (hf.BATCH, hf.SEQ), generator=torch.Generator().manual_seed(0))
     step = functp.shard_map(lambda p, i: functp.pmean(hf._lm_loss(
         apply(p, input_ids=i, use_cache=False).logits, i), "ep"), mesh,
@@ -660,7 +660,7 @@ def _hf_moe_step(n):
 def test_hf_moe_ragged_bytes_follow_the_routing_as_a_real_run(run):
     pytest.importorskip("transformers")
     real = run(4, _hf_moe_step, 4)
-    import test_hf_models as hf
+    import _hf as hf
     tokens = hf.BATCH * hf.SEQ // 4
     # a zeroed router ties every score: each token picks the two experts torch's topk
     # picks among equal scores

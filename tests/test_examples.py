@@ -20,8 +20,7 @@ import pytest
 import torch
 
 import functp
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _programs import ROOT, _run_example
 
 
 def test_train_2d_launches_itself_and_matches_unsharded():
@@ -31,39 +30,6 @@ def test_train_2d_launches_itself_and_matches_unsharded():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "sharded training matches the unsharded model" in out.stdout, out.stdout
     assert out.stdout.count("match") >= 5 and "MISMATCH" not in out.stdout, out.stdout
-
-
-def _run_example(script: str, nproc: int | None = None, simulate: bool = False,
-                 args: list[str] = ()) -> str:
-    """Runs ``examples/<script>`` as a user would: directly (it launches its own
-    processes), with ``nproc`` under torchrun with that many processes, or with
-    ``simulate`` as its ranks (``nproc`` or its own count) simulated in this process;
-    ``args`` go to the script (processes only). Returns its stdout after
-    checking that it succeeded and reported no mismatch."""
-    path = os.path.join(ROOT, "examples", script)
-    if simulate:
-        sys.path.insert(0, os.path.dirname(path))
-        spec = importlib.util.spec_from_file_location(f"example_{script[:-3]}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        threads, out = torch.get_num_threads(), io.StringIO()
-        try:
-            with contextlib.redirect_stdout(out):
-                results = functp.simulate(module.main, nproc or module.NPROC)
-        finally:
-            sys.path.remove(os.path.dirname(path))
-            torch.set_num_threads(threads)        # main() sets one thread
-        assert all(results), out.getvalue()
-        assert "MISMATCH" not in out.getvalue(), out.getvalue()
-        return out.getvalue()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    cmd = ([sys.executable, path] if nproc is None else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(nproc), path]) + list(args)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "MISMATCH" not in out.stdout, out.stdout
-    return out.stdout
 
 
 def test_data_parallel_matches_unsharded():

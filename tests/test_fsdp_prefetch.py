@@ -23,7 +23,7 @@ import functp
 from functp import FullyShard, P
 from functp.models import LLAMA_TP_PLAN, Llama, LlamaConfig
 from _oracle import grads_and_loss
-from test_fsdp_plan import _MESHES, _groups, _loss, _max_error
+from _fsdp import _MESHES, _groups, _loss, _max_error
 
 
 def _watch(model, specs, box):
@@ -298,8 +298,8 @@ def test_free_full_weight_refuses_a_differentiated_backward(run):
 def _hf_free(fsdp_plan):
     """A transformers Llama under "auto" on an fsdp mesh (the model's fsdp_plan), or
     from a DistributedConfig whose ``fsdp_plan`` overrides it."""
-    hf = pytest.importorskip("test_hf_models")
-    from test_fsdp_plan import _step
+    import _hf as hf
+    from _fsdp import _step
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = hf._build("llama")
@@ -309,7 +309,7 @@ def _hf_free(fsdp_plan):
     (loss, grads, fwd, log, specs, apply, _), (ref_loss, ref_grads) = _step(
         model, mesh, "auto", True, lambda a, p, i: a(p, input_ids=i, use_cache=False).logits,
         distributed_config=config)
-    from test_fsdp_plan import _named
+    from _fsdp import _named
     units = _named(model, set(model.fsdp_plan) | set(fsdp_plan or {}))
     n = len(set(_groups(model, specs, units).values()))
     return (hf._max_error(grads, ref_grads, loss, ref_loss), n, fwd.summary(), log.summary())

@@ -13,7 +13,7 @@ import torch
 
 import functp
 from functp import P
-from _oracle import TOL, assert_tree_close, randn
+from _oracle import TOL, LivePeak, assert_tree_close, randn
 
 
 def _full_grads():
@@ -291,47 +291,26 @@ def test_mixed_precision_reduces_in_reduce_dtype(run, world, shape, how, check_v
 # peak would hold a second bucket. Counted in bytes of live tensor storage (a
 # dispatch mode sees every op): deterministic, unlike resident memory.
 
-class _LivePeak(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        from torch.multiprocessing.reductions import StorageWeakRef
-        self.weak, self.live, self.peak = StorageWeakRef, {}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # (a view's or an in-place op's storage is its input's: made before, if unseen)
-        given = {t.untyped_storage().data_ptr()
-                 for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in optree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st.data_ptr() not in self.live and st.data_ptr() not in given:
-                    self.live[st.data_ptr()] = (self.weak(st), st.nbytes())
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
-
-
 def _bucket_memory_body():
     mesh = functp.make_mesh((2,), ("dp",))
     params = {f"w{i}": randn(256, 256, seed=i).requires_grad_() for i in range(4)}
     x = functp.shard(randn(8, 256, seed=9), mesh, P("dp"))
     loss = lambda p, x: functp.pmean(sum((x @ w).square().mean() for w in p.values()), "dp")
     step = functp.shard_map(loss, mesh, in_specs=(P(), P("dp")), out_specs=P())
-    with _LivePeak() as functp_step:
+    with LivePeak() as functp_step:
         grads = torch.autograd.grad(step(params, x), list(params.values()))
     del grads
-    with _LivePeak() as floor:     # the same backward, then the gradients copied to a bucket
+    with LivePeak() as floor:     # the same backward, then the gradients copied to a bucket
         grads = torch.autograd.grad(loss_local(params, x), list(params.values()))
         torch.cat([g.reshape(-1) for g in grads])
     bucket = 4 * 256 * 256 * 8
     assert functp_step.peak <= floor.peak + bucket // 8, (functp_step.peak, floor.peak, bucket)
     # the same under torch.func.grad (the bucket op owns its buffer there too)
     plain = {k: v.detach() for k, v in params.items()}
-    with _LivePeak() as functp_step:
+    with LivePeak() as functp_step:
         grads = torch.func.grad(step)(plain, x)
     del grads
-    with _LivePeak() as floor:
+    with LivePeak() as floor:
         grads = torch.func.grad(loss_local)(plain, x)
         torch.cat([g.reshape(-1) for g in grads.values()])
     assert functp_step.peak <= floor.peak + bucket // 8, (functp_step.peak, floor.peak, bucket)

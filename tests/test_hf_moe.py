@@ -1,7 +1,7 @@
 """Every MoE decoder LM of the installed transformers that defines an expert-parallel
 plan (``base_model_ep_plan``), as a transformers user would run it with experts on
 an ``ep`` mesh axis: ``functp.parallelize(model, mesh, "auto")`` on a tiny float64
-configuration (test_hf_models.py's), loss and every parameter's gradient against
+configuration (tests/_hf.py's), loss and every parameter's gradient against
 the unsharded model, on ep2, dp2 x ep2 and ep2 x tp2, the experts split over ``ep``
 and dispatched with ``ragged_all_to_all``. Also transformers' ``DistributedConfig`` as the description.
 
@@ -21,23 +21,23 @@ from functp import P
 from _oracle import grads_and_loss
 
 transformers = pytest.importorskip("transformers")
-import test_hf_models as hf  # noqa: E402
-from test_hf_models import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+import _hf as hf  # noqa: E402
+from _hf import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
-EXTRA = {    # beyond test_hf_models' configs: experts in the tiny model
+EXTRA = {    # beyond _hf's configs: experts in the tiny model
     "zaya": dict(num_experts_per_tok=1),            # its config accepts top-1 only
     "beam": dict(mlp_layer_types=["dense", "sparse"]),
     "flint": dict(mlp_only_layers=[0]),
 }
 
-# types that compute a part in float32 (test_hf_models.FLOAT32_INSIDE, and these
+# types that compute a part in float32 (_hf.FLOAT32_INSIDE, and these
 # mamba / linear-attention / router parts): their gradients sum over the batch, which
 # the ep axis splits, so the float32 rounding shows at ~1e-7 relative
 FLOAT32_INSIDE = hf.FLOAT32_INSIDE | {
     "beam", "cohere2_moe", "deepseek_v4", "ernie4_5_moe", "flint", "granitemoehybrid", "jamba", "qwen3_5_moe_text",
     "qwen3_next", "qwen4_exp_text"}
 
-# types whose unsharded model cannot run here (test_hf_models.NOT_BUILT's reasons)
+# types whose unsharded model cannot run here (_hf.NOT_BUILT's reasons)
 NOT_BUILT = {t: why for t, why in hf.NOT_BUILT.items()}
 
 # types functp refuses with a ShardingError: a substring of the message (the reason)
@@ -172,7 +172,7 @@ def _config_step(model_type, sizes, tape):
     # tp) and (dp_replicate, efsdp, ep), against its index on functp's axes
     where = functp.shard_map(lambda: tuple(functp.axis_index(a) for a in (
         ("efsdp", "ep"), "tp", "efsdp", ("ep", "tp"))), mesh, in_specs=(), out_specs=P())()
-    from test_fsdp_plan import _groups, _named
+    from _fsdp import _groups, _named
     dense = {n: P() if ".experts." in n else s for n, s in specs.items()}
     groups = _groups(model, dense, _named(model, model.fsdp_plan), axis="efsdp")
     return (hf._max_error(apply.unshard(grads), ref_grads, loss, ref_loss), dict(specs),

@@ -16,6 +16,7 @@ from functp import P
 from functp.models import (GPT2, GPT2_SP_PLAN, GPT2_TP_PLAN, LLAMA_MOE_SP_PLAN, LLAMA_MOE_TP_PLAN,
                            LLAMA_SP_PLAN, LLAMA_TP_PLAN, GPT2Config, Llama, LlamaConfig)
 from _oracle import assert_tree_close
+from _programs import _run_example
 
 BATCH, SEQ = 4, 8
 
@@ -219,7 +220,6 @@ def test_auto_plan_says_what_it_cannot_do(run):
 
 def test_example_matches_unsharded():
     # on 4 simulated ranks: test_examples launches train_2d as processes
-    from test_examples import _run_example
     out = _run_example("tp_llama.py", nproc=4, simulate=True)
     assert "sharded training matches the unsharded model" in out, out
 

@@ -95,7 +95,7 @@ def test_a_weight_unused_on_some_ranks_gets_the_others_gradient(run, world, shap
 def _longcat_dp2_tp2():
     # tests/test_hf_models.py's tiny model and exactness survey; every token picks 4
     # of 4 routed and 256 identity experts, so a dp shard may reach no routed expert
-    import test_hf_models as hf
+    import _hf as hf
     return hf._survey("longcat_flash", (2, 2), ("dp", "tp"), num_experts_per_tok=4)
 
 

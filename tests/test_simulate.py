@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import functp
-import test_collectives
-import test_layouts
+import _programs
 from functp import P, ShardingError
 from _oracle import recording
 
@@ -25,8 +24,8 @@ _COLLECTIVES = [("psum", {}), ("pmean", {}), ("pmax", {}), ("pmin", {}),
                 ("psum_scatter", {"dim": 1, "tiled": False}),
                 ("all_to_all", {"split": 1, "concat": 0, "tiled": True}),
                 ("all_to_all", {"split": 0, "concat": 1, "tiled": False}),
-                ("ppermute", {"perm": test_collectives._ring}),
-                ("ppermute", {"perm": test_collectives._one_pair})]
+                ("ppermute", {"perm": _programs._ring}),
+                ("ppermute", {"perm": _programs._one_pair})]
 # every collective on 2 and 4 ranks (from 3 ranks on, the order of a sum's terms
 # matters; 8 gloo processes would take 12 s to start on 2 cores)
 _GROUPS = {"2-x": ((2,), ("x",), ("x",), len(_COLLECTIVES)),
@@ -38,17 +37,17 @@ def _collective_programs(shape, names, axes, k):
     out = []
     for name, kw in _COLLECTIVES[::len(_COLLECTIVES) // k][:k]:
         with recording() as got:
-            test_collectives._collective_body(shape, names, axes, name, kw, True)
+            _programs._collective_body(shape, names, axes, name, kw, True)
         out += got
     return out
 
 
 # the layout oracle programs, per world size: (body, its first argument)
-_LAYOUTS = {2: [(test_layouts._dp_body, 2), (test_layouts._ring_body, 2),
-                (test_layouts._ulysses_body, 2)],
-            4: [(test_layouts._fsdp_body, 4), (test_layouts._megatron_body, 4),
-                (test_layouts._sp_body, 4), (test_layouts._two_d_body, (2, 2)),
-                (test_layouts._multi_axis_body, (2, 2)), (test_layouts._ring_body, 4)]}
+_LAYOUTS = {2: [(_programs._dp_body, 2), (_programs._ring_body, 2),
+                (_programs._ulysses_body, 2)],
+            4: [(_programs._fsdp_body, 4), (_programs._megatron_body, 4),
+                (_programs._sp_body, 4), (_programs._two_d_body, (2, 2)),
+                (_programs._multi_axis_body, (2, 2)), (_programs._ring_body, 4)]}
 
 
 def _layout_programs(n):

@@ -158,19 +158,20 @@ def test_local_and_global_shapes_round_trip():
         shape, spec = random_shape(rng, ndim), random_spec(rng, names, ndim)
         lay = _layout.layout(spec, ndim)
         coords = [dict(zip(names, c)) for c in mesh.coords()]
-        assert coords == _layout.mesh_coordinates(mesh)
+        assert coords == _layout.mesh_coordinates(mesh), (mesh, coords)
         locals_ = [_layout.local_shape(shape, lay, mesh.at(c)) for c in mesh.coords()]
         for d in range(ndim):
             got = _layout.size_from_blocks([s[d] for s in locals_], coords, lay[d], mesh.shape)
             assert got == shape[d], (shape, spec, mesh, d)
         # blocks summed over one group of ranks per dimension give the global size
         if _layout.is_even(shape, lay, mesh):
-            assert _layout.even_global_shape(locals_[0], lay, mesh) == shape
-            assert _layout.padded_shape(shape, lay, mesh) == shape
+            assert _layout.even_global_shape(locals_[0], lay, mesh) == shape, (shape, spec, mesh)
+            assert _layout.padded_shape(shape, lay, mesh) == shape, (shape, spec, mesh)
         else:
-            assert _layout.uneven_dim(shape, lay, mesh.shape) is not None
+            assert _layout.uneven_dim(shape, lay, mesh.shape) is not None, (shape, spec, mesh)
             big = _layout.padded_shape(shape, lay, mesh)
-            assert _layout.is_even(big, lay, mesh) and all(b >= n for b, n in zip(big, shape))
+            assert _layout.is_even(big, lay, mesh) and all(b >= n for b, n in zip(big, shape)), (
+                shape, spec, mesh, big)
     # sizes that no torch.chunk layout gives: 3, 2, 2, 2 rows over 4 ranks
     m = FakeMesh((4,), ("x",))
     assert _layout.size_from_blocks([3, 2, 2, 2], _layout.mesh_coordinates(m), ("x",),
@@ -185,17 +186,17 @@ def test_placements_round_trip():
         place = _layout.spec_to_placements(spec, mesh, ndim, "test")
         back = _layout.placements_to_spec(place, names, "test")
         assert _layout.layout(back, ndim) == _layout.layout(spec, ndim), (spec, place, back)
-        assert _layout.spec_to_placements(back, mesh, ndim, "test") == place
+        assert _layout.spec_to_placements(back, mesh, ndim, "test") == place, (spec, place, back)
         for a in names:
             want = next((Shard(d) for d in range(ndim) if a in spec.dim_axes(d)), Replicate())
-            assert _layout.axis_placement(spec, a) == want
+            assert _layout.axis_placement(spec, a) == want, (spec, a, want)
     # placements -> spec -> placements, from random placement lists
     for _ in range(100):
         sizes, names = rng.choice(MESHES)
         mesh = FakeMesh(sizes, names)
         place = [Shard(rng.randrange(3)) if rng.random() < 0.6 else Replicate() for _ in names]
         spec = _layout.placements_to_spec(place, names, "test")
-        assert _layout.spec_to_placements(spec, mesh, 3, "test") == place
+        assert _layout.spec_to_placements(spec, mesh, 3, "test") == place, (place, spec, mesh)
 
 
 def test_axis_order_against_mesh_order_has_no_placements():
