@@ -84,7 +84,7 @@ def _value_body(shape, how):
     for on in (True, False):
         with forward(on), functp.comm_log() as log:
             results.append((_grads(step, how, lp, lx), [(e.op, e.axes, e.nbytes) for e in log]))
-        assert _idle() == (0, 0)
+        assert _idle() == (0, 0), f"forward laziness {on}: collectives left pending {_idle()}"
     ((loss, g), lazy_log), ((loss0, g0), eager_log) = results
     assert lazy_log == eager_log
     assert torch.equal(loss, loss0) and all(torch.equal(g[k], g0[k]) for k in g)  # bit for bit

@@ -423,7 +423,7 @@ def _like_body(path):
     # this mesh's block, or the full tensor: both fit
     for like in (torch.zeros(4, 8), torch.zeros(8, 8)):
         got = functp.load(path, mesh, {"w": P("x")}, like={"w": like})["w"]
-        assert got.dtype == torch.float32 and torch.equal(got, want)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (tuple(like.shape), got)
     got = functp.load(path, mesh, {"w": P("x")}, like={"w": torch.zeros(4, 8, dtype=torch.float64)},
                       convert=True)["w"]
     assert got.dtype == torch.float64 and torch.equal(got, want.double())
@@ -441,7 +441,7 @@ def test_like_checks_shape_and_dtype(run, tmp_path):
     shape, dtype, convert, one_rank = zip(*run(2, _like_body, path))
     for msgs in (_all_raise(shape, "like['w']", "(3, 8)", "'w'", "(8, 8)", "(4, 8)", path),
                  _all_raise(convert, "like['w']", "(3, 8)", "(8, 8)")):
-        assert all("placeholder" in m for m in msgs)
+        assert all("placeholder" in m for m in msgs), msgs
     msgs = _all_raise(dtype, "like['w']", "torch.float64", "torch.float32", path)
     assert all("convert=True" in m for m in msgs)
     # a leaf that does not fit on rank 1 alone: rank 0 does not wait, it names rank 1
@@ -814,7 +814,7 @@ def _namedtuple_body(path):
 def test_a_tree_of_other_nodes_loads_with_like(run, tmp_path):
     # a namedtuple's class is code: the file keeps its leaves, like= gives the structure
     for ok, no_like in run(2, _namedtuple_body, str(tmp_path / "ckpt")):
-        assert ok
+        assert ok, "the namedtuple did not load back as a Pair of its leaves with like="
         assert no_like[0] == "CheckpointError" and "Pair" in no_like[1], no_like
         assert "pass like=" in no_like[1], no_like
 

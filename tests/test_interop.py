@@ -31,8 +31,9 @@ def _round_trip_body():
         for spec, placements in _CASES:
             local = functp.shard(full, mesh, spec)
             dt = functp.to_dtensor({"w": local, "n": 1}, mesh, {"w": spec, "n": P()})
-            assert dt["n"] == 1 and isinstance(dt["w"], DTensor)
-            assert list(dt["w"].placements) == placements and dt["w"].shape == full.shape
+            assert dt["n"] == 1 and isinstance(dt["w"], DTensor), (shape, spec, dt)
+            assert list(dt["w"].placements) == placements and dt["w"].shape == full.shape, (
+                shape, spec, dt["w"].placements, dt["w"].shape)
             # DTensor's own idea of where this block sits (what DCP uses) is functp's
             size, off = compute_local_shape_and_global_offset(full.shape, mesh.device_mesh,
                                                               placements)
@@ -46,11 +47,12 @@ def _round_trip_body():
             ref = distribute_tensor(full, mesh.device_mesh, placements)
             back, specs = functp.from_dtensor({"w": ref, "x": full, "n": 1})
             assert specs == {"w": spec, "x": P(), "n": P()}, specs
-            assert torch.equal(back["w"], local) and back["x"] is full and back["n"] == 1
+            assert torch.equal(back["w"], local) and back["x"] is full and back["n"] == 1, (
+                shape, spec)
             # and the global shape given explicitly: no communication at all
             with functp.comm_log() as log:
                 dt2 = functp.to_dtensor(local, mesh, spec, shapes=shape)
-            assert len(log) == 0 and dt2.shape == full.shape
+            assert len(log) == 0 and dt2.shape == full.shape, (shape, spec, log.events, dt2.shape)
 
 
 def test_to_from_dtensor_round_trip(run):
@@ -78,12 +80,14 @@ def _shard_map_arg_body():
     assert torch.equal(dtensor_to_local(dt, mesh, P("dp"), "args[0]"), functp.shard(full, mesh, P("dp")))
     # another layout: redistributed first
     for spec in [P(None, ("dp", "tp")), P("tp", "dp"), P()]:
-        assert torch.equal(dtensor_to_local(dt, mesh, spec, "args[0]"), functp.shard(full, mesh, spec))
+        assert torch.equal(dtensor_to_local(dt, mesh, spec, "args[0]"),
+                           functp.shard(full, mesh, spec)), spec
     # from an uneven layout to an even one
     six = randn(6, 4, seed=3)
     nested = functp.to_dtensor(functp.shard(six, mesh, P(("dp", "tp"))), mesh, P(("dp", "tp")))
     for spec in [P("dp"), P(None, ("tp", "dp"))]:
-        assert torch.equal(dtensor_to_local(nested, mesh, spec, "a"), functp.shard(six, mesh, spec))
+        assert torch.equal(dtensor_to_local(nested, mesh, spec, "a"),
+                           functp.shard(six, mesh, spec)), spec
     # a Partial DTensor is reduced on the way
     part = DTensor.from_local(full / 4, mesh.device_mesh, [Partial(), Partial()], run_check=False)
     torch.testing.assert_close(dtensor_to_local(part, mesh, P("tp"), "args[1]"),

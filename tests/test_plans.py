@@ -600,7 +600,7 @@ def test_transformers_style_names_old_and_new_name_the_same_layouts():
     assert get_style("rowwise_rep").input_layout == Replicate()        # split_input
     assert get_style("colwise_rep").output_layout == Replicate()       # gather_output
     for name in ("replicate", "replicated_with_grad_allreduce", "mla_kv_a_proj"):
-        assert isinstance(get_style(name), functp.Replicated)
+        assert isinstance(get_style(name), functp.Replicated), (name, get_style(name))
 
 
 class Stacked(nn.Module):

@@ -71,7 +71,8 @@ def _all_pairs_body(mesh_shape, names, shapes, given):
                 assert torch.equal(again, out), (gshape, src, dst)
                 assert len(log) == data + (1 if data else 0), (src, dst, log.events)
             # and back to the full value
-            assert torch.equal(functp.unshard(out, mesh, dst, shapes=gshape), full)
+            assert torch.equal(functp.unshard(out, mesh, dst, shapes=gshape), full), (
+                gshape, src, dst)
     return counts
 
 
@@ -160,13 +161,14 @@ def _comm_body():
         with functp.comm_log() as log:
             y = functp.reshard(x, mesh, src, dst, shapes=full.shape)
         assert [(e.op, e.axes) for e in log.events] == want, (src, dst, log.events)
-        assert torch.equal(y, reference_block(full, dst, mesh))
+        assert torch.equal(y, reference_block(full, dst, mesh)), (src, dst)
         # without shapes: the same, after one small all_gather of the block shapes
         with functp.comm_log() as log:
             y = functp.reshard(x, mesh, src, dst)
-        assert [(e.op, e.axes) for e in log.events] == [("all_gather", ("dp", "tp"))] + want
+        assert [(e.op, e.axes) for e in log.events] == [("all_gather", ("dp", "tp"))] + want, (
+            src, dst, log.events)
         assert log.events[0].nbytes == 2 * 8, "the shapes of one 2-d block, int64"
-        assert torch.equal(y, reference_block(full, dst, mesh))
+        assert torch.equal(y, reference_block(full, dst, mesh)), (src, dst, "without shapes=")
 
     # a whole tree; non-tensor leaves pass through
     tree = {"w": full, "b": randn(4, seed=1), "n": 3}

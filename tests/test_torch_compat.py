@@ -75,7 +75,7 @@ def test_unwrap_functorch_sees_through_grad_and_vmap():
     torch.func.grad(f)(x)
     torch.vmap(f)(x)
     for t in seen:
-        assert type(t) is torch.Tensor and not _torch_compat.is_functorch_wrapped(t)
+        assert type(t) is torch.Tensor and not _torch_compat.is_functorch_wrapped(t), type(t)
     assert seen[0].shape == (2, 3) and seen[1].shape == (2, 3)   # vmap's batch dim kept
     assert torch.equal(seen[0], x) and torch.equal(seen[1], x)
 
