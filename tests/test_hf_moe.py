@@ -2,8 +2,9 @@
 plan (``base_model_ep_plan``), as a transformers user would run it with experts on
 an ``ep`` mesh axis: ``functp.parallelize(model, mesh, "auto")`` on a tiny float64
 configuration (tests/_hf.py's), loss and every parameter's gradient against
-the unsharded model, on ep2, dp2 x ep2 and ep2 x tp2, the experts split over ``ep``
-and dispatched with ``ragged_all_to_all``. Also transformers' ``DistributedConfig`` as the description.
+the unsharded model, on ep2 and ep2 x tp2 (and dp2 x ep2 for a representative set),
+the experts split over ``ep`` and dispatched with ``ragged_all_to_all``. Also
+transformers' ``DistributedConfig`` as the description.
 
 ``REFUSED``, ``REFUSED_ON``, ``NOT_BUILT`` and ``SLOW`` may only shrink: a type that starts to work
 makes its test fail until its entry is removed.
@@ -116,7 +117,13 @@ def _survey(model_type: str, shape, names, config=None):
 
 _MESHES = {"ep2": ((2,), ("ep",)), "dp2_ep2": ((2, 2), ("dp", "ep")),
            "ep2_tp2": ((2, 2), ("ep", "tp"))}
-_CASES = [(t, m) for t in _types() for m in _MESHES]
+# every type on ep2 (its experts over ep, its batch split over ep already) and on
+# ep2_tp2 (its own tensor-parallel plan beside the experts); a representative set
+# (plain, shared-expert, MLA with grouped routing, biased router) also on dp2_ep2:
+# a second batch axis over which the experts are replicated is the same code for
+# every model (the loss's pmean and the replicated gradients' psum over dp)
+DP_EP = {"qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"}
+_CASES = [(t, m) for t in _types() for m in _MESHES if m != "dp2_ep2" or t in DP_EP]
 
 
 def _assert_exact(model_type, outcome, detail, expert_axes):
@@ -293,7 +300,7 @@ def test_a_dense_model_on_an_ep_mesh_is_refused(run):
 
 def test_every_listed_type_exists():
     known = set(_types())
-    for table in (REFUSED, SLOW, EXTRA, dict.fromkeys(t for t, _ in REFUSED_ON),
+    for table in (REFUSED, SLOW, EXTRA, DP_EP, dict.fromkeys(t for t, _ in REFUSED_ON),
                   FLOAT32_INSIDE - hf.FLOAT32_INSIDE):
         assert set(table) <= known, set(table) - known
 

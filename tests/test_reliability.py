@@ -186,10 +186,10 @@ def _raises_then_peer_polls(path):
 def test_simulate_names_a_rank_stuck_outside_collectives(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ShardingError) as info:
-        _sim(_polls_for_a_file, 2, str(tmp_path / "flag"), check=True, timeout=4)
+        _sim(_polls_for_a_file, 2, str(tmp_path / "flag"), check=True, timeout=2)
     msg = str(info.value)
     assert time.monotonic() - t0 < _LIMIT
-    assert "rank 0 ran for 4 s without reaching a collective" in msg, msg
+    assert "rank 0 ran for 2 s without reaching a collective" in msg, msg
     assert "test_reliability.py" in msg and "in _polls_for_a_file" in msg, msg
 
 
@@ -198,14 +198,14 @@ def test_simulate_stops_a_rank_waiting_for_a_failed_one(tmp_path):
     # first (rank 0 then stopped), or rank 0 named as stuck when rank 1 never got a turn
     t0 = time.monotonic()
     with pytest.raises((KeyError, ShardingError)) as info:
-        _sim(_raises_then_peer_polls, 2, str(tmp_path / "never"), check=False, timeout=3)
+        _sim(_raises_then_peer_polls, 2, str(tmp_path / "never"), check=False, timeout=2)
     assert time.monotonic() - t0 < _LIMIT
     if isinstance(info.value, KeyError):
         notes = "\n".join(getattr(info.value, "__notes__", []))
         assert "raised on rank 1" in notes and "rank 0 was then stopped" in notes, notes
     else:
         msg = str(info.value)
-        assert "rank 0 ran for 3 s" in msg and "in _raises_then_peer_polls" in msg, msg
+        assert "rank 0 ran for 2 s" in msg and "in _raises_then_peer_polls" in msg, msg
 
 
 def _computes_then_waits(path):
@@ -221,9 +221,9 @@ def _computes_then_waits(path):
 @pytest.mark.parametrize("check", [True, False])
 def test_simulate_timeout_blames_the_stuck_rank(tmp_path, check):
     with pytest.raises(ShardingError) as info:
-        _sim(_computes_then_waits, 2, str(tmp_path / "never"), check=check, timeout=4)
+        _sim(_computes_then_waits, 2, str(tmp_path / "never"), check=check, timeout=2)
     msg = str(info.value)
-    assert msg.startswith("functp.simulate: rank 0 ran for 4 s"), msg
+    assert msg.startswith("functp.simulate: rank 0 ran for 2 s"), msg
     assert "in _computes_then_waits" in msg, msg
 
 
