@@ -24,14 +24,14 @@ from ..ops import _collectives as coll
 from ..ops import _context
 from ..ops import _primitives as prim
 from ..runtime._errors import ShardingError
-from ..mesh._layout import (Layout, axis_group, block, check_packed, even_global_shape, is_even,
+from ..mesh._layout import (Layout, block, check_packed, even_global_shape, is_even,
                       layout, local_of, local_shape, mark_uneven, packing, pad_dim, piece_sizes,
                       unview, view, view_shape, view_spec)
 from ..mesh._mesh import Mesh
 from ._reshard_plan import communicates, plan
-from ._reshard_shapes import checked_shapes, exchange_shapes, leaf_specs
+from ._reshard_shapes import checked_shapes, exchange_shapes
 from ..mesh._spec import P, normalize_spec
-from ..mesh._tree import match_specs
+from ..mesh._tree import leaf_specs, match_specs
 
 __all__ = ["reshard", "global_shapes"]
 
@@ -49,10 +49,10 @@ class _RawOps:
         self.mesh = mesh
 
     def gather(self, x, axes, dim, tiled):
-        return prim.all_gather(x if tiled else x.unsqueeze(dim), axis_group(self.mesh, axes), dim)
+        return prim.all_gather(x if tiled else x.unsqueeze(dim), self.mesh.axis_group(axes), dim)
 
     def a2a(self, x, axes, split, concat):
-        return prim.all_to_all(x, axis_group(self.mesh, axes), split, concat)
+        return prim.all_to_all(x, self.mesh.axis_group(axes), split, concat)
 
     def vary(self, x, axes):
         return x

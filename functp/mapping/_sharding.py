@@ -22,7 +22,8 @@ from ..runtime._errors import ShardingError
 from ..mesh._mesh import Mesh
 from ..mesh._layout import block, layout, local_of, mark_uneven, pad_dim, padded_shape
 from ._reshard import _RawOps, full_of, run_plan
-from ._reshard_shapes import check_block, given_shapes, leaf_specs, shapes_for
+from ._reshard_shapes import check_block, given_shapes, shapes_for
+from ..mesh._tree import leaf_specs
 from ..mesh._spec import P
 
 __all__ = ["shard", "unshard", "pad_to_multiple", "unpad"]
