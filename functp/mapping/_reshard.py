@@ -185,10 +185,16 @@ def global_shapes(tree: Any, mesh: Mesh, specs: Any) -> Any:
     otherwise), and checks that the blocks form a valid (torch.chunk-style) layout:
     the same error on every rank if not. Non-tensor leaves come back unchanged. Pass
     the result as ``shapes=`` to :func:`reshard`/:func:`unshard`/checkpoints to skip
-    the exchange. Example (4 ranks, 10 rows)::
+    the exchange. Example (4 simulated ranks, 10 rows)::
 
-        local = functp.shard(torch.zeros(10, 2), mesh, P("x"))   # 3, 3, 3, 1 rows
-        functp.global_shapes(local, mesh, P("x"))                # torch.Size([10, 2])
+        def shapes():
+            mesh = functp.make_mesh((4,), ("x",))
+            local = functp.shard(torch.zeros(10, 2), mesh, P("x"))   # 3, 3, 3, 1 rows
+            return functp.global_shapes(local, mesh, P("x"))
+
+        print(functp.simulate(shapes, 4))
+        # prints:
+        # [torch.Size([10, 2]), torch.Size([10, 2]), torch.Size([10, 2]), torch.Size([10, 2])]
     """
     items, treespec = leaf_specs(tree, mesh, specs, "tree")
     if any(s is not None and any(layout(s, x.ndim, mesh)) for _, x, s in items):
@@ -232,11 +238,19 @@ def reshard(tree: Any, mesh: Mesh, src_specs: Any, dst_specs: Any, *,
     carry no autograd history. Inside a ``shard_map`` body it is differentiable (built
     from functp's collectives), needs even blocks and never adds a size exchange.
 
-    Example (2 ranks)::
+    Example (2 simulated ranks)::
 
-        w = functp.shard(torch.randn(4, 6), mesh, P("tp"))          # rows split
-        w2 = functp.reshard(w, mesh, P("tp"), P(None, "tp"))        # one all_to_all
-        w3 = functp.reshard(w2, mesh, P(None, "tp"), P())           # one all_gather
+        def moves():
+            mesh = functp.make_mesh((2,), ("tp",))
+            w = functp.shard(torch.randn(4, 6), mesh, P("tp"))          # rows split
+            with functp.comm_log() as log:        # shapes= given: no size exchange
+                w2 = functp.reshard(w, mesh, P("tp"), P(None, "tp"), shapes=(4, 6))
+                w3 = functp.reshard(w2, mesh, P(None, "tp"), P(), shapes=(4, 6))
+            return tuple(w.shape), tuple(w2.shape), tuple(w3.shape), log.summary()
+
+        print(functp.simulate(moves, 2)[0])
+        # prints:
+        # ((2, 6), (4, 3), (4, 6), {('all_to_all', ('tp',)): 1, ('all_gather', ('tp',)): 1})
     """
     inside = _context.active()
     what = "functp.reshard"
