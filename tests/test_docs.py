@@ -9,17 +9,22 @@ on four gloo processes, and each rank's output is compared with its ``# prints:`
 Each block is checked one way, and counted so: *compared* (its ``# prints:``),
 *asserts* (it prints nothing and holds ``assert`` statements), or *runs only*, which
 only a setup block may be (imports and ``torch.set_default_dtype``/``manual_seed``).
-A block that prints what the page does not show fails.
+A block that prints what the page does not show fails. A ```python-norun block (an
+excerpt of an example, shown without the model and mesh around it) is not run: it must
+stand, line by line and in order, in the example its section links, which
+tests/test_examples.py runs.
 """
 from __future__ import annotations
 
 import ast
 import contextlib
 import glob
+import inspect
 import io
 import os
 import re
 import sys
+import textwrap
 import types
 
 import pytest
@@ -155,6 +160,105 @@ def test_a_block_is_checked_one_way():
 def test_a_prints_block_is_read_as_shown():
     assert expected_output("x = 1\nprint(x)\n# prints:\n# 1\n#\n# [rank 0] a") == "1\n\n[rank 0] a\n"
     assert expected_output("print(1)") is None
+
+
+def _code_lines(code: str) -> list[str]:
+    """The code of each line, comments and blank lines left out, white space folded."""
+    out = [" ".join(ln.split("#")[0].split()) for ln in code.splitlines()]
+    return [ln for ln in out if ln and ln != "..."]
+
+
+def excerpt_gaps(code: str, source: str) -> list[str]:
+    """The lines of ``code`` that do not stand in ``source`` in the same order."""
+    have, i, gaps = _code_lines(source), 0, []
+    for ln in _code_lines(code):
+        j = next((j for j in range(i, len(have)) if ln in have[j]), None)
+        if j is None:
+            gaps.append(ln)
+        else:
+            i = j + 1
+    return gaps
+
+
+def _norun_blocks(page: str) -> list[tuple[int, str, str | None]]:
+    """(line, code, the example the page linked last before it) of each ```python-norun
+    block: an excerpt of that example, which tests/test_examples.py runs."""
+    text = open(page).read()
+    out = []
+    for m in re.finditer(r"^```python-norun\n(.*?)^```", text, re.S | re.M):
+        links = re.findall(r"\(\.\./(examples/\w+\.py)\)", text[:m.start()])
+        out.append((text[:m.start()].count("\n") + 2, m.group(1), links[-1] if links else None))
+    return out
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if _norun_blocks(p)],
+                         ids=lambda p: os.path.basename(p))
+def test_norun_blocks_are_excerpts_of_the_examples_that_run(page):
+    # not run on the page (each needs its example's model and mesh around it), but
+    # every line of one stands, in order, in the example its section links, which
+    # tests/test_examples.py runs: the excerpt cannot drift from code that works
+    for line, code, example in _norun_blocks(page):
+        where = f"{os.path.basename(page)}, python-norun block at line {line}"
+        assert example, f"{where}: link the example it is taken from before it"
+        gaps = excerpt_gaps(code, open(os.path.join(ROOT, example)).read())
+        assert not gaps, f"{where}: not in {example} (in this order): {gaps}"
+
+
+def test_an_excerpt_must_stand_in_its_source_in_order():
+    source = "a = 1\nb = a + 1   # why\nc = b * 2\n"
+    assert excerpt_gaps("a = 1\n...\nc = b * 2  # shown", source) == []
+    assert excerpt_gaps("c = b * 2\na = 1", source) == ["a = 1"]
+    assert excerpt_gaps("d = 4", source) == ["d = 4"]
+
+
+def docstring_examples(doc: str) -> list[str]:
+    """The literal blocks (after a line ending in ``::``) of a docstring that show
+    what they print (``# prints:``), dedented."""
+    lines, out, i = doc.split("\n"), [], 0
+    while i < len(lines):
+        i += 1
+        if not lines[i - 1].rstrip().endswith("::"):
+            continue
+        block = []
+        while i < len(lines) and (not lines[i].strip() or lines[i].startswith(" ")):
+            block.append(lines[i])
+            i += 1
+        code = textwrap.dedent("\n".join(block)).strip("\n")
+        if "# prints:" in code.split("\n"):
+            out.append(code + "\n")
+    return out
+
+
+def _public_docs() -> dict[str, str]:
+    import functp
+    return {n: inspect.getdoc(getattr(functp, n)) or "" for n in functp.__all__}
+
+
+@pytest.mark.parametrize("name", [n for n, d in _public_docs().items()
+                                  if docstring_examples(d) or ">>> " in d])
+def test_docstring_examples_print_what_they_show(name):
+    # an example that shows its output (# prints:, or a doctest's >>>) runs as shown,
+    # with torch, functp and P imported (a mesh it needs it makes under simulate)
+    import doctest
+    import functp
+    import torch
+    obj, doc = getattr(functp, name), _public_docs()[name]
+    for code in docstring_examples(doc):
+        env = {"torch": torch, "functp": functp, "P": functp.P}
+        printed = _exec(f"functp.{name}", 0, code, env)
+        want = expected_output(code)
+        assert printed == want, f"functp.{name}'s example printed:\n{printed}but shows:\n{want}"
+    if ">>> " in doc:
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        for test in doctest.DocTestFinder(recurse=False).find(obj, f"functp.{name}",
+                                                              globs={"P": functp.P}):
+            assert runner.run(test, out=lambda _: None).failed == 0, f"functp.{name}'s doctest"
+
+
+def test_a_docstring_example_is_found_with_its_output():
+    doc = "Sums.\n\nExample::\n\n    print(1 + 1)\n    # prints:\n    # 2\n\nMore text."
+    assert docstring_examples(doc) == ["print(1 + 1)\n# prints:\n# 2\n"]
+    assert docstring_examples("Example::\n\n    x = 1\n") == []
 
 
 def test_api_reference_is_current():

@@ -15,13 +15,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial
 
 from ..runtime import _world
-from ..runtime._errors import ShardingError
-from ..mesh._layout import (GLOBAL_SHAPE, check_even_dtensor, is_even, layout, mesh_order,
-                      placements_to_spec, spec_to_placements, strides, uneven_dim)
+from ..runtime._errors import ShardingError, leaf_text
+from ..mesh._layout import GLOBAL_SHAPE, check_even_dtensor, is_even, layout, strides, uneven_dim
 from ..mesh._mesh import Mesh
 from ._reshard import move_block
-from ._reshard_shapes import leaf_specs, shapes_for
-from ..mesh._spec import P, normalize_spec
+from ._reshard_shapes import shapes_for
+from ..mesh._tree import leaf_specs
+from ..mesh._spec import P, mesh_order, normalize_spec, placements_to_spec, spec_to_placements
 
 __all__ = ["to_dtensor", "from_dtensor", "dtensor_to_local"]
 
@@ -79,7 +79,7 @@ def from_dtensor(tree: Any) -> tuple[Any, Any]:
                 raise ShardingError(
                     f"{where}: the DTensor's DeviceMesh has no dimension names; build it "
                     f"with init_device_mesh(..., mesh_dim_names=(...)) (functp names axes)")
-            spec = placements_to_spec(x.placements, names, f"{where} (shape {tuple(x.shape)})")
+            spec = placements_to_spec(x.placements, names, leaf_text(where, x.shape))
             block = x.to_local()
             sizes = dict(zip(names, x.device_mesh.mesh.shape))
             if uneven_dim(x.shape, layout(spec, x.ndim), sizes) is not None:

@@ -24,14 +24,14 @@ from ..ops import _collectives as coll
 from ..ops import _context
 from ..ops import _primitives as prim
 from ..runtime._errors import ShardingError
-from ..mesh._layout import (Layout, axis_group, block, check_packed, even_global_shape, is_even,
+from ..mesh._layout import (Layout, block, check_packed, even_global_shape, is_even,
                       layout, local_of, local_shape, mark_uneven, packing, pad_dim, piece_sizes,
                       unview, view, view_shape, view_spec)
 from ..mesh._mesh import Mesh
 from ._reshard_plan import communicates, plan
-from ._reshard_shapes import checked_shapes, exchange_shapes, leaf_specs
+from ._reshard_shapes import checked_shapes, exchange_shapes
 from ..mesh._spec import P, normalize_spec
-from ..mesh._tree import match_specs
+from ..mesh._tree import leaf_specs, match_specs
 
 __all__ = ["reshard", "global_shapes"]
 
@@ -49,10 +49,10 @@ class _RawOps:
         self.mesh = mesh
 
     def gather(self, x, axes, dim, tiled):
-        return prim.all_gather(x if tiled else x.unsqueeze(dim), axis_group(self.mesh, axes), dim)
+        return prim.all_gather(x if tiled else x.unsqueeze(dim), self.mesh.axis_group(axes), dim)
 
     def a2a(self, x, axes, split, concat):
-        return prim.all_to_all(x, axis_group(self.mesh, axes), split, concat)
+        return prim.all_to_all(x, self.mesh.axis_group(axes), split, concat)
 
     def vary(self, x, axes):
         return x
@@ -185,10 +185,16 @@ def global_shapes(tree: Any, mesh: Mesh, specs: Any) -> Any:
     otherwise), and checks that the blocks form a valid (torch.chunk-style) layout:
     the same error on every rank if not. Non-tensor leaves come back unchanged. Pass
     the result as ``shapes=`` to :func:`reshard`/:func:`unshard`/checkpoints to skip
-    the exchange. Example (4 ranks, 10 rows)::
+    the exchange. Example (4 simulated ranks, 10 rows)::
 
-        local = functp.shard(torch.zeros(10, 2), mesh, P("x"))   # 3, 3, 3, 1 rows
-        functp.global_shapes(local, mesh, P("x"))                # torch.Size([10, 2])
+        def shapes():
+            mesh = functp.make_mesh((4,), ("x",))
+            local = functp.shard(torch.zeros(10, 2), mesh, P("x"))   # 3, 3, 3, 1 rows
+            return functp.global_shapes(local, mesh, P("x"))
+
+        print(functp.simulate(shapes, 4))
+        # prints:
+        # [torch.Size([10, 2]), torch.Size([10, 2]), torch.Size([10, 2]), torch.Size([10, 2])]
     """
     items, treespec = leaf_specs(tree, mesh, specs, "tree")
     if any(s is not None and any(layout(s, x.ndim, mesh)) for _, x, s in items):
@@ -232,11 +238,19 @@ def reshard(tree: Any, mesh: Mesh, src_specs: Any, dst_specs: Any, *,
     carry no autograd history. Inside a ``shard_map`` body it is differentiable (built
     from functp's collectives), needs even blocks and never adds a size exchange.
 
-    Example (2 ranks)::
+    Example (2 simulated ranks)::
 
-        w = functp.shard(torch.randn(4, 6), mesh, P("tp"))          # rows split
-        w2 = functp.reshard(w, mesh, P("tp"), P(None, "tp"))        # one all_to_all
-        w3 = functp.reshard(w2, mesh, P(None, "tp"), P())           # one all_gather
+        def moves():
+            mesh = functp.make_mesh((2,), ("tp",))
+            w = functp.shard(torch.randn(4, 6), mesh, P("tp"))          # rows split
+            with functp.comm_log() as log:        # shapes= given: no size exchange
+                w2 = functp.reshard(w, mesh, P("tp"), P(None, "tp"), shapes=(4, 6))
+                w3 = functp.reshard(w2, mesh, P(None, "tp"), P(), shapes=(4, 6))
+            return tuple(w.shape), tuple(w2.shape), tuple(w3.shape), log.summary()
+
+        print(functp.simulate(moves, 2)[0])
+        # prints:
+        # ((2, 6), (4, 3), (4, 6), {('all_to_all', ('tp',)): 1, ('all_gather', ('tp',)): 1})
     """
     inside = _context.active()
     what = "functp.reshard"

@@ -2,7 +2,8 @@
 this rank's block) or learned with one small all-gather of every rank's block shapes
 (checked the same way on every rank). ``reshard``, ``unshard``, interop and
 checkpoints need them for uneven (torch.chunk-style) blocks, whose sizes differ
-between ranks. Also: matching a tree of blocks with its specs. Example (4 ranks)::
+between ranks (``leaf_specs``, matching a tree with its specs, is ``mesh._tree``'s).
+Example (4 ranks)::
 
     items, treespec = leaf_specs(local, mesh, P("x"), "tree")
     shapes_for(items, treespec, mesh, None, "functp.unshard")   # [(10, 2)]
@@ -15,26 +16,12 @@ import torch
 
 from ..ops import _primitives as prim
 from ..runtime._errors import ShardingError
-from ..mesh._layout import axis_group, layout, local_shape, mesh_coordinates, size_from_blocks
+from ..mesh._layout import layout, local_shape, mesh_coordinates, size_from_blocks
 from ..mesh._mesh import Mesh
-from ..mesh._spec import P, normalize_spec
-from ..mesh._tree import match_specs
+from ..mesh._spec import P
 
-__all__ = ["leaf_specs", "given_shapes", "check_block", "checked_shapes", "exchange_shapes",
+__all__ = ["given_shapes", "check_block", "checked_shapes", "exchange_shapes",
            "shapes_for"]
-
-
-def leaf_specs(tree, mesh: Mesh, specs, root: str, what: str = "specs"):
-    """``[(path, leaf, spec or None)]`` and the treespec; specs normalized on tensors."""
-    paths, leaves, spec_leaves, treespec = match_specs(specs, tree, what, root)
-    out = []
-    for path, x, spec in zip(paths, leaves, spec_leaves):
-        if isinstance(x, torch.Tensor):
-            spec = normalize_spec(spec, mesh.axis_names, f"{what} for {path}", x.shape)
-        else:
-            spec = None
-        out.append((path, x, spec))
-    return out, treespec
 
 
 def given_shapes(treespec, shapes, items, what: str) -> list[tuple[int, ...] | None]:
@@ -81,7 +68,7 @@ def exchange_shapes(items, mesh: Mesh, what: str) -> list[tuple[int, ...] | None
     gathered table, so a bad layout raises the same error everywhere."""
     row = torch.tensor([n for _, x, s in items if s is not None for n in x.shape],
                        dtype=torch.int64, device=mesh.device_type)
-    table = prim.all_gather(row.unsqueeze(0), axis_group(mesh, mesh.axis_names), 0).cpu()
+    table = prim.all_gather(row.unsqueeze(0), mesh.axis_group(mesh.axis_names), 0).cpu()
     coords = mesh_coordinates(mesh)
     out: list[tuple[int, ...] | None] = []
     k = 0

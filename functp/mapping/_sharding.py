@@ -22,7 +22,8 @@ from ..runtime._errors import ShardingError
 from ..mesh._mesh import Mesh
 from ..mesh._layout import block, layout, local_of, mark_uneven, pad_dim, padded_shape
 from ._reshard import _RawOps, full_of, run_plan
-from ._reshard_shapes import check_block, given_shapes, leaf_specs, shapes_for
+from ._reshard_shapes import check_block, given_shapes, shapes_for
+from ..mesh._tree import leaf_specs
 from ..mesh._spec import P
 
 __all__ = ["shard", "unshard", "pad_to_multiple", "unpad"]
@@ -45,10 +46,17 @@ def shard(tree: Any, mesh: Mesh, specs: Any, *, src_rank: int | None = None) -> 
     Without ``src_rank`` no communication happens, and nothing checks that the ranks'
     tensors are the same (each rank would take its block of its own tensor): the
     check mode (``FUNCTP_DEBUG=1``) compares them and raises if they differ. Sizes need not be divisible:
-    blocks follow ``torch.chunk`` (10 rows over 4 ranks: 3, 3, 3, 1). Example::
+    blocks follow ``torch.chunk`` (10 rows over 4 ranks: 3, 3, 3, 1). Example (4
+    simulated ranks)::
 
-        local = functp.shard({"w": torch.randn(8, 4)}, mesh, {"w": P("tp")})
-        local["w"].shape      # (8 // mesh.shape["tp"], 4)
+        def blocks():
+            mesh = functp.make_mesh((4,), ("tp",))
+            local = functp.shard({"w": torch.zeros(10, 4)}, mesh, {"w": P("tp")})
+            return tuple(local["w"].shape)
+
+        print(functp.simulate(blocks, 4))
+        # prints:
+        # [(3, 4), (3, 4), (3, 4), (1, 4)]
     """
     if src_rank is not None:
         with _world.peers(f"functp.shard(..., src_rank={src_rank})", src_rank):
@@ -91,13 +99,20 @@ def pad_to_multiple(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) ->
     ``shapes`` (the global shapes), ``tree`` holds uneven local blocks, and the result
     is the blocks of the padded tensors: a local pad where one axis splits the
     dimension, one all-gather where several do. :func:`unpad` undoes it. Example
-    (4 ranks)::
+    (4 simulated ranks)::
 
-        full = {"emb": torch.randn(10, 8)}
-        local = functp.shard(functp.pad_to_multiple(full, mesh, {"emb": P("x")}),
-                             mesh, {"emb": P("x")})           # 3 rows on every rank
-        ...                                                   # shard_map(...)(local)
-        back = functp.unpad(functp.unshard(local, mesh, {"emb": P("x")}), {"emb": (10, 8)})
+        def padded():
+            mesh = functp.make_mesh((4,), ("x",))
+            full = {"emb": torch.randn(10, 8)}
+            local = functp.shard(functp.pad_to_multiple(full, mesh, {"emb": P("x")}),
+                                 mesh, {"emb": P("x")})         # 3 rows on every rank
+            ...                                                 # shard_map(...)(local)
+            back = functp.unshard(local, mesh, {"emb": P("x")})
+            return tuple(local["emb"].shape), functp.unpad(back, {"emb": (10, 8)})["emb"].shape
+
+        print(functp.simulate(padded, 4)[0])
+        # prints:
+        # ((3, 8), torch.Size([10, 8]))
     """
     return _repad(tree, mesh, specs, shapes, to_padded=True)
 
@@ -110,7 +125,9 @@ def unpad(tree: Any, shapes: Any, *, mesh: Mesh | None = None, specs: Any = None
     and the result is the (possibly uneven) blocks of tensors of global ``shapes``.
     Example::
 
-        functp.unpad({"emb": torch.zeros(12, 8)}, {"emb": (10, 8)})["emb"].shape   # (10, 8)
+        print(functp.unpad({"emb": torch.zeros(12, 8)}, {"emb": (10, 8)})["emb"].shape)
+        # prints:
+        # torch.Size([10, 8])
     """
     if mesh is None:
         leaves, treespec = optree.tree_flatten(tree)

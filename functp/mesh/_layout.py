@@ -12,23 +12,27 @@ ranks: 3, 3, 3, 1; 2 rows over 4 ranks: 1, 1, 0, 0). Example (4 ranks)::
 
 Here: global <-> local shapes, divisibility (and its errors), padding sizes, packed
 dimensions (``P(..., packed={dim: k})``, seen through a view in which they are
-ordinary splits), a rank's slices of a full tensor, ``P`` <-> DTensor placements and
-the process group of a tuple of axes. Shapes, views, narrows and zero padding only:
-moving blocks between ranks is ``_reshard``'s job. Functions that take a ``mesh``
-read only its ``shape``, ``coordinate``, ``axis_names`` and ``axis_sizes``.
+ordinary splits) and a rank's slices of a full tensor. Shapes, views, narrows and zero
+padding only: ``P`` <-> DTensor placements is ``_spec``'s, the process group of a tuple
+of axes ``Mesh.axis_group``'s, moving blocks between ranks ``_reshard``'s. Functions
+that take a ``mesh`` read only its ``shape``, ``coordinate``, ``axis_names`` and
+``axis_sizes``.
 """
 from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..runtime._errors import ShardingError
+from ..runtime._errors import ShardingError, leaf_text
 from ._mesh import Mesh
-from ._spec import P, format_spec
+from ._spec import P
+# the placement converters live in _spec; callers not yet moved import them from here
+# (parallel/_styles.py: axis_placement; tests/test_layout.py: all four)
+from ._spec import axis_placement, mesh_order, placements_to_spec, spec_to_placements  # noqa: F401
 
 Layout = tuple[tuple[str, ...], ...]       # per tensor dimension: its axes, major first
 
@@ -153,18 +157,28 @@ def strides(shape: Sequence[int]) -> tuple[int, ...]:
 # divisibility, with the errors users see
 
 
+def require_divisible(where: str, shape: Sequence[int], spec: P, mesh: Mesh, fix: str) -> None:
+    """Raises unless ``spec`` splits every dimension of ``shape`` into equal blocks on
+    ``mesh``: the one message for a size that does not divide, naming the leaf
+    (``where``, ``shape``), the dimension, its axes, the multiple to pad to and then
+    ``fix`` (what else to do; ``{k}`` in it stands for that multiple)."""
+    d = uneven_dim(shape, layout(spec, len(shape)), mesh.shape)
+    if d is None:
+        return
+    axes = spec.dim_axes(d)
+    k = mesh.axis_size(axes)
+    raise ShardingError(
+        f"{leaf_text(where, shape)}: {spec!r} splits dimension {d} of size {shape[d]} over "
+        f"{axes} of size {k}, which does not divide it; pad it to a multiple of {k} "
+        f"{fix.format(k=k)} (mesh {mesh})")
+
+
 def check_even_dtensor(where: str, shape: Sequence[int], spec: P, mesh: Mesh) -> None:
     """A DTensor given to shard_map as a global value must split evenly under ``spec``."""
-    lay = layout(spec, len(shape), mesh)
-    d = uneven_dim(shape, lay, mesh.shape)
-    if d is not None:
-        k = mesh.axis_size(lay[d])
-        raise ShardingError(
-            f"{where}: the DTensor has shape {tuple(shape)} and {spec!r} splits "
-            f"dimension {d} of size {shape[d]} over {lay[d]} of size {k}, which does not "
-            f"divide it; shard_map needs equal blocks on every rank: pad it to a multiple "
-            f"of {k} (functp.pad_to_multiple on the full value, then to_dtensor) and "
-            f"functp.unpad the result (mesh {mesh})")
+    require_divisible(
+        f"{where}: the DTensor", shape, spec, mesh,
+        "(functp.pad_to_multiple on the full value, then to_dtensor) and functp.unpad the "
+        "result: shard_map needs equal blocks on every rank")
 
 
 def check_even_block(x: torch.Tensor, spec: P, mesh: Mesh, path: str) -> None:
@@ -174,17 +188,11 @@ def check_even_block(x: torch.Tensor, spec: P, mesh: Mesh, path: str) -> None:
     n = getattr(x, GLOBAL_SHAPE, None)
     if n is None or len(n) != x.ndim:
         return
-    d = uneven_dim(n, layout(spec, x.ndim), mesh.shape)
-    if d is not None:
-        axes = spec.dim_axes(d)
-        k = mesh.axis_size(axes)
-        raise ShardingError(
-            f"in_specs for {path} (block shape {tuple(x.shape)}, global shape "
-            f"{tuple(n)}): {spec!r} splits dimension {d} of size {n[d]} over {axes} of "
-            f"size {k} unevenly, and shard_map needs equal blocks on every rank (it "
-            f"cannot know a global size from uneven blocks); pad it to a multiple of "
-            f"{k} with functp.pad_to_multiple before sharding (functp.unpad the "
-            f"results), or choose sizes divisible by {k} (mesh {mesh})")
+    require_divisible(
+        f"in_specs for {path}, blocks of a global value", n, spec, mesh,
+        "with functp.pad_to_multiple before sharding (functp.unpad the results), or "
+        "choose sizes divisible by {k}: shard_map needs equal blocks on every rank, and "
+        "cannot know a global size from uneven ones")
 
 
 def mark_uneven(t: torch.Tensor, n: Sequence[int] | None, lay: Layout, mesh: Mesh
@@ -243,7 +251,7 @@ def check_packed(path: str, shape: Sequence[int], spec: P, sizes: Mapping[str, i
         n = axes_size(sizes, spec.dim_axes(d))
         if d >= len(shape) or uneven(shape[d], k * n):
             raise ShardingError(
-                f"{path} (shape {tuple(shape)}) under {spec!r}: dimension {d} must hold "
+                f"{leaf_text(path, shape, spec)}: dimension {d} must hold "
                 f"{k} blocks that each split evenly over {n} ranks; its size must be a "
                 f"multiple of {k * n}")
 
@@ -289,93 +297,3 @@ def local_of(x: torch.Tensor, spec: P, mesh: Mesh, path: str = "value") -> torch
                                      mesh.coordinate):
         x = x.narrow(d, off, size)
     return x
-
-
-# ---------------------------------------------------------------------------------
-# P <-> DTensor placements
-
-
-def placements_to_spec(placements: Sequence[Any], axis_names: Sequence[str], where: str) -> P:
-    """``[Shard(0), Replicate()]`` on mesh axes ``(dp, tp)`` -> ``P('dp')``.
-
-    Several mesh axes sharding one dimension are listed major to minor in mesh order,
-    which is DTensor's default (left-to-right) nesting.
-    """
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-
-    if len(placements) != len(axis_names):
-        raise ShardingError(
-            f"{where}: placements {format_spec(placements)} give {len(placements)} entries "
-            f"but the mesh has {len(axis_names)} axes {tuple(axis_names)}; give one "
-            f"placement per mesh axis, or use P(...)")
-    dims: dict[int, list[str]] = {}
-    for name, p in zip(axis_names, placements):
-        if isinstance(p, Partial):
-            raise ShardingError(
-                f"{where}: Partial is not a valid input spec (placements "
-                f"{format_spec(placements)}); reduce the value first, or pass its local "
-                f"contribution with a spec that mentions '{name}' and psum it in the body")
-        if type(p) is Shard:
-            if p.dim < 0:
-                raise ShardingError(f"{where}: Shard({p.dim}) needs a non-negative dim")
-            dims.setdefault(p.dim, []).append(name)
-        elif not isinstance(p, Replicate):
-            raise ShardingError(
-                f"{where}: placement {p} is not supported; use Shard(d), Replicate() or P(...)")
-    n = max(dims) + 1 if dims else 0
-    return P(*[None if d not in dims else dims[d][0] if len(dims[d]) == 1
-               else tuple(dims[d]) for d in range(n)])
-
-
-def spec_to_placements(spec: P, mesh: Mesh, ndim: int, where: str) -> list:
-    """``P('dp', 'tp')`` on mesh ``(dp, tp)`` -> ``[Shard(0), Shard(1)]``.
-
-    The axes of a dimension split over several must be in mesh order, which is
-    DTensor's nesting (axes of size 1 may stand anywhere: they split nothing)."""
-    from torch.distributed.tensor.placement_types import Replicate, Shard
-
-    place: list = [Replicate()] * len(mesh.axis_names)
-    for d, axes in enumerate(layout(spec, ndim)):
-        pos = [mesh.axis_names.index(a) for a in axes]
-        real = [i for i in pos if mesh.axis_sizes[i] > 1]
-        if real != sorted(real):
-            ordered = tuple(sorted(axes, key=mesh.axis_names.index))
-            raise ShardingError(
-                f"{where}: {spec!r} splits dimension {d} over {axes}, against the mesh "
-                f"order of {mesh} (axes {mesh.axis_names}); DTensor nests the axes of one "
-                f"dimension in mesh order, so it has no placements for this layout. "
-                f"functp.reshard it to P({ordered!r}) on that dimension first")
-        for i in pos:
-            place[i] = Shard(d)
-    return place
-
-
-def axis_placement(spec: P, axis: str):
-    """The placement over the single mesh ``axis`` of a value laid out by ``spec``:
-    ``Shard(d)`` for the dimension ``axis`` splits, else ``Replicate()``."""
-    from torch.distributed.tensor.placement_types import Replicate, Shard
-
-    dims = [d for d in range(len(spec)) if axis in spec.dim_axes(d)]
-    return Shard(dims[0]) if dims else Replicate()
-
-
-def mesh_order(spec: P, ndim: int, mesh: Mesh) -> P:
-    """``spec`` with the axes of every dimension in mesh order (DTensor's nesting)."""
-    lay = layout(spec, ndim)
-    return P(*[None if not a else a[0] if len(a) == 1 else
-               tuple(sorted(a, key=mesh.axis_names.index)) for a in lay])
-
-
-# ---------------------------------------------------------------------------------
-# axes -> process group
-
-
-def axis_group(mesh: Mesh, axes: str | Sequence[str] | frozenset,
-               what: str = "collective"):
-    """The resolved ``AxisGroup`` of ``axes`` on ``mesh``: an axis name, a tuple (major
-    to minor, in the order given) or a frozenset (taken in mesh order). The mesh
-    resolved every one when it was made (``Mesh._setup``); this only looks it up, so
-    callers need no cache of their own."""
-    if isinstance(axes, set):
-        axes = frozenset(axes)
-    return mesh.axis_group(axes, what)

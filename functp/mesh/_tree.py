@@ -1,12 +1,19 @@
-"""Matching a spec tree (a pytree prefix) against the values it describes."""
+"""Matching a spec tree (a pytree prefix) against the values it describes: one spec per
+leaf (``match_specs``), checked against the mesh and the leaf's shape (``leaf_specs``)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optree
+import torch
 
 from ..runtime._errors import ShardingError, keystr
-from ._spec import is_spec
+from ._spec import is_spec, normalize_spec
+
+if TYPE_CHECKING:
+    from ._mesh import Mesh
+
+__all__ = ["match_specs", "leaf_specs"]
 
 
 def match_specs(specs: Any, tree: Any, specs_name: str, root: str):
@@ -37,6 +44,21 @@ def match_specs(specs: Any, tree: Any, specs_name: str, root: str):
     leaf_specs = optree.tree_leaves(full, is_leaf=is_spec)
     assert len(leaf_specs) == len(leaves)
     return [keystr(root, p) for p in paths], leaves, leaf_specs, treespec
+
+
+def leaf_specs(tree, mesh: Mesh, specs, root: str, what: str = "specs"):
+    """``[(path, leaf, spec or None)]`` and the treespec of ``tree``: ``specs`` (a prefix
+    of it, named ``what`` in messages) broadcast to its leaves and checked against
+    ``mesh`` and each tensor's shape; ``None`` for a non-tensor leaf."""
+    paths, leaves, spec_leaves, treespec = match_specs(specs, tree, what, root)
+    out = []
+    for path, x, spec in zip(paths, leaves, spec_leaves):
+        if isinstance(x, torch.Tensor):
+            spec = normalize_spec(spec, mesh.axis_names, f"{what} for {path}", x.shape)
+        else:
+            spec = None
+        out.append((path, x, spec))
+    return out, treespec
 
 
 def _node(x):

@@ -1,5 +1,6 @@
 """The exceptions functp raises: ShardingError for a user's mistake or ranks that
-disagree, and its subclass CheckpointError for a checkpoint that cannot be written or read."""
+disagree, and its subclass CheckpointError for a checkpoint that cannot be written or
+read; and how their messages name a leaf (``keystr``, ``leaf_text``)."""
 from __future__ import annotations
 
 
@@ -34,3 +35,15 @@ def keystr(root: str, path: tuple) -> str:
     """``('args', (0, 'w'))`` -> ``"args[0]['w']"``, the way JAX prints key paths
     (how every message names a leaf)."""
     return root + "".join(f"[{k!r}]" for k in path)
+
+
+def leaf_text(where: str, shape=None, spec=None, mesh=None) -> str:
+    """How every message names a leaf: where it is (its pytree path, with the argument
+    it came in), then what is known of it, in one parenthesis and one order:
+    ``"in_specs for args[0]['w'] (shape (4, 6))"``, ``"tree['w'] (shape (5, 4), spec
+    P('tp'), mesh Mesh(tp=2; cpu))"``. Parts given as ``None`` are left out."""
+    parts = [f"shape {tuple(shape)}" if shape is not None else None,
+             f"spec {spec!r}" if spec is not None else None,
+             f"mesh {mesh}" if mesh is not None else None]
+    known = ", ".join(p for p in parts if p is not None)
+    return f"{where} ({known})" if known else where

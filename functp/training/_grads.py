@@ -23,7 +23,7 @@ from ..ops import _primitives as prim
 from ..runtime._errors import ShardingError
 from ..mesh._mesh import Mesh
 from ..runtime._precision import inexact
-from ..mapping._reshard import leaf_specs
+from ..mesh._tree import leaf_specs
 
 __all__ = ["global_norm", "clip_by_global_norm", "reduce_unreduced"]
 
