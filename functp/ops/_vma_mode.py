@@ -163,18 +163,33 @@ class UnionRule(TorchFunctionMode):
             _lazy.check(args, kwargs)
         if tr._paused:
             return func(*args, **kwargs) if kwargs else func(*args)
-        if kwargs or self._nograd_mixed or func is _AUTOGRAD_GRAD:
-            return self._general(func, args, kwargs or {})
-        # The fast path, for most ops: positional arguments, tags read from the
-        # tensors' __dict__ (no Python call), nothing to do when the inputs agree.
+        if kwargs:
+            # keywords take the fast path too (most are dim=, keepdim=, dtype=,
+            # is_causal=), except out= and the cases below
+            if "out" in kwargs or self._nograd_mixed or func is _AUTOGRAD_GRAD:
+                return self._general(func, args, kwargs)
+            seq = (*args, *kwargs.values())
+        elif self._nograd_mixed or func is _AUTOGRAD_GRAD:
+            return self._general(func, args, {})
+        else:
+            seq = args
+        # The fast path, for most ops: tags read from the tensors' __dict__ (no Python
+        # call), nothing to do when the inputs agree.
         token = tr.token
         union = None
-        for a in args:
+        for a in seq:
             cls = a.__class__
             if cls in _PLAIN:
                 continue
             if cls not in _TENSOR_TYPES and not _is_tensor_type(cls):
-                return self._general(func, args, {})        # a list of tensors, ...
+                if cls is tuple or cls is list:
+                    # sizes, dims (x.view((2, 3)), x.sum(dim=(1, 2))): plain if no
+                    # element is a tensor or a nested sequence (checked without calls)
+                    for e in a:
+                        if e.__class__ not in _PLAIN:
+                            return self._general(func, args, kwargs or {})
+                    continue
+                return self._general(func, args, kwargs or {})     # torch.cat's list, ...
             d = a.__dict__
             tag = d[_TAG] if _TAG in d else None
             if tag is not None and tag[0] == token:
@@ -190,10 +205,12 @@ class UnionRule(TorchFunctionMode):
             if union is None or v is union:
                 union = v
             elif v != union:
+                if kwargs:
+                    return self._general(func, args, kwargs)
                 return self._mixed(func, args)              # inputs disagree
         if func not in _OUTOFPLACE_FUNCS and _is_inplace(func):
-            return self._general(func, args, {})
-        out = func(*args)
+            return self._general(func, args, kwargs or {})
+        out = func(*args, **kwargs) if kwargs else func(*args)
         if out.__class__ in _TENSOR_TYPES:
             out.__dict__[_TAG] = (token, union or EMPTY)
             # made inside a torch.func transform in the body: tag what it wraps too
@@ -201,7 +218,7 @@ class UnionRule(TorchFunctionMode):
             if union and _level_of(out) > tr.level:
                 tr.set(out, union)
             if out._base is not None and tr.aliases is not None:
-                tr.aliases.follow_view(out, func, args, None, _is_inplace)
+                tr.aliases.follow_view(out, func, args, kwargs, _is_inplace)
         elif union:
             self._tag(out, union)        # a tuple of tensors, or a tensor class not seen yet
         return out
