@@ -154,3 +154,46 @@ def test_groups_chooses_the_units(run, groups, gathers):
 def test_a_bad_groups_argument_is_refused(groups):
     with pytest.raises(functp.ShardingError, match="groups must be None"):
         FullyShard(2, groups=groups)
+
+
+def _grouped_step(n, tape, free):
+    """Two steps of the model under FullyShard on ``n`` ranks (the first checks the
+    order, the second prefetches; ``free``: free_full_weight under tape)."""
+    mesh = functp.make_mesh((n,), ("fsdp",))
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)     # (estimate: no .double() of a fake module)
+    try:
+        model = _Model()                       # (each block's scale in float32)
+    finally:
+        torch.set_default_dtype(default)
+    apply, params, specs = functp.parallelize(model, mesh, {"fsdp": FullyShard(n, free=free)})
+    x = torch.randn(16, 8, dtype=torch.float64)
+    step = functp.shard_map(lambda p, x: functp.pmean(apply(p, x).square().mean(), "fsdp"),
+                            mesh, in_specs=(specs, P("fsdp")), out_specs=P())
+    xs = functp.shard(x, mesh, P("fsdp"))
+    for _ in range(2):
+        grads_and_loss(step, params, xs, tape=tape)
+
+
+def _counted(n, tape, free):
+    with functp.comm_log() as log:
+        _grouped_step(n, tape, free)
+    return {k: (c, log.nbytes(*k)) for k, c in log.summary().items()}
+
+
+@pytest.mark.parametrize("tape,free", [(False, False), (True, True)],
+                         ids=["func_grad", "tape_free"])
+def test_the_estimate_counts_the_grouped_collectives(run, tape, free):
+    # functp.estimate traces the same program on fake tensors: its gathers and
+    # reduce-scatters (counts and bytes) are the real run's, one per group and dtype,
+    # and under free_full_weight the backward's one regather per group
+    real = run(4, _counted, 4, tape, free)[0]
+    est = functp.estimate(_grouped_step, 4, 4, tape, free).comm
+    got = {k: (c, est.nbytes(*k)) for k, c in est.summary().items()}
+    assert got == real, (got, real)
+    # (per step) 3 blocks of two dtypes and the root's group: 7 gathers and 7
+    # reduce-scatters, and under free 4 regathers (each block's up and down weights,
+    # the head's)
+    assert real[("all_gather", ("fsdp",))][0] == 2 * (7 + 4 * free)
+    assert real[("reduce_scatter", ("fsdp",))][0] == 2 * 7

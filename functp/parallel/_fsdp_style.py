@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..ops import _context
 from ..ops import _primitives as prim
@@ -187,12 +188,14 @@ class _FreeAfterForward:
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
-        if type(t) is torch.Tensor and t.layout == torch.strided:
-            ptr = t.untyped_storage().data_ptr()
+        # (functp.estimate's fake tensors too: their storages have no address, but
+        # each is its own storage object, as a real one)
+        if type(t) in _PLAIN and t.layout == torch.strided:
+            storage = _storage(t)
             for full, block, dim in self.fulls:
                 # a view of this weight: its storage, and its first element within it
                 # (a storage shared by several weights would need the element range)
-                if (ptr == full.untyped_storage().data_ptr()
+                if (storage == _storage(full)
                         and 0 <= t.storage_offset() - full.storage_offset() < full.numel()):
                     return _Freed(self.regather, self.regather.add(block, dim, full),
                                   self.name, t, full)
@@ -201,6 +204,14 @@ class _FreeAfterForward:
     @staticmethod
     def unpack(x):
         return x.unpack() if type(x) is _Freed else x
+
+
+_PLAIN = (torch.Tensor, FakeTensor)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Which storage ``t`` is a view of (the same for every view of one storage)."""
+    return t.untyped_storage()._cdata
 
 
 _HOW = ("free_full_weight", "keep_full_weight")     # transformers' fsdp_plan styles
@@ -369,7 +380,7 @@ class FullyShard(Style):
             full = fulls[short]
             restore[short] = module._parameters[short]
             module._parameters[short] = full
-            if free is not None and full.untyped_storage().data_ptr():
+            if free is not None and full.numel():
                 free.fulls.append((full, block, d))
         if free is not None and free.fulls:
             free.hooks.__enter__()          # (left in prepare_output, or when apply ends)
