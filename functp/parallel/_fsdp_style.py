@@ -25,7 +25,9 @@ records gathers again there, on every rank alike.
 ``reshard_after_forward=True``). Under tape autograd, a module that frees its weights
 runs its forward under saved-tensor hooks: what autograd saves that is a view of a
 gathered weight is kept as the block, and gathered again when the backward unpacks
-it (in the same order on every rank), so the gathered weights go with the forward.
+it (in the same order on every rank), so the gathered weights go with the forward. A
+group's freed weights are gathered again together, by one all-gather per dtype at the
+backward's first unpack of any of them (FSDP2's pre-backward gather of a unit).
 ``torch.func``'s transforms take no saved-tensor hooks: under them the weights are
 kept, as with ``keep_full_weight``.
 """
@@ -257,8 +259,8 @@ class FullyShard(Style):
     "free_full_weight" or "keep_full_weight"}``, ``*`` one name, the deepest pattern
     matching the module or a parent deciding): under tape autograd such a module's
     gathered weights are freed after its forward and gathered again in the backward
-    (1/size of their memory between the two, one more gather per weight the backward
-    reads; not with ``create_graph=True``). ``torch.func`` transforms keep them;
+    (1/size of their memory between the two, one more gather per group and dtype
+    whose weights the backward reads; not with ``create_graph=True``). ``torch.func`` transforms keep them;
     ``groups`` – which modules' blocks are gathered together, by one all-gather per
     dtype (and their gradients reduce-scattered by one): None (the default) groups
     each module under the deepest unit holding it, a unit being a module ``free``'s
