@@ -41,9 +41,11 @@ class _Model(torch.nn.Module):
         return self.head(x)
 
 
-def _case(shape, names, tape, groups=None):
+def _case(shape, names, tape, groups=None, free=False):
     """One step of the model under FullyShard (HSDP over ``dp_replicate`` when the mesh
-    has it): its error against the unsharded model, and the step's collectives."""
+    has it; ``free``: each module frees its gathered weights after the forward): its
+    error against the unsharded model, the step's collectives, and those of the tape
+    backward alone (all-gathers: count, bytes)."""
     mesh = functp.make_mesh(shape, names)
     torch.manual_seed(0)
     model = _Model()
@@ -51,7 +53,7 @@ def _case(shape, names, tape, groups=None):
     for b in model.blocks:
         b.up.double(), b.down.double()
     replicate = ("dp_replicate",) if "dp_replicate" in names else ()
-    style = FullyShard(mesh.axis_size("fsdp"), replicate,
+    style = FullyShard(mesh.axis_size("fsdp"), replicate, free=free,
                        **({} if groups is None else {"groups": groups}))
     apply, params, specs = functp.parallelize(model, mesh, {"fsdp": style})
     batch = apply.batch_axes
@@ -61,7 +63,17 @@ def _case(shape, names, tape, groups=None):
     xs = functp.shard(x, mesh, P(batch))
     step(params, xs)                # (the first call checks the order; the next prefetches)
     with functp.comm_log() as log:
-        grads, loss = grads_and_loss(step, params, xs, tape=tape)
+        if tape:
+            p = {k: v.detach().requires_grad_() for k, v in params.items()}
+            loss = step(p, xs)
+            with functp.comm_log() as bwd:
+                loss.backward()
+            grads = {k: v.grad for k, v in p.items()}
+            backward = (bwd.summary().get(("all_gather", ("fsdp",)), 0),
+                        bwd.nbytes("all_gather", ("fsdp",)))
+        else:
+            grads, loss = grads_and_loss(step, params, xs, tape=tape)
+            backward = None
     ref_apply, full = functp.functionalize(model)
     ref, ref_loss = torch.func.grad_and_value(lambda p: ref_apply(p, x).square().mean())(full)
     got = apply.unshard(grads)
@@ -70,7 +82,7 @@ def _case(shape, names, tape, groups=None):
               / (1e-5 if v.dtype == torch.float32 else 1e-10) for k, v in ref.items())
     shapes = {k: tuple(v.shape) for k, v in params.items()}
     return (abs(loss.item() - ref_loss.item()), err, log.summary(),
-            log.nbytes("all_reduce", ("dp_replicate",)), shapes, dict(specs))
+            log.nbytes("all_reduce", ("dp_replicate",)), shapes, dict(specs), backward)
 
 
 _MESHES = {"fsdp2": ((2,), ("fsdp",)), "fsdp4": ((4,), ("fsdp",)), "fsdp8": ((8,), ("fsdp",)),
@@ -83,7 +95,7 @@ _MESHES = {"fsdp2": ((2,), ("fsdp",)), "fsdp4": ((4,), ("fsdp",)), "fsdp8": ((8,
 def test_one_gather_and_one_reduce_scatter_per_group_and_dtype(run, mesh_name, tape):
     shape, names = _MESHES[mesh_name]
     world = shape[0] * (shape[1] if len(shape) > 1 else 1)
-    loss_err, err, log, hsdp_bytes, shapes, specs = run(world, _case, shape, names, tape)[0]
+    loss_err, err, log, hsdp_bytes, shapes, specs, _ = run(world, _case, shape, names, tape)[0]
     assert loss_err < 1e-12 and err < 1, (loss_err, err)
     # groups: each of the 3 blocks (float64 linears + a float32 scale: 2 flat buffers),
     # and the root's (embed and head, float64): 3 x 2 + 1 = 7, where a collective per
@@ -102,6 +114,31 @@ def test_one_gather_and_one_reduce_scatter_per_group_and_dtype(run, mesh_name, t
         assert hsdp_bytes == 0
 
 
+@pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
+@pytest.mark.parametrize("mesh_name", ["fsdp2", "fsdp4", "replicate2_fsdp2"])
+def test_free_full_weight_gathers_each_group_again_at_once(run, mesh_name, tape):
+    # free_full_weight under tape: the backward gathers a group's freed weights again
+    # with one all-gather (of one flat buffer) at the first unpack of any of them, as
+    # FSDP2's pre-backward gathers a unit, not one per weight; torch.func keeps them
+    shape, names = _MESHES[mesh_name]
+    world = shape[0] * (shape[1] if len(shape) > 1 else 1)
+    got = run(world, _case, shape, names, tape, None, True)[0]
+    kept = run(world, _case, shape, names, tape)[0]
+    loss_err, err, log, hsdp_bytes, shapes, _, backward = got
+    assert loss_err < 1e-12 and err < 1, (loss_err, err)
+    assert log[("reduce_scatter", ("fsdp",))] == 7 and hsdp_bytes == kept[3]
+    if not tape:
+        assert log == kept[2] and backward is None
+        return
+    # what the backward reads of the gathered weights: each block's up and down
+    # weights (one float64 buffer; the float32 scale is read through its cast) and
+    # the head's (the embedding's input needs no gradient): 3 + 1 gathers, where one
+    # per weight would be 3 x 2 + 1 = 7; the bytes are those blocks', nothing more
+    saved = [k for k in shapes if k.endswith(("up.weight", "down.weight"))] + ["head.weight"]
+    assert backward == (4, sum(8 * torch.Size(shapes[k]).numel() for k in saved)), backward
+    assert log[("all_gather", ("fsdp",))] == 7 + 4
+
+
 @pytest.mark.parametrize("groups,gathers", [("module", 3 * 3 + 2), (["blocks"], 2 + 1)],
                          ids=["module", "patterns"])
 def test_groups_chooses_the_units(run, groups, gathers):
@@ -117,3 +154,46 @@ def test_groups_chooses_the_units(run, groups, gathers):
 def test_a_bad_groups_argument_is_refused(groups):
     with pytest.raises(functp.ShardingError, match="groups must be None"):
         FullyShard(2, groups=groups)
+
+
+def _grouped_step(n, tape, free):
+    """Two steps of the model under FullyShard on ``n`` ranks (the first checks the
+    order, the second prefetches; ``free``: free_full_weight under tape)."""
+    mesh = functp.make_mesh((n,), ("fsdp",))
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)     # (estimate: no .double() of a fake module)
+    try:
+        model = _Model()                       # (each block's scale in float32)
+    finally:
+        torch.set_default_dtype(default)
+    apply, params, specs = functp.parallelize(model, mesh, {"fsdp": FullyShard(n, free=free)})
+    x = torch.randn(16, 8, dtype=torch.float64)
+    step = functp.shard_map(lambda p, x: functp.pmean(apply(p, x).square().mean(), "fsdp"),
+                            mesh, in_specs=(specs, P("fsdp")), out_specs=P())
+    xs = functp.shard(x, mesh, P("fsdp"))
+    for _ in range(2):
+        grads_and_loss(step, params, xs, tape=tape)
+
+
+def _counted(n, tape, free):
+    with functp.comm_log() as log:
+        _grouped_step(n, tape, free)
+    return {k: (c, log.nbytes(*k)) for k, c in log.summary().items()}
+
+
+@pytest.mark.parametrize("tape,free", [(False, False), (True, True)],
+                         ids=["func_grad", "tape_free"])
+def test_the_estimate_counts_the_grouped_collectives(run, tape, free):
+    # functp.estimate traces the same program on fake tensors: its gathers and
+    # reduce-scatters (counts and bytes) are the real run's, one per group and dtype,
+    # and under free_full_weight the backward's one regather per group
+    real = run(4, _counted, 4, tape, free)[0]
+    est = functp.estimate(_grouped_step, 4, 4, tape, free).comm
+    got = {k: (c, est.nbytes(*k)) for k, c in est.summary().items()}
+    assert got == real, (got, real)
+    # (per step) 3 blocks of two dtypes and the root's group: 7 gathers and 7
+    # reduce-scatters, and under free 4 regathers (each block's up and down weights,
+    # the head's)
+    assert real[("all_gather", ("fsdp",))][0] == 2 * (7 + 4 * free)
+    assert real[("reduce_scatter", ("fsdp",))][0] == 2 * 7

@@ -25,7 +25,9 @@ records gathers again there, on every rank alike.
 ``reshard_after_forward=True``). Under tape autograd, a module that frees its weights
 runs its forward under saved-tensor hooks: what autograd saves that is a view of a
 gathered weight is kept as the block, and gathered again when the backward unpacks
-it (in the same order on every rank), so the gathered weights go with the forward.
+it (in the same order on every rank), so the gathered weights go with the forward. A
+group's freed weights are gathered again together, by one all-gather per dtype at the
+backward's first unpack of any of them (FSDP2's pre-backward gather of a unit).
 ``torch.func``'s transforms take no saved-tensor hooks: under them the weights are
 kept, as with ``keep_full_weight``.
 """
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..ops import _context
 from ..ops import _primitives as prim
@@ -95,35 +98,82 @@ class _Run(threading.local):
     ran: set | None = None          # the key of each group run so far in this call
     done: set | None = None         # id of each module run so far in this call
     pending: dict | None = None     # id(module) -> (_grad_context(), {short: (block, gather)})
+    regathers: dict | None = None   # group key -> its _Regather (free_full_weight)
+
+
+class _Regather:
+    """The freed weights of one group in one ``apply`` call, gathered again in the
+    backward all at once: one all-gather of one flat buffer per dtype at the first
+    unpack of any of them (FSDP2 gathers a unit again in its pre-backward), the whole
+    weights kept until each saved view of them has been unpacked."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.blocks: dict[int, tuple] = {}      # id(block) -> (block, dim, full's layout)
+        self.saved = 0                          # saved views packed (unpacks per backward)
+        self.left = 0                           # of those, still to unpack in this backward
+        self.fulls: dict[int, torch.Tensor] | None = None
+
+    def add(self, block: torch.Tensor, dim: int, full: torch.Tensor) -> int:
+        """A saved view of ``full`` (gathered from ``block`` on ``dim``) was freed."""
+        self.saved += 1
+        self.blocks.setdefault(id(block), (block.detach(), dim,
+                                           (tuple(full.shape), full.stride())))
+        return id(block)
+
+    def full(self, key: int, name: str) -> torch.Tensor:
+        """The whole weight of block ``key`` (of module ``name``), laid out as in the
+        forward."""
+        if torch.is_grad_enabled():
+            raise ShardingError(
+                f"FSDP module {name!r} frees its gathered weights after the forward "
+                f"(free_full_weight), and this backward is itself differentiated "
+                f"(create_graph=True), which needs the weights' own history; use "
+                f"keep_full_weight for it, or differentiate with torch.func")
+        if self.fulls is None:
+            self.fulls, self.left = self._gather(), self.saved
+        full, self.left = self.fulls[key], self.left - 1
+        if self.left <= 0:
+            self.fulls = None           # (each weight now lives as long as its views)
+        return full
+
+    def _gather(self) -> dict[int, torch.Tensor]:
+        by_dtype: dict[tuple, list] = {}
+        for key, (block, _, _) in self.blocks.items():
+            by_dtype.setdefault((block.dtype, block.device), []).append(key)
+        size, out = self.group.size, {}
+        for keys in by_dtype.values():
+            parts = [self.blocks[k][0].reshape(-1) for k in keys]
+            flat = parts[0] if len(parts) == 1 else torch.cat(parts)      # copy-in
+            gathered = prim.all_gather(flat, self.group, 0).view(size, -1)
+            for key, piece in zip(keys, gathered.split([p.numel() for p in parts], dim=1)):
+                block, dim, (shape, stride) = self.blocks[key]
+                whole = list(block.shape)
+                whole[dim] *= size
+                full = piece.reshape(size, *block.shape).movedim(0, dim).reshape(whole)
+                if full.stride() != stride:
+                    # the saved views' geometry holds in the forward's layout (another
+                    # gather of the group, or of part of it, may have laid it out so)
+                    full = torch.empty_strided(shape, stride, dtype=full.dtype,
+                                               device=full.device).copy_(full)
+                out[key] = full
+        return out
 
 
 class _Freed:
     """A saved tensor that was a view of a gathered weight, dropped after the forward:
-    the block, how to gather it, and the view's geometry in the gathered weight."""
+    its group's :class:`_Regather`, its block's key there, and the view's geometry in
+    the gathered weight."""
 
-    __slots__ = ("block", "group", "dim", "size", "stride", "offset", "name", "full")
+    __slots__ = ("regather", "key", "name", "size", "stride", "offset")
 
-    def __init__(self, block, group, dim, view, full, name):
-        self.block, self.group, self.dim, self.name = block.detach(), group, dim, name
+    def __init__(self, regather: _Regather, key: int, name: str, view, full):
+        self.regather, self.key, self.name = regather, key, name
         self.size, self.stride = tuple(view.shape), view.stride()
         self.offset = view.storage_offset() - full.storage_offset()
-        self.full = (tuple(full.shape), full.stride())      # the gathered weight's layout
 
-    def regather(self) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            raise ShardingError(
-                f"FSDP module {self.name!r} frees its gathered weights after the forward "
-                f"(free_full_weight), and this backward is itself differentiated "
-                f"(create_graph=True), which needs the weights' own history; use "
-                f"keep_full_weight for it, or differentiate with torch.func")
-        full = prim.all_gather(self.block, self.group, self.dim)   # (in the backward)
-        if (tuple(full.shape), full.stride()) != self.full:
-            # the view's geometry is only meaningful in a weight laid out as the forward's
-            raise ShardingError(
-                f"FSDP module {self.name!r}: the weight gathered again in the backward is "
-                f"laid out {tuple(full.shape)}/{full.stride()}, the forward's was "
-                f"{self.full[0]}/{self.full[1]}; this is a functp bug, please report it; "
-                f"keep_full_weight avoids it")
+    def unpack(self) -> torch.Tensor:
+        full = self.regather.full(self.key, self.name)
         return full.as_strided(self.size, self.stride, full.storage_offset() + self.offset)
 
 
@@ -131,27 +181,39 @@ class _FreeAfterForward:
     """Saved-tensor hooks for one call of a module: a tensor autograd saves that is a
     view of one of the module's gathered weights is kept as a :class:`_Freed` (the
     weight's memory goes once the forward is done) and gathered again on unpack, in
-    the backward (which unpacks in the same order on every rank)."""
+    the backward (which unpacks in the same order on every rank), with the rest of
+    its group's freed weights (``regather``, shared by the group's calls)."""
 
-    def __init__(self, name: str) -> None:
-        self.name, self.group = name, None
+    def __init__(self, regather: _Regather, name: str) -> None:
+        self.regather, self.name = regather, name
         self.fulls: list = []                   # (gathered weight, its block, its dim)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
-        if type(t) is torch.Tensor and t.layout == torch.strided:
-            ptr = t.untyped_storage().data_ptr()
+        # (functp.estimate's fake tensors too: their storages have no address, but
+        # each is its own storage object, as a real one)
+        if type(t) in _PLAIN and t.layout == torch.strided:
+            storage = _storage(t)
             for full, block, dim in self.fulls:
                 # a view of this weight: its storage, and its first element within it
                 # (a storage shared by several weights would need the element range)
-                if (ptr == full.untyped_storage().data_ptr()
+                if (storage == _storage(full)
                         and 0 <= t.storage_offset() - full.storage_offset() < full.numel()):
-                    return _Freed(block, self.group, dim, t, full, self.name)
+                    return _Freed(self.regather, self.regather.add(block, dim, full),
+                                  self.name, t, full)
         return t
 
     @staticmethod
     def unpack(x):
-        return x.regather() if type(x) is _Freed else x
+        return x.unpack() if type(x) is _Freed else x
+
+
+_PLAIN = (torch.Tensor, FakeTensor)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Which storage ``t`` is a view of (the same for every view of one storage)."""
+    return t.untyped_storage()._cdata
 
 
 _HOW = ("free_full_weight", "keep_full_weight")     # transformers' fsdp_plan styles
@@ -197,8 +259,8 @@ class FullyShard(Style):
     "free_full_weight" or "keep_full_weight"}``, ``*`` one name, the deepest pattern
     matching the module or a parent deciding): under tape autograd such a module's
     gathered weights are freed after its forward and gathered again in the backward
-    (1/size of their memory between the two, one more gather per weight the backward
-    reads; not with ``create_graph=True``). ``torch.func`` transforms keep them;
+    (1/size of their memory between the two, one more gather per group and dtype
+    whose weights the backward reads; not with ``create_graph=True``). ``torch.func`` transforms keep them;
     ``groups`` – which modules' blocks are gathered together, by one all-gather per
     dtype (and their gradients reduce-scattered by one): None (the default) groups
     each module under the deepest unit holding it, a unit being a module ``free``'s
@@ -315,12 +377,12 @@ class FullyShard(Style):
         own = {s: (call.params[s], d) for s, d in dims.items() if call.params.get(s) is not None}
         fulls = self._arrive(module, own, call) if eager else self._gather(own, call.axis)
         restore = call.state.setdefault("restore", {})
-        free = self._freer(call) if eager else None
+        free = self._freer(module, call) if eager else None
         for short, (block, d) in own.items():
             full = fulls[short]
             restore[short] = module._parameters[short]
             module._parameters[short] = full
-            if free is not None and full.untyped_storage().data_ptr():
+            if free is not None and full.numel():
                 free.fulls.append((full, block, d))
         if free is not None and free.fulls:
             free.hooks.__enter__()          # (left in prepare_output, or when apply ends)
@@ -328,7 +390,7 @@ class FullyShard(Style):
             call.on_exit(lambda: self._stop_freeing(call))
         return args, kwargs
 
-    def _freer(self, call) -> _FreeAfterForward | None:
+    def _freer(self, module: nn.Module, call) -> _FreeAfterForward | None:
         """The saved-tensor hooks that free this call's gathered weights: where the plan
         says so and tape autograd records (torch.func's transforms take no saved-tensor
         hooks; inside other hooks, a checkpointed region, the region decides what is
@@ -341,9 +403,12 @@ class FullyShard(Style):
                 and (top is None or type(getattr(top[0], "__self__", None))
                      is _FreeAfterForward)):
             return None
-        free = _FreeAfterForward(call.name)
-        free.group = _context.current("FullyShard").mesh.axis_group(call.axis)
-        return free
+        # one regather per group and apply call, shared by the group's module calls
+        key, regathers = self._order.key.get(id(module), id(module)), self._run.regathers
+        if key not in regathers:
+            regathers[key] = _Regather(
+                _context.current("FullyShard").mesh.axis_group(call.axis))
+        return _FreeAfterForward(regathers[key], call.name)
 
     @staticmethod
     def _stop_freeing(call) -> None:
@@ -359,6 +424,7 @@ class FullyShard(Style):
         run, order = self._run, self._order
         if not run.active:                 # the first FSDP module of this apply call
             run.active, run.prev, run.ran, run.done, run.pending = True, None, set(), set(), {}
+            run.regathers = {}
             call.on_exit(self._end_run)
         key = order.key.get(id(module), id(module))
         first = key not in run.ran
@@ -422,6 +488,7 @@ class FullyShard(Style):
         # module of its group used it, no gradient flows through it and its
         # reduce-scatter never runs, on any rank
         run.active, run.prev, run.ran, run.done, run.pending = False, None, None, None, None
+        run.regathers = None
 
     def prepare_output(self, module, args, kwargs, output, call):
         self._stop_freeing(call)
