@@ -364,7 +364,10 @@ def _gather_ints(values: list, key: str, device) -> torch.Tensor:
     g = group_of(key)
     with DisableFuncTorch(), torch.no_grad():
         t = torch.tensor(values, dtype=torch.int64, device=device)
-        out = _world.wait(_c10d.all_gather_into_tensor(t, g.size, g.group_name))
+        # (a peer gone or late: named as the bucket all-reduce it precedes)
+        out = prim._wait(_c10d.all_gather_into_tensor(t, g.size, g.group_name),
+                         "all_gather of their layout, before the gradient buckets' "
+                         "all_reduce(sum)", g)
     return out.view(g.size, len(values)).cpu()
 
 
