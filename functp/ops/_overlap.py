@@ -79,7 +79,7 @@ REBUILD = True      # False: the inputs' order always (benchmarks/overlap.py com
 
 
 def _whose():
-    run = _world.current_run()
+    run = _world._local.run       # (an attribute, not current_run(): a call per step)
     if run is None:
         return None, None
     return (run.id, _world._local.rank, id(run.state)), run.state
@@ -157,7 +157,7 @@ class Sink:
 
     def __init__(self, local: list) -> None:
         # (read in the forward: the backward may run in another thread)
-        self.whose, self.pin = _whose()
+        self.whose, self.pin = (None, None) if _world._local.run is None else _whose()
         self.n = len(local)
         self.node = None        # the entry's autograd node
         self.outs: list = []    # weak references to the entry's outputs (their vma tags)
