@@ -14,9 +14,13 @@ Launch points:
   (:func:`ready_point`). Made there, its node runs as soon as that gradient is
   complete; its backward adds the gradient to its bucket. The buckets are cut from
   the inputs' order (reversed, per group and dtype: ``bucket_mb`` each, the first
-  ``first_bucket_mb``, as DDP does), never from the order a rank used them in, and
-  launched in that order, each once its gradients are in (a gradient this rank will
-  not send counts as zeros): every rank pairs the same inputs (see :class:`Sink`).
+  ``first_bucket_mb``, as DDP does) at a layout's first backward, and from then on
+  from the order the group's first rank got its gradients in then (agreed in one
+  all-gather, as DDP rebuilds its buckets once), never from the order each rank
+  uses them in; launched in that order, each once its gradients are in (a gradient
+  this rank will not send counts as zeros): every rank pairs the same inputs (see
+  :class:`Sink`). A group's ranks compare their layouts (count and hash of the
+  inputs' shapes and dtypes) once per layout, before its first bucket launches.
 - an ``all_gather`` of such an input (FSDP): the reduce-scatter of its backward is
   launched there and waited on at the entry (``_ops._ag_bwd`` asks the input's sink).
 
