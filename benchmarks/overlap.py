@@ -19,6 +19,8 @@ runs each once, after a barrier), and the medians are rank 0's:
   (parameters ``P()``, batch ``P("dp")``, ``pmean``), gradient buckets as functp makes
   them (1 MiB then 25 MiB, as DDP), or 4 MiB ones (``functp.set_overlap``); "no
   overlap": the same with ``functp.set_overlap(enabled=False)``;
+- functp ..., inputs' order: the buckets kept in the inputs' order (never rebuilt
+  in the order the first backward's gradients came in);
 - compute: the step with no communication (the floor).
 
 Ratios are to the hand step; collectives are counted per step (functp's comm_log,
@@ -162,12 +164,29 @@ def variants(x, y):
         return run
 
     small = dict(bucket_mb=SMALL_MB, first_bucket_mb=SMALL_MB)
+    from functp.ops import _overlap
+
+    def inputs_order(step):
+        # buckets in the inputs' (optree's) order, never rebuilt in arrival order
+        def run():
+            _overlap.REBUILD = False
+            try:
+                step()
+            finally:
+                _overlap.REBUILD = True
+        return run
+
     for name, step in (("functp tape", tape), ("functp torch.func.grad", func_grad),
                        ("functp.value_and_grad", vag),
                        (f"functp tape, {SMALL_MB:g} MiB buckets", setting(tape, **small)),
                        (f"functp torch.func.grad, {SMALL_MB:g} MiB buckets",
                         setting(func_grad, **small)),
                        (f"functp.value_and_grad, {SMALL_MB:g} MiB buckets", setting(vag, **small)),
+                       ("functp tape, inputs' order", inputs_order(tape)),
+                       (f"functp tape, {SMALL_MB:g} MiB, inputs' order",
+                        inputs_order(setting(tape, **small))),
+                       (f"functp func.grad, {SMALL_MB:g} MiB, inputs' order",
+                        inputs_order(setting(func_grad, **small))),
                        ("functp tape, no overlap", setting(tape, enabled=False)),
                        ("functp torch.func.grad, no overlap", setting(func_grad, enabled=False))):
         with functp.comm_log() as log:
@@ -184,6 +203,8 @@ def measure(variants, base: str, ratio: str, name: str) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--only", default="", help="comma-separated substrings of the rows "
+                    "to time (the base row always)")
     args, _ = ap.parse_known_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -191,6 +212,9 @@ def measure(variants, base: str, ratio: str, name: str) -> None:
     x = torch.randn(args.batch, WIDTH, generator=g)
     y = torch.randn(args.batch, WIDTH, generator=g)
     steps = variants(x, y)
+    if args.only:       # (a shorter run: the rows naming one of these, and the base)
+        steps = {k: v for k, v in steps.items()
+                 if k == base or any(w in k for w in args.only.split(","))}
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(args.rounds):
         for label, (step, _) in steps.items():

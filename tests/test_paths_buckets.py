@@ -106,3 +106,81 @@ def test_longcat_flash_on_dp2_tp2_is_exact(run):
         assert outcome == "ran", f"rank {r}: {detail}"
         # (its router computes in float32, as on tests/test_hf_models.py's tp2 mesh)
         assert detail[0] < 1e-5, f"rank {r}: {detail}"
+
+
+# -- the order rebuilt after the first backward (DDP's _rebuild_buckets) -----------------
+
+def _two_steps(world, mb, tape):
+    """Two steps whose experts run in an order that depends on the rank's data and
+    changes from the first step to the second. After the first backward the buckets
+    follow the order rank 0's gradients came in, the same on every rank; both steps'
+    gradients equal the unsharded program's."""
+    from functp.ops import _overlap
+    mesh = functp.make_mesh((world,), ("dp",))
+    p = {f"e{e}": randn(D, D, seed=e) / D ** 0.5 for e in range(E)}
+    x = randn(world * B, D, seed=99)
+    for s in range(2):
+        def body(p, x):
+            r = functp.axis_index("dp")
+            return functp.pmean(_experts(p, x, r + s, world, False).square().sum(), "dp")
+
+        step = functp.shard_map(body, mesh, in_specs=(P(), P("dp")), out_specs=P())
+        with _buckets(mb):
+            g, loss = grads_and_loss(step, p, functp.shard(x, mesh, P("dp")), tape=tape)
+        xs = list(x.split(B))
+        ref_g, ref_loss = torch.func.grad_and_value(
+            lambda p: sum(_experts(p, xb, r + s, world, False).square().sum()
+                          for r, xb in enumerate(xs)) / world)(p)
+        assert_tree_close(loss, ref_loss, f"step {s} loss")
+        assert_tree_close(g, ref_g, f"step {s} grads")
+    whose = _overlap._whose()[0]
+    return [v for k, (_, v) in _overlap._orders.items() if k[0] == whose]
+
+
+@pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_buckets_rebuilt_in_rank_0s_arrival_order_pair_the_same_weights(run, world, tape):
+    # on the code before: the buckets stayed in the inputs' reversed order (nothing agreed)
+    orders = run(world, _two_steps, world, WEIGHT_MB, tape)
+    assert orders[0] and all(o == orders[0] for o in orders), orders
+    # rank 0 ran expert 0 first (its first step's order), so its gradient came last
+    assert orders[0][0][-1] == 0 and orders[0][0] == [(e + 0) % E for e in range(E)][::-1], orders
+
+
+def _given(mismatch: str, tape: bool):
+    """Rank 1's body gets a fifth expert ("extra") or a float32 expert ("dtype")."""
+    mesh = functp.make_mesh((2,), ("dp",))
+    p = {f"e{e}": randn(D, D, seed=e) / D ** 0.5 for e in range(E)}
+    if functp.process_index() == 1:
+        if mismatch == "extra":
+            p["e4"] = randn(D, D, seed=4) / D ** 0.5
+        else:
+            p["e2"] = p["e2"].float()
+    x = randn(2 * B, D, seed=99)
+
+    def body(p, x):
+        h = x
+        for w in p.values():
+            h = torch.tanh(h @ w.to(x.dtype))
+        return functp.pmean(h.square().sum(), "dp")
+
+    step = functp.shard_map(body, mesh, in_specs=(P(), P("dp")), out_specs=P())
+    with _buckets(WEIGHT_MB):
+        try:
+            grads_and_loss(step, p, functp.shard(x, mesh, P("dp")), tape=tape)
+        except functp.ShardingError as e:
+            return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
+@pytest.mark.parametrize("mismatch", ["extra", "dtype"])
+def test_ranks_given_different_parameters_are_named_without_the_check_mode(mismatch, tape):
+    # on the code before: gloo aborted the process (unequal bucket sizes) or the
+    # buckets paired different weights
+    msgs = functp.simulate(_given, 2, mismatch, tape, check=False, timeout=60)
+    for r, m in enumerate(msgs):
+        assert "different replicated floating inputs" in m, (r, m)
+        assert f"position {5 if mismatch == 'extra' else 3} of them differs at indices [1]" in m
+    assert "input 4 of the body (torch.float64 (16, 16))" in msgs[1] or mismatch == "dtype"
+    assert "input 2 of the body (torch.float32 (16, 16))" in msgs[1] or mismatch == "extra"

@@ -14,9 +14,13 @@ Launch points:
   (:func:`ready_point`). Made there, its node runs as soon as that gradient is
   complete; its backward adds the gradient to its bucket. The buckets are cut from
   the inputs' order (reversed, per group and dtype: ``bucket_mb`` each, the first
-  ``first_bucket_mb``, as DDP does), never from the order a rank used them in, and
-  launched in that order, each once its gradients are in (a gradient this rank will
-  not send counts as zeros): every rank pairs the same inputs (see :class:`Sink`).
+  ``first_bucket_mb``, as DDP does) at a layout's first backward, and from then on
+  from the order the group's first rank got its gradients in then (agreed in one
+  all-gather, as DDP rebuilds its buckets once), never from the order each rank
+  uses them in; launched in that order, each once its gradients are in (a gradient
+  this rank will not send counts as zeros): every rank pairs the same inputs (see
+  :class:`Sink`). A group's ranks compare their layouts (count and hash of the
+  inputs' shapes and dtypes) once per layout, before its first bucket launches.
 - an ``all_gather`` of such an input (FSDP): the reduce-scatter of its backward is
   launched there and waited on at the entry (``_ops._ag_bwd`` asks the input's sink).
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+import zlib
 
 import torch
 
@@ -44,8 +49,10 @@ from . import _ops
 from . import _primitives as prim
 from ..mesh._mesh import group_of
 from ..runtime import _compile, _world
-from ..runtime._torch_compat import (TransformGrad, layer_stack_depth, peek_interpreter_stack,
-                            will_engine_execute_node)
+from ..runtime._errors import ShardingError
+from ..runtime._torch_compat import (DisableFuncTorch, TransformGrad, c10d_functional as _c10d,
+                                     layer_stack_depth, peek_interpreter_stack,
+                                     will_engine_execute_node)
 
 __all__ = ["set_overlap"]
 
@@ -64,6 +71,22 @@ class _Rank(threading.local):
 
 
 _rank = _Rank()
+
+
+# the agreed arrival orders: (rank, group key, layout) -> (pin, [inputs]), first come
+# first. A rank is a process (None) or a simulated one: (run, rank, program), the
+# program told apart by the run's state list, made anew by each simulate() of a
+# reused run and pinned by the entry (so that its id is not reused): a program never
+# sees an order its peers' earlier programs agreed on, which they may not hold
+_orders: dict = {}
+REBUILD = True      # False: the inputs' order always (benchmarks/overlap.py compares)
+
+
+def _whose():
+    run = _world._local.run       # (an attribute, not current_run(): a call per step)
+    if run is None:
+        return None, None
+    return (run.id, _world._local.rank, id(run.state)), run.state
 
 
 def _get() -> dict:
@@ -137,6 +160,8 @@ class Sink:
     used its alias here; its peers, holding the same data or the same program, do too."""
 
     def __init__(self, local: list) -> None:
+        # (read in the forward: the backward may run in another thread)
+        self.whose, self.pin = (None, None) if _world._local.run is None else _whose()
         self.n = len(local)
         self.node = None        # the entry's autograd node
         self.outs: list = []    # weak references to the entry's outputs (their vma tags)
@@ -154,6 +179,8 @@ class Sink:
         self.left: list = []          # per bucket: gradients still to come
         self.where: dict = {}         # (input, group key) -> its bucket
         self.next = 0                 # the next bucket to launch
+        self.arrived: list = []       # (input, group key) in the order their gradients came
+        self.fresh: dict = {}         # group key -> its layout, where no order is agreed yet
 
     def ready(self, j: int, key: str, node) -> None:
         """In the forward: input ``j``'s alias over group ``key`` got its launch point
@@ -201,14 +228,26 @@ class Sink:
         slot = (j, key)
         if slot not in self.got:
             self.got[slot] = ct
+            self.arrived.append(slot)
             self.left[self.where[slot]] -= 1
             self._advance()
         return True
 
     def _layout(self) -> None:
-        """The buckets (:meth:`_cut`); the gradients no node of this backward will
-        send counted as zeros at once."""
-        plan = self._cut(_get())
+        """The buckets (:meth:`_cut`, in the order agreed for each group's layout, or
+        the inputs' own order the first time); the gradients no node of this backward
+        will send counted as zeros at once. The first time, the group's ranks check
+        that they hold the same layout before anything is launched."""
+        orders = {}
+        for _, key in sorted((group_of(k).axes, k) for k in self.members):
+            layout = tuple((j,) + self.meta[j][:2] for j in self.members[key])
+            order = _orders.get((self.whose, key, layout), (None, None))[1]
+            if order is None:
+                _agree_layout(key, layout, self.meta)
+                self.fresh[key] = layout
+            else:
+                orders[key] = order
+        plan = self._cut(_get(), orders if REBUILD else None)
         self.plan, self.left = plan, [len(js) for _, js in plan]
         for b, (key, js) in enumerate(plan):
             nodes = self.nodes[key]
@@ -220,19 +259,23 @@ class Sink:
                     self.left[b] -= 1
         self._advance()
 
-    def _cut(self, cfg: dict) -> list:
-        """``[(group key, [inputs])]`` in launch order, from the inputs' order alone
-        (the same on every rank): per group (by its axes) and dtype, the inputs last to
-        first, cut at ``bucket_mb``; the bucket whose last gradient comes soonest first."""
-        streams = []
+    def _cut(self, cfg: dict, orders: dict | None = None) -> list:
+        """``[(group key, [inputs])]`` in launch order, the same on every rank of a
+        group: per group (by its axes) and dtype, the inputs in the order agreed for
+        the group (``orders``: the order rank 0's gradients came in at the first
+        backward) or, without one, last to first, cut at ``bucket_mb``; the bucket
+        whose last gradient comes soonest first."""
+        orders = orders or {}
+        streams, lead_of = [], []
         for _, key in sorted((group_of(k).axes, k) for k in self.members):
             by_dtype: dict = {}
-            for j in reversed(self.members[key]):
+            for j in orders.get(key) or reversed(self.members[key]):
                 by_dtype.setdefault(str(self.meta[j][1]), []).append(j)
             streams += [(key, js) for _, js in sorted(by_dtype.items())]
+            lead_of += [max(js) for _, js in sorted(by_dtype.items())]
         # the first bucket (DDP's small one, launched early) is that of the stream whose
         # gradients come first: the one holding the last input
-        lead = max(range(len(streams)), key=lambda s: streams[s][1][0], default=0)
+        lead = max(range(len(streams)), key=lambda s: lead_of[s], default=0)
         plan = []
         for s, (key, js) in enumerate(streams):
             cur, size, start, prev = [], 0, len(plan), 0
@@ -249,8 +292,11 @@ class Sink:
                 plan[-1][1].extend(cur)    # (a small remainder, e.g. the first input's
             elif cur:                      # bias, rides with the stream's bucket before it)
                 plan.append((key, cur))
-        plan.sort(key=lambda b: -min(b[1]))      # (stable: ties keep the streams' order)
-        return plan
+            for b in range(start, len(plan)):     # (a stream's buckets keep their order)
+                plan[b] = (key, plan[b][1], b - start)
+        # streams interleaved: each one's first buckets first (ties: the inputs' order)
+        plan.sort(key=lambda b: (b[2], -min(b[1])) if orders else -min(b[1]))
+        return [(key, js) for key, js, _ in plan]
 
     def _advance(self) -> None:
         while self.next < len(self.plan) and self.left[self.next] == 0:
@@ -286,6 +332,8 @@ class Sink:
                     self._launch(*self.plan[self.next])
                     self.next += 1
             _wait_all(self.pending)
+            if self.deferring and self.fresh:
+                self._agree_order()
             grads = []
             for ct, extra in zip(cts, self.extra):
                 for t in extra:
@@ -294,6 +342,70 @@ class Sink:
             return grads
         finally:
             self.reset()      # (a retained graph's next backward starts afresh)
+
+
+    def _agree_order(self) -> None:
+        """After a group's first backward: the order its gradients came in on its
+        first rank, taken by every rank of it for its later backwards (as DDP
+        rebuilds its buckets once): one all-gather per group and layout."""
+        for _, key in sorted((group_of(k).axes, k) for k in self.fresh):
+            members = self.members[key]
+            came = [j for j, k in self.arrived if k == key]
+            seen = set(came)
+            mine = came + [j for j in reversed(members) if j not in seen]
+            rows = _gather_ints(mine, key, self.meta[members[0]][2])
+            if self.whose is not None:   # (a simulated rank: its earlier programs' go)
+                for k in [k for k in _orders if k[0] is not None
+                          and k[0][:2] == self.whose[:2] and k[0] != self.whose]:
+                    del _orders[k]
+            _orders[(self.whose, key, self.fresh[key])] = (self.pin, [int(j) for j in rows[0]])
+
+
+def _gather_ints(values: list, key: str, device) -> torch.Tensor:
+    """Every rank's ``values`` (as many on each) over the group ``key``, on
+    ``device`` (the group's backend's): ``[group size, len(values)]`` in
+    process-group rank order."""
+    g = group_of(key)
+    with DisableFuncTorch(), torch.no_grad():
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        # (a peer gone or late: named as the bucket all-reduce it precedes)
+        out = prim._wait(_c10d.all_gather_into_tensor(t, g.size, g.group_name),
+                         "all_gather of their layout, before the gradient buckets' "
+                         "all_reduce(sum)", g)
+    return out.view(g.size, len(values)).cpu()
+
+
+def _describe(entry: tuple) -> str:
+    return f"{entry[1]} {tuple(entry[0])}"
+
+
+def _agree_layout(key: str, layout: tuple, meta: list) -> None:
+    """The group's ranks compare the inputs their gradient buckets hold (position,
+    shape and dtype of each), once per layout, before the first bucket is launched:
+    ranks given different parameters would pair different gradients, or abort in the
+    backend on unequal bucket sizes. Raises, on every rank of the group, naming the
+    first input that differs."""
+    crcs = [zlib.crc32(repr(e).encode()) for e in layout]
+    device = meta[layout[0][0]][2]
+    rows = _gather_ints([len(layout), zlib.crc32(repr(crcs).encode())], key, device)
+    if bool((rows == rows[0]).all()):
+        return
+    g = group_of(key)
+    at = {g.group_rank(i): i for i in range(g.size)}      # process-group rank -> index
+    counts = [int(c) for c in rows[:, 0]]
+    width = max(counts)
+    table = _gather_ints(crcs + [-1] * (width - len(crcs)), key, device)
+    k = next(c for c in range(width) if not bool((table[:, c] == table[0, c]).all()))
+    differ = sorted(at[r] for r in range(g.size) if int(table[r, k]) != int(table[0, k]))
+    mine = (f"input {layout[k][0]} of the body ({_describe(meta[layout[k][0]][:2])})"
+            if k < len(layout) else f"missing (it has {len(layout)})")
+    raise ShardingError(
+        f"shard_map gradient buckets over {g.axes}: the ranks' bodies were given "
+        f"different replicated floating inputs: position {k + 1} of them differs at "
+        f"indices {differ} along {g.axes} from index {at[0]}; here (index {g.index}) "
+        f"it is {mine}; inputs per index: "
+        f"{[counts[g.group_rank(i)] for i in range(g.size)]}. Pass every rank the same "
+        f"parameters (names, shapes, dtypes) in the same pytree")
 
 
 def _wait_all(pending: list) -> None:
