@@ -12,9 +12,9 @@ depends on the device follows that record, not the tensors:
 - the memory of ``scaled_dot_product_attention``: the CPU's fused kernel holds what
   CUDA's flash and memory-efficient kernels hold (the output and a float32
   log-sum-exp per query row), so a ``cuda`` program's SDPA is estimated as flash
-  (bf16/fp16 inputs without an explicit mask) or memory-efficient (otherwise) —
-  the CPU falls back to the math kernel (the attention matrix) only where CUDA would
-  too: dropout with a mask, or a float64 input;
+  (bf16/fp16 inputs without an explicit mask) or memory-efficient (otherwise), the
+  choice only named (the memory counted is the CPU kernel's; not checked against
+  every case where the two runtimes pick differently);
 - the printout names the device assumed and the SDPA kernel counted.
 
 Values a program reads on the host are unaffected (they are computed on the CPU).
