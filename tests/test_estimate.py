@@ -371,12 +371,16 @@ def test_calibrated_profile_predicts_a_time():
     cpu = functp.calibrate(matmul_size=256, repeat=2)
     numbers = [*cpu.flops.values(), cpu.memory_bandwidth, *cpu.intra]
     assert all(0 < x < float("inf") for x in numbers), cpu
-    assert set(cpu.sources) == {"flops", "memory_bandwidth", "intra", "inter", "memory"}
-    assert cpu.memory > 2 ** 30
+    assert set(cpu.sources) == {"flops", "memory_bandwidth", "intra", "inter", "memory",
+                                "host_call"}
+    assert cpu.memory > 2 ** 30 and 0 < cpu.host_call < 1e-3
     est = functp.estimate(tp_mlp_grad, 2, 2, hardware=cpu)
     assert est.seconds.communication == pytest.approx(
         2 * (cpu.intra[0] + est.comm.nbytes() / 2 / cpu.intra[1]))   # one ring all-reduce
     assert est.seconds.compute > 0
+    # the host issues every operator call of the step at the measured cost
+    assert est.seconds.host == pytest.approx(est.seconds.host_calls * cpu.host_call)
+    assert est.seconds.host_calls > 0 and est.seconds.overlapped >= est.seconds.host
 
 
 def _dp_tp_step(mesh, x):

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from ..runtime import _comm_log
 from ..runtime import _crosscheck
 from . import _estimate_plot
+from . import _fake_devices
 from . import _host_reads
 from ..mesh import _mesh
 from ..runtime import _world
@@ -173,11 +174,8 @@ class _DryRank:
     def make_mesh(self, shape, names, device_type, timeout) -> _mesh.Mesh:
         """make_mesh in a dry run: the mesh of a real run, over groups that are names
         only (nothing resolves them: the fake collectives need their sizes)."""
-        if device_type not in (None, "cpu"):
-            raise ShardingError(
-                f"make_mesh(device_type={device_type!r}) inside functp.estimate: the "
-                f"dry run traces on CPU fake tensors; leave device_type out (the "
-                f"hardware profile, not the device type, says what the step costs)")
+        # (any device_type: the groups are names only, the fakes are traced on the
+        # CPU where this torch cannot run the device, see _fake_devices)
         _mesh._check_world(shape, names, self.size)
         mesh = self.meshes.get((shape, names))
         if mesh is not None:
@@ -202,17 +200,29 @@ class _DryRank:
 @dataclass(frozen=True)
 class StepTime:
     """A predicted step time (seconds) and its two bounds: ``overlapped`` if every
-    collective hides behind computation, ``serial`` if none does."""
+    collective hides behind computation, ``serial`` if none does. ``host``: the
+    time the host takes to issue the step (its operator calls times the profile's
+    ``host_call``; 0 where the profile has none). The device runs no faster than the
+    host issues work, so each bound is at least ``host``; ``bound`` says which side
+    the step sits on (``"host"`` or ``"device"``). The step is taken as one stretch
+    between synchronizations (a program that synchronizes inside its step, e.g.
+    with ``.item()``, can be slower)."""
     compute: float
     communication: float
+    host: float = 0.0
+    host_calls: int = 0
 
     @property
     def overlapped(self) -> float:
-        return max(self.compute, self.communication)
+        return max(self.compute, self.communication, self.host)
 
     @property
     def serial(self) -> float:
-        return self.compute + self.communication
+        return max(self.compute + self.communication, self.host)
+
+    @property
+    def bound(self) -> str:
+        return "host" if self.host > max(self.compute, self.communication) else "device"
 
     def __str__(self) -> str:
         return f"{_secs(self.overlapped)} .. {_secs(self.serial)}"
@@ -263,7 +273,12 @@ class RankEstimate:
     ``reads``: each value the program read on the host (``.item()``, ``tolist()``,
     ``bool()``, a value-dependent shape, a router's ``topk``) as a
     :class:`~functp.tools._host_reads.HostRead`: the operator, the call site and
-    the rule that answered it.
+    the rule that answered it; ``resident_bytes``: what the rank holds when its step
+    starts, the parameters, buffers and optimizer state held at the peak (on a GPU:
+    ``torch.cuda.memory_allocated()`` before the step), and ``step_peak_bytes`` the
+    step's own peak above them (``max_memory_allocated()`` of one step minus the
+    resident bytes); ``device``: how a device this torch cannot run was traced
+    (None: as itself).
     """
     rank: int
     comm: _comm_log.comm_log
@@ -276,6 +291,12 @@ class RankEstimate:
     reads: list = field(default_factory=list)
     calls: list = field(default_factory=list, repr=False)
     result: Any = field(default=None, repr=False)
+    resident_bytes: int = 0
+    device: str | None = None
+
+    @property
+    def step_peak_bytes(self) -> int:
+        return self.peak_bytes - self.resident_bytes
 
 
 @dataclass
@@ -303,7 +324,8 @@ class Estimate:
 
     def __getattr__(self, name: str):
         # est.comm, est.flops, est.peak_bytes, ...: those of the first traced rank
-        if name in RankEstimate.__dataclass_fields__ and self.per_rank:
+        if (name in RankEstimate.__dataclass_fields__ or name == "step_peak_bytes") \
+                and self.per_rank:
             return getattr(self.per_rank[self.ranks[0]], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -342,9 +364,15 @@ class Estimate:
             lines.append(f"rank {r} (and the ranks alike: {_ranges(self.alike.get(r, [r]))}):")
             lines.append(f"        collectives: {kinds or 'none'}")
             lines.append(f"        memory at peak: {mem or 'none'}")
+            lines.append(f"        resident when the step starts {_bytes(e.resident_bytes)}, "
+                         f"the step's peak above it {_bytes(e.step_peak_bytes)}")
+            if e.device is not None:
+                lines.append(f"        device: {e.device}")
             if e.seconds is not None:
-                lines.append(f"        compute {_secs(e.seconds.compute)}, "
-                             f"communication {_secs(e.seconds.communication)}")
+                t = e.seconds
+                lines.append(f"        compute {_secs(t.compute)}, communication "
+                             f"{_secs(t.communication)}, host {_secs(t.host)} "
+                             f"({t.host_calls} operator calls): {t.bound}-bound")
             for read in e.reads:
                 lines.append(f"        host read: {read}")
             if e.uncounted:       # the most called first; est[r].uncounted has them all
@@ -516,12 +544,13 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
     """Runs ``fn`` once as ``rank``, on fake tensors, under torch's counters."""
     prefix = f"functp_dry{next(_ids)}_"
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    devices = _fake_devices.Devices()
     caller = _world.process_state()
     previous = _crosscheck.set_debug(False)     # no peers to compare with
     dry = _DryRank(rank, nprocs, prefix)
     _world.set_dry_run(dry)
     try:
-        with mode, _host_reads.Values(*rules) as values, _host_reads.ToList(values):
+        with mode, _host_reads.Values(*rules) as values, _host_reads.ToList(values), devices:
             fargs, fkwargs = optree.tree_map(lambda x: values.fake_of(mode, x),
                                              (args, kwargs), none_is_leaf=True)
             # (MemTracker on top, as on a real run: it sees the operators the
@@ -553,13 +582,21 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
                  if k != "Total" and v}
     seconds = None
     if hw is not None:
+        # the step's operator calls: from the first that computes (building a
+        # model computes nothing; its initialization is not the step's)
+        # (prim.device: fake tensors asking each other's device, not a call of the
+        # program's)
+        start = next((i for i, c in enumerate(ops.calls) if c[1] > 0), 0)
+        issued = sum(1 for c in ops.calls[start:] if not c[0].startswith("prim."))
         seconds = StepTime(
             sum(op_seconds(hw, f, b, d) for _, f, b, d in ops.calls),
             sum(collective_seconds(hw, e.op, e.nbytes, dry.members[frozenset(e.axes)])
-                for e in log.events))
+                for e in log.events),
+            issued * hw.host_call, issued)
+    resident = sum(breakdown.get(k, 0) for k in ("Parameter", "Buffer", "Optstate"))
     return RankEstimate(rank, log, int(flops.get_total_flops()), by_op, ops.uncounted,
                         int(snap.get("Total", 0)), breakdown, seconds, values.reads,
-                        ops.calls, result), dry
+                        ops.calls, result, resident, devices.assumed()), dry
 
 
 def _conversion(e: BaseException, rank: int) -> ShardingError:
