@@ -242,3 +242,23 @@ def _python_scalar_body(check_vma):
     out = functp.shard_map(lambda x: functp.psum(1, "x") * x, mesh, in_specs=P(), out_specs=P(),
                            check_vma=check_vma)(torch.ones(2))
     assert out.tolist() == [4.0, 4.0]
+
+
+def _gather_before_and_after_another_mesh():
+    """An all_gather over ("b", "a") of a (2, 2) mesh, before and after a second mesh
+    over the same ranks with the other axis order is made."""
+    mesh = functp.make_mesh((2, 2), ("a", "b"))
+    step = functp.shard_map(lambda x: functp.all_gather(x, ("b", "a"), axis=0, tiled=True),
+                            mesh, in_specs=P(("a", "b")), out_specs=P(), check_vma=False)
+    x = torch.arange(4.0)
+    before = step(functp.shard(x, mesh, P(("a", "b"))))
+    functp.make_mesh((2, 2), ("b", "a"))
+    after = step(functp.shard(x, mesh, P(("a", "b"))))
+    return before.tolist(), after.tolist()
+
+
+def test_a_second_mesh_over_the_same_ranks_leaves_the_first_meshs_groups_alone():
+    # fails on the code before: the groups were registered by c10d name and axes only,
+    # so the second mesh's member order replaced the first's ([0, 1, 2, 3] after)
+    for rank, (before, after) in enumerate(functp.simulate(_gather_before_and_after_another_mesh, 4)):
+        assert before == after == [0.0, 2.0, 1.0, 3.0], (rank, before, after)

@@ -57,8 +57,14 @@ class AxisGroup:
     axis_set: frozenset = field(init=False)
 
     def __post_init__(self) -> None:
-        # derived once: collectives read both on every call
-        object.__setattr__(self, "key", f"{self.group_name}|{','.join(self.axes)}")
+        # derived once: collectives read both on every call. The key names everything
+        # the ops read from the group, not just the process group and the axes: two
+        # meshes over the same ranks with other axis orders share c10d groups, and a
+        # key of name and axes alone let the later mesh's member order replace the
+        # earlier's in _GROUPS (its all_gather then came back in the wrong order).
+        order = "" if self.order is None else ",".join(map(str, self.order))
+        object.__setattr__(self, "key", f"{self.group_name}|{','.join(self.axes)}|"
+                                        f"{self.size}|{self.index}|{order}|{self.instance}")
         object.__setattr__(self, "axis_set", frozenset(self.axes))
 
     def group_rank(self, i: int) -> int:
