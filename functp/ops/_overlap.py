@@ -237,12 +237,13 @@ class Sink:
         """The buckets (:meth:`_cut`, in the order agreed for each group's layout, or
         the inputs' own order the first time); the gradients no node of this backward
         will send counted as zeros at once. The first time, the group's ranks check
-        that they hold the same layout before anything is launched."""
+        that they hold the same layout before anything is launched (not under
+        functp.estimate: it predicts a later step, and its ranks have no peers to ask)."""
         orders = {}
         for _, key in sorted((group_of(k).axes, k) for k in self.members):
             layout = tuple((j,) + self.meta[j][:2] for j in self.members[key])
             order = _orders.get((self.whose, key, layout), (None, None))[1]
-            if order is None:
+            if order is None and _world.dry_run() is None:
                 _agree_layout(key, layout, self.meta)
                 self.fresh[key] = layout
             else:
