@@ -13,66 +13,7 @@ import torch
 import functp
 from functp import P
 from functp.models import LLAMA_TP_PLAN, Llama, LlamaConfig
-
-_MESHES = {"fsdp2": ((2,), ("fsdp",)), "fsdp4": ((4,), ("fsdp",)),
-           "replicate2_fsdp2": ((2, 2), ("dp_replicate", "fsdp")),
-           "fsdp2_tp2": ((2, 2), ("fsdp", "tp"))}
-
-
-def _loss(logits, targets):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def _max_error(actual: dict, expected: dict) -> float:
-    return max((actual[k] - v).abs().max().item() / max(v.abs().max().item(), 1e-12)
-               for k, v in expected.items())
-
-
-def _groups(model, specs, units=(), axis="fsdp") -> dict[str, str]:
-    """The FSDP gather groups of the default rule, written out: each module owning a
-    parameter split over ``axis`` -> the deepest module holding it that is an item of
-    an ``nn.ModuleList`` or named in ``units``, else the root ("")."""
-    lists = {f"{n}.{c}" if n else c for n, m in model.named_modules()
-             if isinstance(m, torch.nn.ModuleList) for c, _ in m.named_children()}
-    canon, out = {id(p): n for n, p in model.named_parameters()}, {}     # (tied: once)
-    for name, mod in model.named_modules():
-        if any(axis in specs[canon[id(p)]].axes for p in mod.parameters(recurse=False)):
-            parts = name.split(".") if name else []
-            holders = [".".join(parts[:k]) for k in range(len(parts), 0, -1)]
-            out[name] = next((h for h in holders if h in lists or h in units), "")
-    return out
-
-
-def _step(model, mesh, plan, tape, forward, distributed_config=None):
-    """One step under the plan: (loss, full gradients, forward log, whole-step log,
-    specs, apply), and the unsharded float64 reference (loss, gradients)."""
-    g = torch.Generator().manual_seed(1)
-    ids, tgt = torch.randint(3, 32, (8, 6), generator=g), torch.randint(32, (8, 6), generator=g)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        apply, params, specs = functp.parallelize(model, mesh, plan,
-                                                  distributed_config=distributed_config)
-    batch = apply.batch_axes
-    local = functp.shard((ids, tgt), apply.mesh, P(batch))
-    step = functp.shard_map(lambda p, i, t: functp.pmean(_loss(forward(apply, p, i), t), batch),
-                            apply.mesh, in_specs=(specs, P(batch), P(batch)), out_specs=P())
-    if not tape:
-        with functp.comm_log() as fwd:      # the forward alone
-            step(params, *local)
-    with functp.comm_log() as log:
-        if tape:
-            p = {k: v.detach().requires_grad_() for k, v in params.items()}
-            with functp.comm_log() as fwd:
-                loss = step(p, *local)
-            loss.backward()
-            grads = {k: v.grad for k, v in p.items()}
-        else:
-            grads, loss = torch.func.grad_and_value(step)(params, *local)
-    ref_apply, full = functp.functionalize(model)
-    ref_grads, ref_loss = torch.func.grad_and_value(
-        lambda p: _loss(forward(ref_apply, p, ids), tgt))(full)
-    return (loss, apply.unshard(grads), fwd, log, specs, apply, params), (ref_loss, ref_grads)
-
+from _fsdp import _MESHES, _groups, _loss, _max_error, _named, _step
 
 def _llama_case(mesh_name, tape):
     shape, names = _MESHES[mesh_name]
@@ -116,14 +57,6 @@ def test_fsdp_family_is_exact_and_gathers_each_group_once(run, mesh_name, tape):
         assert replicate_bytes == block_bytes
     else:
         assert ("all_reduce", ("dp_replicate",)) not in log
-
-
-def _named(model, patterns) -> set[str]:
-    """The modules of ``model`` that fsdp_plan patterns (``*``: one name) name."""
-    import fnmatch
-    return {n for n, _ in model.named_modules() for p in patterns
-            if len(p.split(".")) == len(n.split(".")) and
-            all(fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), p.split(".")))}
 
 
 def _hf_case(config):
@@ -248,14 +181,14 @@ def test_verify_plan_and_auto_see_the_fsdp_family(run):
 
 
 def _with_experts():
-    import _moe as test_ep
+    import _moe
     mesh = functp.make_mesh((2, 2), ("fsdp", "ep"))
-    module = test_ep._block(4)
+    module = _moe._block(4)
     apply, params, specs = functp.parallelize(
         module, mesh, {"ep": {"moe.experts": functp.ExpertDispatch()}, "fsdp": "auto"})
     batch = apply.batch_axes
-    x = test_ep._batch(2 * mesh.axis_size(batch))
-    ref_grads, ref_loss = test_ep._reference(module, x, None)
+    x = _moe._batch(2 * mesh.axis_size(batch))
+    ref_grads, ref_loss = _moe._reference(module, x, None)
     step = functp.shard_map(lambda p, xb: functp.pmean((apply(p, xb) ** 2).mean(), batch),
                             mesh, in_specs=(specs, P(batch)), out_specs=P())
     with functp.comm_log() as log:
