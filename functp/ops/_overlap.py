@@ -243,11 +243,11 @@ class Sink:
         for _, key in sorted((group_of(k).axes, k) for k in self.members):
             layout = tuple((j,) + self.meta[j][:2] for j in self.members[key])
             order = _orders.get((self.whose, key, layout), (None, None))[1]
-            if order is None and _world.dry_run() is None:
+            if order is not None:
+                orders[key] = order
+            elif _world.dry_run() is None:
                 _agree_layout(key, layout, self.meta)
                 self.fresh[key] = layout
-            else:
-                orders[key] = order
         plan = self._cut(_get(), orders if REBUILD else None)
         self.plan, self.left = plan, [len(js) for _, js in plan]
         for b, (key, js) in enumerate(plan):
