@@ -189,16 +189,26 @@ def run_config(name: str, c: dict, args, world: int) -> list[dict]:
         if mode == "compiled":
             torch._dynamo.reset()
         steps = {k: make(wrap) for k, make in makers.items()}
-        res = {k: measure(s, args.device, args.reps) for k, s in steps.items()}
-        for _ in range(2):     # alternate again, then keep each variant's best median
+        res, failed = {}, {}
+        for _ in range(3):     # alternate variants, then keep each variant's best median
             for k, s in steps.items():
-                r = measure(s, args.device, args.reps)
-                if r["ms"] < res[k]["ms"]:
+                if k in failed:
+                    continue
+                try:
+                    r = measure(s, args.device, args.reps)
+                except Exception as e:     # one variant failing (a compile) keeps the rest
+                    failed[k] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                    print(f"gpu_step: {name} {mode} {k} FAILED {failed[k]}", flush=True)
+                    continue
+                if k not in res or r["ms"] < res[k]["ms"]:
                     res[k] = r
-        base = res["plain tape"]["ms"]
+        base = res["plain tape"]["ms"] if "plain tape" in res else float("nan")
         for k, r in res.items():
             rows.append(dict(config=name, mode=mode, variant=k, **r, ratio=r["ms"] / base,
                              calls=calls(steps[k]) if mode == "eager" else None))
+            print(f"gpu_step: {name} {mode} {k} {r['ms']:.2f} ms, host {r['host_ms']:.2f} "
+                  f"ms, {r['ms'] / base:.2f}x plain tape", flush=True)
+        rows += [dict(config=name, mode=mode, variant=k, error=e) for k, e in failed.items()]
     return rows
 
 
@@ -210,6 +220,9 @@ def report(rows: list[dict], args, world: int) -> None:
     print(f"{'config':24s} {'mode':8s} {'variant':22s} {'ms':>9s} {'host ms':>9s} "
           f"{'peak MiB':>9s} {'calls':>7s} {'x plain tape':>12s}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['config']:24s} {r['mode']:8s} {r['variant']:22s} failed: {r['error']}")
+            continue
         peak = f"{r['peak_bytes'] / 2**20:9.0f}" if r["peak_bytes"] else f"{'-':>9s}"
         n = f"{r['calls']:7d}" if r["calls"] is not None else f"{'-':>7s}"
         print(f"{r['config']:24s} {r['mode']:8s} {r['variant']:22s} {r['ms']:9.2f} "
