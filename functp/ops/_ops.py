@@ -338,7 +338,9 @@ def _pvary_bwd(ctx, *cts):
     # them has nothing to send, and no peer that shares its program or data does.
     needs = ctx.needs_input_grad[-len(cts):]
     want = [i for i, c in enumerate(cts) if c is not None and needs[i]]
-    if want and None in cts:          # (an operator, not a call: most steps pass here)
+    # (not ``None in cts``: that compares each tensor with None through torch's
+    # __eq__, ~14 us a tensor, 1 ms for a 75-parameter bucket)
+    if want and any([c is None for c in cts]):
         cts = [c if c is not None or not needs[i] else torch.zeros_like(ctx.xs[i])
                for i, c in enumerate(cts)]
         want = [i for i, c in enumerate(cts) if c is not None and needs[i]]

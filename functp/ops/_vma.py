@@ -18,7 +18,7 @@ import torch
 from . import _ops
 from . import _overlap
 from ..runtime._errors import ShardingError
-from ..mesh._mesh import Mesh
+from ..mesh._mesh import Mesh, group_of
 from ..runtime._precision import floating
 from ..runtime._torch_compat import (FakeTensor, FunctionalTensor, get_unwrapped as _unwrap,
                             is_batched as _is_batched, is_functional_tensor,
@@ -125,6 +125,11 @@ class Tags:
                 del d[_TAG]
 
 
+def _size1(key: str) -> bool:
+    """Is the group ``key`` a single rank (its psum the identity)?"""
+    return group_of(key).size == 1
+
+
 class EntryAliases:
     """A body's floating replicated inputs and their aliases: for each axis subset an
     input must meet values varying over, an alias of it from one ``functp::pvary`` of
@@ -153,7 +158,11 @@ class EntryAliases:
         self.aliases.extend([{} for _ in aliased])
         token = self.tags.token
         for key, axes, idx in groups:
-            for i, out in zip(idx, _ops.pvary([local[i] for i in idx], key, False)):
+            # over axes of size 1 the gradient's psum is the identity: a view carries
+            # the tag, with no op, no backward node and no launch point (_overlap)
+            outs = ([local[i].view_as(local[i]) for i in idx] if _size1(key)
+                    else _ops.pvary([local[i] for i in idx], key, False))
+            for i, out in zip(idx, outs):
                 self.aliases[slot[i]][axes] = out
                 out.__dict__[_TAG] = (token, vmas[i] | axes)
         self.entry_views = any([x._base is not None for x in self.entry])
@@ -281,14 +290,15 @@ class Tracker(Tags):
                 # same way, so its gradient joins the input's bucketed all-reduce
                 _, j, views = hit
                 out = al.aliases[j][missing]
-                if _overlap.SINK in al.entry[j].__dict__:      # launch point (_overlap)
+                if _overlap.SINK in al.entry[j].__dict__ and self.group(missing).size > 1:
+                    # launch point (_overlap; none over size 1: nothing to send)
                     out = al.aliases[j][missing] = _overlap.ready_point(
                         out, al.entry[j], self.group(missing).key)
                 if t is not al.entry[j]:
                     out = _view_like(out, t, views)
-            elif t.is_floating_point() or t.is_complex():
+            elif (t.is_floating_point() or t.is_complex()) and self.group(missing).size > 1:
                 out = _ops.pvary([t], self.group(missing).key, False)[0]
-            else:   # no gradient to sum: a change of type only
+            else:   # no gradient to sum (or a psum over size 1): a change of type only
                 out = t.view_as(t) if t.dim() else t.clone()
         finally:
             self._paused -= 1
