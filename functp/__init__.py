@@ -36,10 +36,11 @@ from .runtime._world import process_count, process_index
 from .mapping._reshard import global_shapes, reshard
 from .mapping._sharding import pad_to_multiple, shard, unpad, unshard
 from .mesh._spec import P
+from .parallel._style import Style, register_style
 from .parallel._styles import (Colwise, ExpertDispatch, ExpertParallel, ExpertRouter, PrepareInput,
-                      ParameterRules, PrepareOutput, Replicated, Rowwise, SequenceParallel, Style,
+                      ParameterRules, PrepareOutput, Replicated, Rowwise, SequenceParallel,
                       TensorParallelExperts, LocalSizes,
-                      VocabParallelEmbedding, register_style)
+                      VocabParallelEmbedding)
 from .parallel._fsdp_style import FullyShard
 
 __version__ = "0.1.0"

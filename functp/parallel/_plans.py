@@ -32,8 +32,8 @@ from ..mapping._remat import recompute_within, reparametrized
 from ..mapping._sharding import unshard
 from ..mesh._spec import P, normalize_spec
 from ._fsdp_style import FullyShard
-from ._styles import (STYLES, Call, ExpertDispatch, ParameterRules, Replicated, Style,
-                      get_style, matches_rule)
+from ._style import STYLES, Call, Style, get_style
+from ._styles import ExpertDispatch, ParameterRules, Replicated, matches_rule
 from ._verify import _example_args, check_plan
 
 __all__ = ["parallelize", "Parallelized", "match_plan", "verify_plan"]

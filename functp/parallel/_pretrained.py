@@ -26,7 +26,7 @@ from ..mesh._spec import P
 from ..runtime import _world
 from ..runtime._errors import CheckpointError, ShardingError, first_line
 from ._plans import Parallelized, parallelize
-from ._styles import Style
+from ._style import Style
 
 __all__ = ["from_pretrained", "init_blocks", "save_pretrained"]
 
