@@ -37,9 +37,9 @@ from .mapping._reshard import global_shapes, reshard
 from .mapping._sharding import pad_to_multiple, shard, unpad, unshard
 from .mesh._spec import P
 from .parallel._style import Style, register_style
-from .parallel._styles import (Colwise, ExpertDispatch, ExpertParallel, ExpertRouter, PrepareInput,
-                      ParameterRules, PrepareOutput, Replicated, Rowwise, SequenceParallel,
-                      TensorParallelExperts, LocalSizes,
+from .parallel._ep import ExpertDispatch, ExpertParallel, ExpertRouter
+from .parallel._styles import (Colwise, PrepareInput, ParameterRules, PrepareOutput, Replicated,
+                      Rowwise, SequenceParallel, TensorParallelExperts, LocalSizes,
                       VocabParallelEmbedding)
 from .parallel._fsdp_style import FullyShard
 

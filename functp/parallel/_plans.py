@@ -33,7 +33,8 @@ from ..mapping._sharding import unshard
 from ..mesh._spec import P, normalize_spec
 from ._fsdp_style import FullyShard
 from ._style import STYLES, Call, Style, get_style
-from ._styles import ExpertDispatch, ParameterRules, Replicated, matches_rule
+from ._ep import ExpertDispatch
+from ._styles import ParameterRules, Replicated, matches_rule
 from ._verify import _example_args, check_plan
 
 __all__ = ["parallelize", "Parallelized", "match_plan", "verify_plan"]

@@ -17,7 +17,8 @@ from ..mesh._mesh import Mesh
 from ..mapping._shard_map import shard_map
 from ..mesh._spec import P
 from ._fsdp_style import FullyShard
-from ._styles import ExpertDispatch, _packed_merge
+from ._ep import ExpertDispatch
+from ._styles import _packed_merge
 
 __all__ = ["check_plan"]
 
