@@ -1,14 +1,10 @@
-"""Plans: wildcard rules over module names -> parallel styles, and ``parallelize``.
+"""Plans applied: ``parallelize`` lays a plan's rules (``_rules``) out over a mesh as
+parameter specs, this rank's blocks and module hooks, and returns the
+:class:`Parallelized` ``apply`` that runs the module under them.
 
-A plan is a dict like transformers' ``tp_plan`` or DTensor's ``parallelize_plan``::
-
-    {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
-
-Keys name modules by their dotted names; ``*`` (and ``?``, ``[...]``) match within
-one dotted component, so ``layers.*.mlp`` matches ``layers.3.mlp`` and not
-``layers.3.x.mlp``. When several rules match a module, the one with fewest
-wildcard components wins (an exact name beats a pattern), then the earlier one.
-Values are registered style names (``functp.parallel._styles``) or ``functp.Style`` objects.
+A plan is one dict of rules over one axis or plan families by mesh axis
+(``{"tp": ..., "ep": ..., "fsdp": "auto"}``); ``"auto"`` reads a transformers
+model's own plans (``_hf``).
 """
 from __future__ import annotations
 
@@ -32,56 +28,13 @@ from ..mapping._remat import recompute_within, reparametrized
 from ..mapping._sharding import unshard
 from ..mesh._spec import P, normalize_spec
 from ._fsdp_style import FullyShard
-from ._style import STYLES, Call, Style, get_style
+from ._style import STYLES, Call, Style
 from ._ep import ExpertDispatch
-from ._styles import ParameterRules, Replicated, matches_rule
+from ._rules import _param_specs, _tied_styles, match_plan, matches_rule
+from ._styles import ParameterRules, Replicated
 from ._verify import _example_args, check_plan
 
-__all__ = ["parallelize", "Parallelized", "match_plan", "verify_plan"]
-
-_WILD = re.compile(r"[*?\[]")
-
-
-def _resolve(rule: str, value: Any) -> tuple[str, Style]:
-    """(label for messages, style) for one plan entry."""
-    if isinstance(value, str):
-        return repr(value), get_style(value)
-    if isinstance(value, Style):
-        return repr(value), value
-    raise ShardingError(
-        f"plan rule {rule!r}: the style must be a registered name (a str) or a "
-        f"functp.Style instance, got {value!r} ({type(value).__name__})")
-
-
-def match_plan(module: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, tuple[str, str, Style]], list[str]]:
-    """Which rule of ``plan`` applies to each submodule of ``module``.
-
-    **Returns:** ``(matched, unused)``: ``matched`` maps module names (in module
-    order) to ``(rule, label, style)``; ``unused`` lists the rules that matched no
-    module. Example::
-
-        matched, unused = functp.match_plan(model, {"layers.*.mlp.down_proj": "rowwise"})
-        list(matched)      # ['layers.0.mlp.down_proj', 'layers.1.mlp.down_proj']
-    """
-    if not isinstance(plan, dict):
-        raise ShardingError(f"a plan must be a dict of module-name patterns to styles, "
-                            f"got {type(plan).__name__}")
-    rules = []
-    for order, (rule, value) in enumerate(plan.items()):
-        if not isinstance(rule, str):
-            raise ShardingError(f"plan keys must be module names (str), got {rule!r}")
-        label, style = _resolve(rule, value)
-        wild = sum(bool(_WILD.search(c)) for c in rule.split("."))
-        rules.append((wild, order, rule, label, style))
-    rules.sort(key=lambda r: r[:2])
-    matched, used = {}, set()
-    for name, _ in module.named_modules():
-        for _, _, rule, label, style in rules:
-            if matches_rule(rule, name):
-                matched[name] = (rule, label, style)
-                used.add(rule)
-                break
-    return matched, [r for r in plan if r not in used]
+__all__ = ["parallelize", "Parallelized", "verify_plan"]
 
 
 def _generic(name: str) -> str:
@@ -399,62 +352,6 @@ def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str)
                 f"into {mesh.axis_size(axes)} blocks over {axes}{packed}; make it a "
                 f"multiple of {n} (heads, experts, vocabulary or hidden size divisible by "
                 f"the '{'/'.join(axes)}' size), or give that module the 'replicated' style")
-
-
-# styles tried, in order, for a module that shares a weight with a module the plan
-# splits but has no rule of its own (a tied embedding and LM head)
-_TIE_CANDIDATES = {nn.Embedding: ("embedding_rowwise", "embedding_colwise"),
-                   nn.Linear: ("colwise_gather_output", "colwise", "rowwise")}
-
-
-def _param_specs(style: Style, mod: nn.Module, axis: str, own: dict, where: str) -> dict:
-    try:
-        pspecs = style.param_specs(mod, axis)
-    except ShardingError as e:
-        raise ShardingError(f"{where}: {e}") from None
-    extra = sorted(set(pspecs) - set(own))
-    if extra:
-        raise ShardingError(
-            f"{where}: the style gives specs for {extra}, which are not parameters of "
-            f"{type(mod).__name__} (it has {sorted(own)})")
-    return pspecs
-
-
-def _tied_styles(module: nn.Module, matched: dict, specs: dict, canon: dict, mesh: Mesh,
-                 axis: str) -> dict[str, tuple[str, str, Style]]:
-    """For each module without a rule holding a weight tied to one the plan splits:
-    the first style of :data:`_TIE_CANDIDATES` that splits it the same way (the
-    embedding of an LM head split over the vocabulary becomes vocab-parallel), or an
-    error naming both modules. Without this the module would take its block of the
-    shared weight for the whole of it."""
-    out: dict[str, tuple[str, str, Style]] = {}
-    uses = list(module.named_parameters(remove_duplicate=False))
-    # the module whose rule laid out each shared weight
-    ruled = {canon[id(p)]: n.rpartition(".")[0] for n, p in uses if n.rpartition(".")[0] in matched}
-    for name, p in uses:
-        c = canon[id(p)]
-        mname, _, short = name.rpartition(".")
-        if mname in matched or mname in out or c not in ruled or not specs.get(c, P()).axes:
-            continue
-        mod = module.get_submodule(mname)
-        cands = next((c for t, c in _TIE_CANDIDATES.items() if isinstance(mod, t)), ())
-        for cand in cands:
-            style = get_style(cand)
-            try:
-                got = style.param_specs(mod, axis).get(short)
-                got = got if got is None else normalize_spec(got, mesh.axis_names, cand, p.shape)
-            except ShardingError:
-                continue
-            if got == specs[c]:
-                out[mname] = (f"tied to {ruled[c]!r}", repr(cand), style)
-                break
-        else:
-            raise ShardingError(
-                f"parameter {name!r} is tied to module {ruled[c]!r}, whose rule splits it "
-                f"as {specs[c]!r}, but module {mname!r} ({type(mod).__name__}) has no rule "
-                f"and no style of {list(cands)} splits it that way; add a rule "
-                f"for {mname!r} that does, or untie the weights")
-    return out
 
 
 # transformers' style names -> functp's, where they differ (its old and new names

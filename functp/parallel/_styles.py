@@ -19,7 +19,6 @@ backward) and the gradient all-reduce of replicated norm weights need no hook.
 """
 from __future__ import annotations
 
-import fnmatch
 from typing import Any
 
 import torch
@@ -36,14 +35,6 @@ from ._ep import ExpertDispatch, ExpertParallel, ExpertRouter
 __all__ = ["Replicated", "Colwise", "Rowwise", "VocabParallelEmbedding",
            "SequenceParallel", "PrepareInput", "PrepareOutput", "ParameterRules", "SumOutput",
            "ScaleInputByAxisSize"]
-
-
-def matches_rule(rule: str, name: str) -> bool:
-    """Whether a plan's module pattern (transformers' ``tp_plan``/``ep_plan``/
-    ``fsdp_plan`` keys: dotted names, ``*`` standing for one name) matches the dotted
-    module or parameter ``name``. Example: ``matches_rule("layers.*.mlp", "layers.3.mlp")``."""
-    r, n = rule.split(".") if rule else [], name.split(".") if name else []
-    return len(r) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, r))
 
 
 # ---------------------------------------------------------------------------------
