@@ -39,9 +39,9 @@ from .mapping._sharding import pad_to_multiple, shard, unpad, unshard
 from .mesh._spec import P
 from .parallel._style import Style, register_style
 from .parallel._ep import ExpertDispatch, ExpertParallel, ExpertRouter
-from .parallel._styles import (Colwise, PrepareInput, ParameterRules, PrepareOutput, Replicated,
-                      Rowwise, SequenceParallel, TensorParallelExperts, LocalSizes,
-                      VocabParallelEmbedding)
+from .parallel._styles import (Colwise, PrepareInput, PrepareOutput, Replicated, Rowwise,
+                      SequenceParallel, VocabParallelEmbedding)
+from .parallel._hf import LocalSizes, ParameterRules, TensorParallelExperts
 from .parallel._fsdp_style import FullyShard
 
 __version__ = "0.1.0"

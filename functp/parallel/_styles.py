@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from ..ops._collectives import all_gather_invariant, axis_index, axis_size, psum, pvary
+from ..ops._collectives import all_gather_invariant, axis_index, axis_size, pvary
 from ..runtime._errors import ShardingError
 from ..mesh._layout import packed_slice, uneven
 from ..mesh._spec import P
@@ -33,8 +33,7 @@ from ._style import Call, Layout, Style, _layout, register_style, relayout
 from ._ep import ExpertDispatch, ExpertParallel, ExpertRouter
 
 __all__ = ["Replicated", "Colwise", "Rowwise", "VocabParallelEmbedding",
-           "SequenceParallel", "PrepareInput", "PrepareOutput", "ParameterRules", "SumOutput",
-           "ScaleInputByAxisSize"]
+           "SequenceParallel", "PrepareInput", "PrepareOutput"]
 
 
 # ---------------------------------------------------------------------------------
@@ -334,135 +333,6 @@ class PrepareOutput(Style):
         return new[0] if single else new
 
 
-class LocalSizes(Style):
-    """Leaves a module's parameters to the rules of its submodules and, during its
-    call, divides the integer attributes ``names`` by the axis size: for a module
-    that reads sizes of split tensors from attributes instead of the tensors (GPT-2's
-    attention splits its fused qkv output with ``split_size``)."""
-
-    def __init__(self, *names: str):
-        self.names = names
-
-    def param_specs(self, module, axis):
-        return {}
-
-    def prepare_input(self, module, args, kwargs, call):
-        _local_attributes(module, self.names, call, f"LocalSizes on {call.name!r}")
-        return args, kwargs
-
-
-class TensorParallelExperts(Style):
-    """transformers' experts module (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj``
-    ``[E, H, I]``, as in Mixtral and Qwen3-MoE) with every expert's intermediate
-    dimension split over the axis: ``gate_up_proj`` packed column-parallel (each rank
-    gets its slice of gate and of up), ``down_proj`` row-parallel, the output summed
-    over the axis (transformers' ``moe_tp_experts``). Every rank runs every expert on
-    the tokens routed to it, as on one device; no tokens move.
-    """
-
-    def param_specs(self, module, axis):
-        own = dict(module.named_parameters(recurse=False))
-        if (set(own) != {"gate_up_proj", "down_proj"} or own["gate_up_proj"].ndim != 3
-                or own["down_proj"].ndim != 3):
-            shapes = {n: tuple(p.shape) for n, p in own.items()}
-            raise ShardingError(
-                f"style 'moe_tp_experts' on {type(module).__name__} (parameters {shapes}): "
-                f"it needs exactly 3-d 'gate_up_proj' [experts, 2 x intermediate, hidden] "
-                f"and 'down_proj' [experts, hidden, intermediate] (transformers' experts "
-                f"modules); write a functp.Style for this module")
-        return {"gate_up_proj": P(None, axis, None, packed={1: 2}),   # [gate; up] rows
-                "down_proj": P(None, None, axis)}
-
-    def prepare_output(self, module, args, kwargs, output, call):
-        return psum(output, call.axis)      # each rank holds a part of every expert's sum
-
-
-class ParameterRules(Style):
-    """A module whose own parameters are laid out one by one, as transformers' plans
-    do with rules that name a parameter (``"layers.*.mlp.experts.gate_up_proj":
-    "packed_colwise"``, ``"layers.*.self_attn.sinks": "colwise"``) rather than a module.
-
-    ``rules`` maps a parameter's short name to how it is split: ``"colwise"``
-    (the output features: dimension ``ndim - 2`` of a weight, 0 of a vector),
-    ``"rowwise"`` (the input features: the last dimension; a ``bias`` stays
-    replicated), ``"packed_colwise"`` / ``"packed_rowwise"`` (the same, of a fused
-    ``[gate; up]`` weight: each rank gets its slice of both). Parameters without a
-    rule are replicated. ``reduce_output``: the module's output is a partial sum
-    (it contracts a split dimension, like an experts module whose ``down_proj`` is
-    row-parallel), summed over the axis after the call. ``strict``: a rule for a
-    parameter the module lacks is an error (``False``: skipped, for plans whose
-    rules cover layers of several kinds). Example (Llama-4's experts,
-    stored ``[experts, in, out]``)::
-
-        ParameterRules({"gate_up_proj": "packed_rowwise", "down_proj": "colwise"},
-                       reduce_output=True)
-    """
-
-    KINDS = ("colwise", "rowwise", "packed_colwise", "packed_rowwise")
-
-    def __init__(self, rules: dict[str, str], *, reduce_output: bool = False,
-                 strict: bool = True):
-        bad = {k: v for k, v in rules.items() if v not in self.KINDS}
-        if bad:
-            raise ShardingError(
-                f"ParameterRules: {bad} are not parameter layouts; use one of {self.KINDS}")
-        self.rules, self.reduce_output, self.strict = dict(rules), reduce_output, strict
-
-    def param_specs(self, module, axis):
-        own = dict(module.named_parameters(recurse=False))
-        missing = sorted(set(self.rules) - set(own))
-        if missing and self.strict:
-            raise ShardingError(
-                f"ParameterRules on {type(module).__name__}: rules for {missing}, which are "
-                f"not parameters of it (it has {sorted(own)})")
-        specs = {}
-        for name, p in own.items():
-            kind = self.rules.get(name)
-            if kind is None or (kind.endswith("rowwise") and (name == "bias" or p.ndim == 1)):
-                specs[name] = P()
-                continue
-            d = p.ndim - 1 if kind.endswith("rowwise") else max(p.ndim - 2, 0)
-            entries = [None] * p.ndim
-            entries[d] = axis
-            specs[name] = P(*entries, packed={d: 2} if kind.startswith("packed") else None)
-        return specs
-
-    def prepare_output(self, module, args, kwargs, output, call):
-        if not self.reduce_output:
-            return output
-        if isinstance(output, tuple):        # (a module that also returns its logits)
-            return (_sum_partial(output[0], call.axis), *output[1:])
-        return _sum_partial(output, call.axis)
-
-
-def _sum_partial(x: torch.Tensor, axis: str) -> torch.Tensor:
-    """All-reduces a partial sum. Each rank's value is its own term even where it
-    happens to be the same on every rank (a layer whose tokens all went to an
-    identity expert scaled by 1/size): hence the explicit pvary."""
-    return psum(pvary(x, axis), axis)
-
-
-class SumOutput(Style):
-    """A module whose output is a partial sum over the axis (its parameters are laid
-    out by other rules): the output is all-reduced (transformers' ``all_reduce``)."""
-
-    def prepare_output(self, module, args, kwargs, output, call):
-        return _sum_partial(output, call.axis)
-
-
-class ScaleInputByAxisSize(Style):
-    """A module inside a region whose output is summed over the axis, that sees the
-    same value on every rank (an identity expert among tensor-parallel experts): its
-    input is divided by the axis size, so that the sum counts it once
-    (transformers' ``moe_identity_expert``)."""
-
-    def prepare_input(self, module, args, kwargs, call):
-        if not args:
-            return args, kwargs
-        return (args[0] / axis_size(call.axis), *args[1:]), kwargs
-
-
-
 
 _SEQ = Shard(1)        # [batch, sequence, hidden]: the sequence-parallel split
 for _name, _style in {
@@ -484,11 +354,7 @@ for _name, _style in {
     "ep_experts": ExpertParallel(),
     "ep_experts_sp": ExpertParallel(output_layout=_SEQ),
     "ep_experts_all_to_all": ExpertDispatch(),
-    "moe_tp_experts": TensorParallelExperts(),
-    "gpt2_attention": LocalSizes("split_size"),
-    "all_reduce": SumOutput(),
     "local_columns": PrepareOutput(Replicate(), Shard(-1)),
-    "moe_identity_expert": ScaleInputByAxisSize(),
     # transformers' names, old and new, for the same layouts
     "colwise_rep": Colwise(output_layout=Replicate()),
     "rowwise_rep": Rowwise(input_layout=Replicate()),
