@@ -39,7 +39,7 @@ from .mapping._sharding import pad_to_multiple, shard, unpad, unshard
 from .mesh._spec import P
 from .parallel._style import Style, register_style
 from .parallel._ep import ExpertDispatch, ExpertParallel, ExpertRouter
-from .parallel._styles import (Colwise, PrepareInput, PrepareOutput, Replicated, Rowwise,
+from .parallel._tp import (Colwise, PrepareInput, PrepareOutput, Replicated, Rowwise,
                       SequenceParallel, VocabParallelEmbedding)
 from .parallel._hf import LocalSizes, ParameterRules, TensorParallelExperts
 from .parallel._fsdp_style import FullyShard

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..ops._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
                                 axis_size, pvary)
@@ -24,7 +24,7 @@ from ..mesh._layout import uneven
 from ..mesh._spec import P
 from ..ops._ragged import ragged_all_to_all      # (ops layer: below the styles)
 from ._flat import gather_group
-from ._style import Call, Layout, Style, _layout, relayout
+from ._style import Call, Layout, Style, _layout, register_style, relayout
 
 __all__ = ["ExpertRouter", "ExpertParallel", "ExpertDispatch"]
 
@@ -399,3 +399,12 @@ def _gather_slice(t: torch.Tensor, shared: tuple[str, ...], call: Call) -> torch
         t = torch.nn.functional.pad(t, (0, 0, 0, chunk - t.shape[0]))
         t = all_gather_invariant(t, a, axis=0, tiled=True).narrow(0, 0, rows)
     return t
+
+
+for _name, _style in {
+    "ep_router": ExpertRouter(),
+    "ep_experts": ExpertParallel(),
+    "ep_experts_sp": ExpertParallel(output_layout=Shard(1)),     # into a sequence-parallel region
+    "ep_experts_all_to_all": ExpertDispatch(),
+}.items():
+    register_style(_name, _style)

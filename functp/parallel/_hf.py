@@ -20,7 +20,7 @@ from ..mesh._spec import P
 from ._ep import ExpertDispatch
 from ._rules import match_plan, matches_rule
 from ._style import STYLES, Style, register_style
-from ._styles import _local_attributes
+from ._tp import _local_attributes
 
 __all__ = ["LocalSizes", "TensorParallelExperts", "ParameterRules", "SumOutput",
            "ScaleInputByAxisSize"]

@@ -32,7 +32,7 @@ from ._ep import ExpertDispatch
 from ._rules import _param_specs, _tied_styles, match_plan, matches_rule
 from ._hf import (_auto_ep_plan, _auto_plan, _check_expert_shards, _efsdp, _mesh_for_config,
                   _overridden, _resolve_config)
-from ._styles import Replicated
+from ._tp import Replicated
 from ._verify import _example_args, check_plan
 
 __all__ = ["parallelize", "Parallelized", "verify_plan"]

@@ -18,7 +18,7 @@ from ..mapping._shard_map import shard_map
 from ..mesh._spec import P
 from ._fsdp_style import FullyShard
 from ._ep import ExpertDispatch
-from ._styles import _packed_merge
+from ._tp import _packed_merge
 
 __all__ = ["check_plan"]
 

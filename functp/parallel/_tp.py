@@ -1,21 +1,14 @@
-"""Parallel styles: how one module's parameters are split over a mesh axis, and which
-collectives its inputs and outputs need inside a ``shard_map`` body.
+"""Tensor (and sequence) parallelism: the styles that split a module's weights over a
+mesh axis, Megatron-style, and reshard activations at module boundaries.
 
-A style is what a plan rule names (``"colwise"``, ``"rowwise"``, ...). It says three
-things about the module it is applied to:
-
-- ``param_specs``: the spec of each of the module's own parameters over the plan's
-  axis (``P("tp", None)`` for a column-parallel weight, ``P()`` for a replicated one);
-- ``shard_param`` / ``unshard_param``: how a full parameter becomes this rank's block
-  and back (only packed weights need more than :func:`functp.shard`'s blocks);
-- ``prepare_input`` / ``prepare_output``: forward pre-/post-hooks, run only while the
-  plan's ``apply`` runs, that call functp's collectives at the module's boundary.
-
-Activation layouts are DTensor placements over the plan's axis (``Shard(d)``,
-``Replicate()``, ``Partial()`` from ``torch.distributed.tensor``) or a ``P``. Because
-functp tracks vma, a replicated parameter or activation that meets a sharded one is
-``pvary``'d implicitly: Megatron's "f" operator (identity forward, all-reduce
-backward) and the gradient all-reduce of replicated norm weights need no hook.
+:class:`Colwise` / :class:`Rowwise` split ``nn.Linear`` (and GPT-2's ``Conv1D``)
+weights by output / input features, packed fused weights included;
+:class:`VocabParallelEmbedding` splits an embedding's rows; :class:`SequenceParallel`,
+:class:`PrepareInput` and :class:`PrepareOutput` move activations between layouts;
+:class:`Replicated` keeps a module whole. Because functp tracks vma, a replicated
+parameter or activation that meets a sharded one is ``pvary``'d implicitly:
+Megatron's "f" operator (identity forward, all-reduce backward) and the gradient
+all-reduce of replicated norm weights need no hook.
 """
 from __future__ import annotations
 
@@ -30,14 +23,10 @@ from ..runtime._errors import ShardingError
 from ..mesh._layout import packed_slice, uneven
 from ..mesh._spec import P
 from ._style import Call, Layout, Style, _layout, register_style, relayout
-from ._ep import ExpertDispatch, ExpertParallel, ExpertRouter
 
 __all__ = ["Replicated", "Colwise", "Rowwise", "VocabParallelEmbedding",
            "SequenceParallel", "PrepareInput", "PrepareOutput"]
 
-
-# ---------------------------------------------------------------------------------
-# the styles
 
 def _weight_of(module: nn.Module, style: str) -> torch.Tensor:
     w = getattr(module, "weight", None)
@@ -333,7 +322,6 @@ class PrepareOutput(Style):
         return new[0] if single else new
 
 
-
 _SEQ = Shard(1)        # [batch, sequence, hidden]: the sequence-parallel split
 for _name, _style in {
     "replicated": Replicated(),
@@ -350,10 +338,6 @@ for _name, _style in {
     "embedding_rowwise_sp": VocabParallelEmbedding(output_layout=_SEQ),
     "embedding_colwise": Colwise(output_layout=Replicate()),
     "sequence_parallel": SequenceParallel(),
-    "ep_router": ExpertRouter(),
-    "ep_experts": ExpertParallel(),
-    "ep_experts_sp": ExpertParallel(output_layout=_SEQ),
-    "ep_experts_all_to_all": ExpertDispatch(),
     "local_columns": PrepareOutput(Replicate(), Shard(-1)),
     # transformers' names, old and new, for the same layouts
     "colwise_rep": Colwise(output_layout=Replicate()),
