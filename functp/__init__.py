@@ -27,7 +27,9 @@ from .training._optim import init_optimizer_state, optimizer_specs, set_grads
 from .runtime._precision import MixedPrecision
 from .ops._ragged import RaggedOffsets, ragged_all_to_all, ragged_offsets
 from .mapping._remat import checkpoint, checkpoint_name, remat, remat_policies
-from .parallel._plans import Parallelized, parallelize, verify_plan
+from .parallel._parallelize import parallelize
+from .parallel._plans import Parallelized
+from .parallel._verify import verify_plan
 from .parallel._rules import match_plan
 from .parallel._pretrained import from_pretrained, init_blocks, save_pretrained
 from .mapping._shard_map import shard_map

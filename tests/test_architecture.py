@@ -44,7 +44,6 @@ MAX_CLASS_LINES = 170
 # prefetch as a class of its own) and for the hot-path owners (ops/); remove an entry
 # when its split lands (test_size_exceptions_are_still_needed says when).
 BIG_MODULES = {
-    "parallel/_plans.py": 1135,         # rules, parallelize, transformers' plans, verify
     "ops/_ops.py": 717,                 # every registered op with its rules (hot path)
 }
 BIG_CLASSES = {

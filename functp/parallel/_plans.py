@@ -33,9 +33,8 @@ from ._rules import _param_specs, _tied_styles, match_plan, matches_rule
 from ._hf import (_auto_ep_plan, _auto_plan, _check_expert_shards, _efsdp, _mesh_for_config,
                   _overridden, _resolve_config)
 from ._tp import Replicated
-from ._verify import _example_args, check_plan
 
-__all__ = ["parallelize", "Parallelized", "verify_plan"]
+__all__ = ["Parallelized", "lay_out_plan"]
 
 
 def _generic(name: str) -> str:
@@ -355,84 +354,11 @@ def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str)
                 f"the '{'/'.join(axes)}' size), or give that module the 'replicated' style")
 
 
-def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any] | str = "auto",
-                *, axis: str = "tp", verify: bool = False, distributed_config: Any = None,
-                keep_module: bool = True
-                ) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
-    """Applies a tensor- (and expert-) parallel ``plan`` to ``module`` over ``mesh``.
-
-    **Arguments:** ``module`` – an ordinary ``torch.nn.Module``, the same on every
-    rank (its parameters are read, never changed); ``mesh`` – a :class:`Mesh`;
-    ``plan`` – ``{module-name pattern: style}``, styles by registered name
-    (``"colwise"``, ``"rowwise"``, ``"packed_colwise"``, ``"embedding_rowwise"``,
-    ``"sequence_parallel"``, ``"replicated"``, ``"ep_router"``, ...) or as
-    ``functp.Style`` objects, all over ``axis``; or plan families by mesh axis,
-    ``{"tp": tp_plan, "ep": ep_plan}`` (an axis tuple as key splits over those axes
-    together; a module matched in two families is an error); or ``"auto"``: a
-    transformers model's own plans: its tensor-parallel plan (``model._tp_plan``,
-    style names translated; for GPT-2, which has none, a plan functp ships) over
-    ``axis`` when the mesh has it, and, when the mesh has an ``ep`` axis, its
-    expert-parallel plan (``model._ep_plan``: the experts as
-    :class:`functp.ExpertDispatch` over ``ep``, each tensor-parallel rank
-    dispatching its slice of the tokens; the tensor-parallel rules on the experts
-    dropped, as transformers does); ``axis`` – the axis of a single plan dict and of
-    the tensor-parallel family; ``verify`` – first run :func:`functp.verify_plan`
-    on random token ids (a transformers language model): a plan that makes any
-    module's output or any gradient differ from the unsharded module raises a
-    ``ShardingError`` naming the first such module; ``distributed_config`` –
-    transformers' ``DistributedConfig`` (or a dict of its fields) instead of a mesh:
-    without ``ep_size`` the mesh is ``("dp_replicate", "fsdp", "tp")``, with FSDP over
-    ``fsdp`` (HSDP with ``dp_replicate``); with ``ep_size`` > 1 it is
-    ``("dp_replicate", "efsdp", "ep", "tp")``, transformers' dense and expert meshes
-    in one: the experts split over ``("ep", "tp")`` (``ep_size`` shards) and
-    FSDP-sharded over ``efsdp`` (``fsdp_size x tp_size / ep_size``), the other
-    parameters FSDP-sharded over ``("efsdp", "ep")`` (transformers' ``fsdp``), the
-    batch over ``("dp_replicate", "efsdp", "ep")``; the plans are ``"auto"``, the
-    config's ``tp_plan`` / ``ep_plan`` dicts overriding rules as in transformers.
-    FSDP, also as the plan family ``{"fsdp": "auto"}`` and in ``"auto"`` on a mesh
-    with an ``fsdp`` axis: every module owning parameters no other family covers gets
-    :class:`FullyShard`: each parameter stored split over ``fsdp`` (dim 0 where it
-    divides, else its first dimension that does, else replicated:
-    ``apply.fsdp_replicated`` says why), all-gathered in the module's forward
-    pre-hook; its gradient is the block's, reduce-scattered (and, over
-    ``dp_replicate``, all-reduced). ``fsdp`` and ``dp_replicate`` stay batch axes.
-    ``fsdp_plan``'s ``free_full_weight``: see :class:`FullyShard` (tape autograd only).
-    ``keep_module`` – True (default): the blocks are copies and ``module`` keeps its
-    weights, for reference checks against the unsharded model (``verify_plan`` runs
-    it). False: parameters held once: a replicated parameter's block *is* the
-    module's tensor, a split one's full tensor is released (made meta), and calling
-    ``module`` itself raises (``apply`` runs it). A module on the meta device is
-    always so: its blocks come back on the meta device with their shapes, for
-    :func:`functp.init_blocks` or :func:`functp.from_pretrained` to fill.
-
-    **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
-    by the module's dotted parameter names), their specs, and
-    ``apply(params, *args, **kwargs)``, which runs the module with
-    ``torch.func.functional_call`` and, only during that call, the plan's hooks.
-    Call it inside a ``shard_map`` body; split the batch over ``apply.batch_axes``.
-    Parameters no rule covers are replicated; rank 0 warns about them and about
-    rules that matched nothing. A module without a rule that shares a weight with
-    one the plan splits (a tied embedding) gets the style that splits it the same
-    way (``embedding_rowwise`` for an LM head split over the vocabulary), or a
-    clear error. Other mesh axes (``dp``) are left to you: parameters are
-    replicated over them.
-
-    Model code must take local sizes from tensors (``view(b, s, -1, head_dim)``),
-    as transformers' models do, since a rank holds only its heads.
-
-    Example (``torchrun --nproc-per-node 2``)::
-
-        mesh = functp.make_mesh((2,), ("tp",))
-        mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
-        apply, params, specs = functp.parallelize(mlp, mesh, {"0": "colwise", "2": "rowwise"})
-        loss = functp.shard_map(lambda p, x: apply(p, x).square().mean(), mesh,
-                                in_specs=(specs, P()), out_specs=P())
-        grads = torch.func.grad(loss)(params, torch.randn(4, 8))
-        apply.unshard(grads)["0.weight"].shape       # (32, 8): the full gradient
-    """
+def lay_out_plan(module: nn.Module, mesh: Mesh | None, plan: dict[str, Any] | str,
+                 axis: str = "tp", distributed_config: Any = None, keep_module: bool = True
+                 ) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
+    """:func:`functp.parallelize` without its ``verify`` step (which runs this)."""
     mesh, config = _checked_mesh(module, mesh, distributed_config)
-    if verify:
-        verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
     families = _families(module, mesh, plan, axis, config)
     return _lay_out(module, mesh, families, keep_module)
 
@@ -675,40 +601,3 @@ def _config_families(module: nn.Module, mesh: Mesh, c: dict[str, Any]
                                                      free=_fsdp_plan(module, c["fsdp_plan"])),
                          True))
     return families
-
-
-def verify_plan(module: nn.Module, mesh: Mesh | None, plan: dict[str, Any] | str, *args: Any,
-                axis: str = "tp", rtol: float | None = None, distributed_config: Any = None,
-                **kwargs: Any) -> dict[str, Any]:
-    """Checks ``plan`` on ``module`` against the unsharded module, in seconds.
-
-    Runs the module on ``args`` once unsharded and once under the plan (inside a
-    ``shard_map``, inputs replicated), gathers each submodule's output where the plan
-    split it and compares them in execution order; then compares the gradients of
-    every parameter of a scalar of the output. Call it on every rank, as
-    :func:`parallelize`; it changes nothing.
-
-    **Arguments:** ``module``, ``mesh``, ``plan``, ``axis``, ``distributed_config`` – as
-    :func:`parallelize`;
-    ``*args``/``**kwargs`` – a small example input (default, for a transformers
-    language model: random token ids of shape ``(2, 8)``); ``rtol`` – allowed error
-    relative to each tensor's largest entry (default 1e-6 for float64 parameters,
-    1e-4 otherwise: models that compute a part in float32 round there).
-
-    **Returns:** ``{"modules": n, "parameters": n, "max_error": e}`` when everything
-    matches. **Raises:** ``ShardingError`` naming the first module whose output
-    differs (and by how much), or the first parameter whose gradient does.
-
-    Example::
-
-        report = functp.verify_plan(model, mesh, "auto")
-        # ShardingError: ... first module whose output differs under the plan:
-        #   'model.layers.0.mlp.act_fn' (GELUTanh), by 3.1e-01 ...
-    """
-    if not args and not kwargs:
-        args, kwargs = _example_args(module)
-    with warnings.catch_warnings():      # (the user's own parallelize call warns)
-        warnings.simplefilter("ignore")
-        apply, local, specs = parallelize(module, mesh, plan, axis=axis,
-                                          distributed_config=distributed_config)
-    return check_plan(module, apply, local, specs, args, kwargs, rtol)
