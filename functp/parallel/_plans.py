@@ -136,29 +136,6 @@ class Parallelized:
                 f"returned; call apply(params, ...) inside a shard_map body, or keep a "
                 f"full model for reference checks")
 
-    def _release(self) -> dict[str, torch.Tensor]:
-        """Blocks held once: a replicated parameter's block is the module's own tensor;
-        a split one's block is cut out and the module's parameter (under every tied
-        name) made meta, so that the full tensor can be freed. The module then runs
-        only under ``apply``."""
-        local, meta = {}, {}
-        for name, p in self.module.named_parameters():
-            spec = self.specs[name]
-            if p.is_meta or not spec.axes:
-                local[name] = p.detach()
-                if p.is_meta:
-                    local[name] = self.shard({name: local[name]})[name]
-                continue
-            local[name] = self.shard({name: p.detach()})[name]
-            meta[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
-                                       requires_grad=p.requires_grad)
-        for mod in self.module.modules():
-            for short, p in list(mod._parameters.items()):
-                if p is not None and id(p) in meta:
-                    mod._parameters[short] = meta[id(p)]
-        self.released = True
-        return local
-
     def _style(self, name: str) -> Style:
         return self._owners[name][1] if name in self._owners else _REPLICATED
 
@@ -188,7 +165,7 @@ class Parallelized:
         except ShardingError:
             raise
         except (RuntimeError, ValueError, IndexError) as e:
-            raise self._failed(e) from e
+            raise _failure(self, e) from e
         finally:
             exits = state.exits
             state.params, state.exits, state.stacks = None, None, {}
@@ -215,46 +192,6 @@ class Parallelized:
                     fn()
         return enter
 
-    def _failed(self, e: BaseException) -> ShardingError:
-        """A raw error from inside the module under the plan, as a ShardingError
-        naming the innermost module of ``self.module`` that was running and the
-        plan's rules inside it (a shape mismatch there means the plan split one of
-        the values it combines and not the other)."""
-        names = {id(m): n for n, m in self.module.named_modules()}
-        where, tb = None, e.__traceback__
-        while tb is not None:
-            obj = tb.tb_frame.f_locals.get("self")
-            if id(obj) in names:
-                where = names[id(obj)]
-            tb = tb.tb_next
-        if where is None:
-            where = ""
-        prefix = where + "." if where else ""
-        rules = {}
-        for pname, (desc, _) in self._owners.items():
-            if pname.startswith(prefix):
-                rules.setdefault(pname.rpartition(".")[0], desc)
-        shown = "; ".join(f"{m!r}: {r}" for m, r in list(rules.items())[:8]) or "none"
-        mod = self.module.get_submodule(where) if where else self.module
-        raised = (f"module {where or '(the root)'!r} ({type(mod).__name__}) raised "
-                  f"{type(e).__name__} under the plan: "
-                  f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. ")
-        if "saved tensor hooks" in str(e) and peek_interpreter_stack() is not None:
-            # torch.utils.checkpoint (and other saved-tensor hooks) under torch.func: the
-            # plan is not the cause, the unsharded model raises the same
-            return ShardingError(
-                raised + "torch.func's grad/vjp/jacrev take no saved-tensor hooks, which "
-                "torch.utils.checkpoint (use_reentrant=False) records with; the plan is "
-                "not the cause (the unsharded model raises the same). Use "
-                "functp.checkpoint(fn)(x) for the checkpointed layers (it recomputes under "
-                "torch.func, FSDP's gathers included), or differentiate with tape autograd "
-                "(loss.backward())")
-        return ShardingError(
-            raised + f"The plan's rules inside it: {shown}. A module that combines a value "
-            f"the plan splits (its heads, its columns) with one it does not fails so; give "
-            f"that module's children rules that split both the same way, or 'replicated' "
-            f"(if the unsharded module raises the same error, the plan is not the cause)")
-
     def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical full tensors (keyed by parameter name) -> this rank's blocks."""
         return {k: self._style(k).shard_param(k, v, self.specs[k], self.mesh,
@@ -268,6 +205,71 @@ class Parallelized:
                     k, v, self.specs[k], self.mesh.axis_size(self.axes.get(k, self.axis))
                     if k in self.axes or self.axis is not None else 1)
                 for k, v in gathered.items()}
+
+
+def _release(apply: Parallelized) -> dict[str, torch.Tensor]:
+    """Blocks held once: a replicated parameter's block is the module's own tensor;
+    a split one's block is cut out and the module's parameter (under every tied
+    name) made meta, so that the full tensor can be freed. The module then runs
+    only under ``apply``."""
+    local, meta = {}, {}
+    for name, p in apply.module.named_parameters():
+        spec = apply.specs[name]
+        if p.is_meta or not spec.axes:
+            local[name] = p.detach()
+            if p.is_meta:
+                local[name] = apply.shard({name: local[name]})[name]
+            continue
+        local[name] = apply.shard({name: p.detach()})[name]
+        meta[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                   requires_grad=p.requires_grad)
+    for mod in apply.module.modules():
+        for short, p in list(mod._parameters.items()):
+            if p is not None and id(p) in meta:
+                mod._parameters[short] = meta[id(p)]
+    apply.released = True
+    return local
+
+
+def _failure(apply: Parallelized, e: BaseException) -> ShardingError:
+    """A raw error from inside the module under the plan, as a ShardingError
+    naming the innermost module of ``apply.module`` that was running and the
+    plan's rules inside it (a shape mismatch there means the plan split one of
+    the values it combines and not the other)."""
+    names = {id(m): n for n, m in apply.module.named_modules()}
+    where, tb = None, e.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if id(obj) in names:
+            where = names[id(obj)]
+        tb = tb.tb_next
+    if where is None:
+        where = ""
+    prefix = where + "." if where else ""
+    rules = {}
+    for pname, (desc, _) in apply._owners.items():
+        if pname.startswith(prefix):
+            rules.setdefault(pname.rpartition(".")[0], desc)
+    shown = "; ".join(f"{m!r}: {r}" for m, r in list(rules.items())[:8]) or "none"
+    mod = apply.module.get_submodule(where) if where else apply.module
+    raised = (f"module {where or '(the root)'!r} ({type(mod).__name__}) raised "
+              f"{type(e).__name__} under the plan: "
+              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. ")
+    if "saved tensor hooks" in str(e) and peek_interpreter_stack() is not None:
+        # torch.utils.checkpoint (and other saved-tensor hooks) under torch.func: the
+        # plan is not the cause, the unsharded model raises the same
+        return ShardingError(
+            raised + "torch.func's grad/vjp/jacrev take no saved-tensor hooks, which "
+            "torch.utils.checkpoint (use_reentrant=False) records with; the plan is "
+            "not the cause (the unsharded model raises the same). Use "
+            "functp.checkpoint(fn)(x) for the checkpointed layers (it recomputes under "
+            "torch.func, FSDP's gathers included), or differentiate with tape autograd "
+            "(loss.backward())")
+    return ShardingError(
+        raised + f"The plan's rules inside it: {shown}. A module that combines a value "
+        f"the plan splits (its heads, its columns) with one it does not fails so; give "
+        f"that module's children rules that split both the same way, or 'replicated' "
+        f"(if the unsharded module raises the same error, the plan is not the cause)")
 
 
 _REPLICATED = Replicated()
@@ -541,7 +543,7 @@ def _lay_out(module: nn.Module, mesh: Mesh, families, keep_module: bool = True
     apply = Parallelized(module, mesh, first, specs, lay.owners, lay.hooked, lay.withheld,
                          lay.axes)
     if not keep_module or any(p.is_meta for p in lay.full.values()):
-        return apply, apply._release(), dict(specs)
+        return apply, _release(apply), dict(specs)
     local = apply.shard({n: p.detach() for n, p in lay.full.items()})
     return apply, local, dict(specs)
 
