@@ -48,7 +48,6 @@ BIG_MODULES = {
 }
 BIG_CLASSES = {
     "parallel/_fsdp_style.py::FullyShard": 253,      # its prefetch logic inside
-    "parallel/_ep.py::ExpertDispatch": 230,          # ragged and capacity dispatch inside
     "ops/_vma_mode.py::UnionRule": 186,
     "ops/_overlap.py::Sink": 172,
 }

@@ -186,28 +186,12 @@ class ExpertDispatch(Style):
                                            *self.fsdp)
         return {n: P(dim0) for n, _ in module.named_parameters(recurse=False)}
 
-    def _gather_experts(self, module, call) -> int:
-        """FSDP: this rank's experts whole from their shards over ``fsdp`` (the module
-        sees them until its forward returns); the number of this rank's experts."""
-        blocks = call.params
-        if self.fsdp:
-            restore = call.state["restore"] = {}
-            # one all-gather per dtype for all the experts' weights (one reduce-scatter
-            # of their gradients); HSDP: the gradient all-reduced on the shard
-            fulls = gather_group({s: (b, 0) for s, b in blocks.items()}, self.fsdp,
-                                 self.replicate)
-            for short, full in fulls.items():
-                restore[short] = module._parameters[short]
-                module._parameters[short] = full
-            return next(iter(blocks.values())).shape[0] * axis_size(self.fsdp)
-        return next(iter(blocks.values())).shape[0]
-
     def prepare_input(self, module, args, kwargs, call):
         x, a, b = args[:3]
         idx_at = 2 if a.is_floating_point() else 1     # transformers: (x, indices, weights)
         idx, weights = args[idx_at], args[3 - idx_at]
         hidden, k = x.shape[-1], idx.shape[-1]
-        local = self._gather_experts(module, call)
+        local = _gather_experts(self, module, call)
         tokens, idx = x.reshape(-1, hidden), idx.reshape(-1, k)
         weights = weights.reshape(-1, k)
         call.state["rows"] = []                # the rows at each shared axis, for the gather
@@ -216,8 +200,8 @@ class ExpertDispatch(Style):
         if self.dispatch == "padded":
             recv_x, recv_e = _padded_dispatch(tokens, idx.reshape(-1), local, call)
         else:
-            recv_x, recv_e = self._ragged_dispatch(tokens, idx.reshape(-1), weights.reshape(-1),
-                                                   local, call)
+            recv_x, recv_e = _ragged_dispatch(self, tokens, idx.reshape(-1), weights.reshape(-1),
+                                              local, call)
         n_experts = getattr(module, "num_experts", None)
         if isinstance(n_experts, int) and n_experts == local * axis_size(call.axis):
             # transformers' experts read their count from it (MoEParamShard sets it too)
@@ -232,65 +216,6 @@ class ExpertDispatch(Style):
         ones = torch.ones(recv_x.shape[0], 1, dtype=weights.dtype)
         routed = (ones, recv_e.unsqueeze(1)) if idx_at == 2 else (recv_e.unsqueeze(1), ones)
         return (recv_x, *routed, *args[3:]), kwargs
-
-    def _ragged_dispatch(self, tokens, idx, weights, local, call):
-        n = axis_size(call.axis)
-        experts = n * local
-        bad = (idx < 0) | (idx >= experts)                       # reported with the counts
-        key = torch.where(bad, experts, idx)
-        if self.pad_to_capacity:
-            return self._capacity_dispatch(tokens, key, weights, bad, local, call)
-        if self.capacity_factor is not None:     # dropped pairs sort last, and stay
-            place, cap = self._place(key, weights, experts)
-            key = torch.where(place < cap, key, experts)
-        order = torch.argsort(key, stable=True)                  # grouped by expert
-        counts = torch.cat([torch.bincount(key, minlength=experts + 1)[:experts],
-                            bad.sum().reshape(1)])
-        plan = _expert_plan(counts, local, call)                 # the one host sync
-        self.dropped[call.name] = idx.numel() - sum(plan.send)
-        call.state.update(order=order, plan=plan)
-        rows = tokens[torch.div(order, call.state["k"], rounding_mode="floor")]
-        recv_x = ragged_all_to_all(rows, rows.new_zeros(plan.recv_total, tokens.shape[1]),
-                                   plan.in_off, plan.send, plan.out_off, plan.recv, call.axis,
-                                   recv_offsets=plan.recv_off)
-        return recv_x, plan.recv_experts
-
-    def _capacity_dispatch(self, tokens, key, weights, bad, local, call):
-        """Pad to capacity: the pairs each expert keeps go to its ``cap`` rows of an
-        ``experts x cap`` buffer (the dropped ones to a last row, cut off), which is
-        sent in blocks of ``local x cap`` rows per peer; the counts still travel, for
-        the route check, the peers' capacities and the dropped pairs."""
-        experts = axis_size(call.axis) * local
-        place, cap = self._place(key, weights, experts)
-        kept = (place < cap) & (key < experts)
-        counts = torch.cat([torch.full((experts,), cap), bad.sum().reshape(1),
-                            kept.sum().reshape(1)])
-        plan = _expert_plan(counts, local, call)                 # the one host sync
-        self.dropped[call.name] = key.numel() - plan.extra[0]
-        slot = torch.where(kept, key * cap + place, experts * cap)
-        rows = tokens[torch.div(torch.arange(key.numel()), call.state["k"],
-                                rounding_mode="floor")]
-        buf = tokens.new_zeros(experts * cap + 1, tokens.shape[1]).index_add(0, slot, rows)
-        call.state.update(plan=plan, slot=slot, sent_rows=experts * cap)
-        recv_x = ragged_all_to_all(buf[:experts * cap], buf.new_zeros(plan.recv_total,
-                                                                      tokens.shape[1]),
-                                   plan.in_off, plan.send, plan.out_off, plan.recv, call.axis,
-                                   recv_offsets=plan.recv_off)
-        return recv_x, plan.recv_experts
-
-    def _place(self, idx, weights, experts):
-        """Each pair's place among its expert's pairs (by weight or position) and the
-        capacity (Megatron's ``get_capacity``, on this rank's pairs): the pairs placed
-        below it fit; ``idx`` is ``experts`` for a pair that names no expert."""
-        cap = math.ceil(idx.numel() / experts * self.capacity_factor)
-        order = torch.arange(idx.numel())
-        if self.drop_policy == "probs":          # highest weight first within an expert
-            order = torch.argsort(-weights.detach(), stable=True)
-        order = order[torch.argsort(idx[order], stable=True)]
-        counts = torch.bincount(idx, minlength=experts + 1)
-        start = counts.cumsum(0) - counts
-        rank = torch.arange(idx.numel()) - start[idx[order]]     # place within its expert
-        return torch.empty_like(rank).scatter_(0, order, rank), cap
 
     def prepare_output(self, module, args, kwargs, output, call):
         st = call.state
@@ -312,6 +237,87 @@ class ExpertDispatch(Style):
         w = st["weights"].unsqueeze(-1)
         out = (pairs.unflatten(0, (-1, st["k"])) * w).sum(1).to(output.dtype)
         return _gather_slice(out, self.shared, call).reshape(st["shape"])
+
+
+def _gather_experts(style: ExpertDispatch, module, call) -> int:
+    """FSDP: this rank's experts whole from their shards over ``fsdp`` (the module
+    sees them until its forward returns); the number of this rank's experts."""
+    blocks = call.params
+    if style.fsdp:
+        restore = call.state["restore"] = {}
+        # one all-gather per dtype for all the experts' weights (one reduce-scatter
+        # of their gradients); HSDP: the gradient all-reduced on the shard
+        fulls = gather_group({s: (b, 0) for s, b in blocks.items()}, style.fsdp,
+                             style.replicate)
+        for short, full in fulls.items():
+            restore[short] = module._parameters[short]
+            module._parameters[short] = full
+        return next(iter(blocks.values())).shape[0] * axis_size(style.fsdp)
+    return next(iter(blocks.values())).shape[0]
+
+
+def _ragged_dispatch(style: ExpertDispatch, tokens, idx, weights, local, call):
+    """Every (token, choice) pair to the rank of its expert, grouped by expert, with
+    one ragged all-to-all (after the capacity's drops, or padded to it)."""
+    n = axis_size(call.axis)
+    experts = n * local
+    bad = (idx < 0) | (idx >= experts)                       # reported with the counts
+    key = torch.where(bad, experts, idx)
+    if style.pad_to_capacity:
+        return _capacity_dispatch(style, tokens, key, weights, bad, local, call)
+    if style.capacity_factor is not None:     # dropped pairs sort last, and stay
+        place, cap = _place(style, key, weights, experts)
+        key = torch.where(place < cap, key, experts)
+    order = torch.argsort(key, stable=True)                  # grouped by expert
+    counts = torch.cat([torch.bincount(key, minlength=experts + 1)[:experts],
+                        bad.sum().reshape(1)])
+    plan = _expert_plan(counts, local, call)                 # the one host sync
+    style.dropped[call.name] = idx.numel() - sum(plan.send)
+    call.state.update(order=order, plan=plan)
+    rows = tokens[torch.div(order, call.state["k"], rounding_mode="floor")]
+    recv_x = ragged_all_to_all(rows, rows.new_zeros(plan.recv_total, tokens.shape[1]),
+                               plan.in_off, plan.send, plan.out_off, plan.recv, call.axis,
+                               recv_offsets=plan.recv_off)
+    return recv_x, plan.recv_experts
+
+
+def _capacity_dispatch(style: ExpertDispatch, tokens, key, weights, bad, local, call):
+    """Pad to capacity: the pairs each expert keeps go to its ``cap`` rows of an
+    ``experts x cap`` buffer (the dropped ones to a last row, cut off), which is
+    sent in blocks of ``local x cap`` rows per peer; the counts still travel, for
+    the route check, the peers' capacities and the dropped pairs."""
+    experts = axis_size(call.axis) * local
+    place, cap = _place(style, key, weights, experts)
+    kept = (place < cap) & (key < experts)
+    counts = torch.cat([torch.full((experts,), cap), bad.sum().reshape(1),
+                        kept.sum().reshape(1)])
+    plan = _expert_plan(counts, local, call)                 # the one host sync
+    style.dropped[call.name] = key.numel() - plan.extra[0]
+    slot = torch.where(kept, key * cap + place, experts * cap)
+    rows = tokens[torch.div(torch.arange(key.numel()), call.state["k"],
+                            rounding_mode="floor")]
+    buf = tokens.new_zeros(experts * cap + 1, tokens.shape[1]).index_add(0, slot, rows)
+    call.state.update(plan=plan, slot=slot, sent_rows=experts * cap)
+    recv_x = ragged_all_to_all(buf[:experts * cap], buf.new_zeros(plan.recv_total,
+                                                                  tokens.shape[1]),
+                               plan.in_off, plan.send, plan.out_off, plan.recv, call.axis,
+                               recv_offsets=plan.recv_off)
+    return recv_x, plan.recv_experts
+
+
+def _place(style: ExpertDispatch, idx, weights, experts):
+    """Each pair's place among its expert's pairs (by weight or position) and the
+    capacity (Megatron's ``get_capacity``, on this rank's pairs): the pairs placed
+    below it fit; ``idx`` is ``experts`` for a pair that names no expert."""
+    cap = math.ceil(idx.numel() / experts * style.capacity_factor)
+    order = torch.arange(idx.numel())
+    if style.drop_policy == "probs":          # highest weight first within an expert
+        order = torch.argsort(-weights.detach(), stable=True)
+    order = order[torch.argsort(idx[order], stable=True)]
+    counts = torch.bincount(idx, minlength=experts + 1)
+    start = counts.cumsum(0) - counts
+    rank = torch.arange(idx.numel()) - start[idx[order]]     # place within its expert
+    return torch.empty_like(rank).scatter_(0, order, rank), cap
 
 
 class _ExpertPlan(NamedTuple):
