@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from ..ops._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
                                 axis_size, pvary)
 from ..runtime._errors import ShardingError
-from ..mesh._layout import uneven
+from ..mesh._layout import chunk, uneven
 from ..mesh._spec import P
 from ..ops._ragged import ragged_all_to_all      # (ops layer: below the styles)
 from ._flat import gather_group
@@ -389,10 +389,7 @@ def _take_slice(t: torch.Tensor, shared: tuple[str, ...], call: Call) -> torch.T
         rows = t.shape[0]
         if record:
             call.state["rows"].append(rows)
-        chunk = -(-rows // n)
-        start = min(i * chunk, rows)
-        t = (pvary(t, a) if t.is_floating_point() else t).narrow(
-            0, start, min(chunk, rows - start))
+        t = (pvary(t, a) if t.is_floating_point() else t).narrow(0, *chunk(rows, n, i))
     return t
 
 
@@ -401,8 +398,8 @@ def _gather_slice(t: torch.Tensor, shared: tuple[str, ...], call: Call) -> torch
     chunk for an equal-block gather, the padding cut off after (its gradient is
     never used)."""
     for a, rows in zip(reversed(shared), reversed(call.state["rows"])):
-        chunk = -(-rows // axis_size(a))
-        t = torch.nn.functional.pad(t, (0, 0, 0, chunk - t.shape[0]))
+        first = chunk(rows, axis_size(a), 0)[1]          # the largest block
+        t = torch.nn.functional.pad(t, (0, 0, 0, first - t.shape[0]))
         t = all_gather_invariant(t, a, axis=0, tiled=True).narrow(0, 0, rows)
     return t
 
