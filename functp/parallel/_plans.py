@@ -22,7 +22,7 @@ from ..ops._collectives import axis_size
 from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import peek_interpreter_stack
 from ..mesh._mesh import Mesh
-from ..mesh._layout import uneven
+from ..mesh._layout import require_divisible, uneven
 from ..mapping._remat import recompute_within, reparametrized
 from ..mapping._sharding import unshard
 from ..mesh._spec import P, normalize_spec
@@ -340,6 +340,13 @@ def _check_heads(root: nn.Module, name: str, x: torch.Tensor, spec: P, mesh: Mes
 
 def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str) -> None:
     packed = dict(spec.packed)
+    if not packed:          # (a packed dimension splits each of its blocks: below)
+        require_divisible(
+            f"parameter {name!r}", x.shape, spec, mesh,
+            f"(a vocabulary padded so, as Megatron's make-vocab-size-divisible-by), or choose "
+            f"heads, experts or hidden sizes divisible by {{k}}, or give that module the "
+            f"'replicated' style; plan rule {desc}")
+        return
     for d in range(len(spec)):
         axes = spec.dim_axes(d)
         if not axes:

@@ -26,9 +26,10 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ..ops._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
                            axis_size, psum, psum_scatter, pvary)
+from ..ops._context import current
 from ..runtime._errors import ShardingError
 from ..mesh._mesh import Mesh
-from ..mesh._layout import axis_placement, chunk, uneven
+from ..mesh._layout import axis_placement, chunk, require_divisible, uneven
 from ..mapping._sharding import local_block
 from ..mesh._spec import P
 
@@ -153,9 +154,10 @@ def relayout(x: Any, src: Placement | None, dst: Placement | None, axis: str, *,
         d = dst.dim % x.ndim
         n, i = axis_size(axis), axis_index(axis)
         if uneven(x.shape[d], n):
-            raise ShardingError(
-                f"cannot split dimension {d} of an activation of shape {tuple(x.shape)} "
-                f"over '{axis}' (size {n}): it does not divide; pad it to a multiple of {n}")
+            require_divisible(
+                f"an activation moved from {src!r} to {dst!r}", x.shape,
+                P(*[axis if k == d else None for k in range(x.ndim)]), current("relayout").mesh,
+                "(a batch or sequence length divisible by {k}), or keep it Replicate() there")
         # every rank keeps a different slice: mark the value varying first, so the
         # slices' cotangents are summed back into the replicated value's gradient
         return pvary(x, axis).narrow(d, *chunk(x.shape[d], n, i))
