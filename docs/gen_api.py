@@ -27,7 +27,8 @@ SECTIONS = [
     ("Dry runs: what a step costs", ["_estimate", "_rank_meshes", "_hardware"]),
     ("Training: gradients, norms, accumulation, mixed precision, remat, optimizers",
      ["_autodiff", "_grads", "_overlap", "_precision", "_remat", "_optim"]),
-    ("Plans and styles", ["_plans", "_styles", "_fsdp_style", "_verify"]),
+    ("Plans and styles", ["_parallelize", "_plans", "_rules", "_verify", "_style", "_tp", "_ep", "_hf",
+                          "_fsdp_style"]),
     ("DTensor and checkpoints", ["_interop", "_checkpoint"]),
     ("Pretrained transformers checkpoints", ["_pretrained"]),
 ]

@@ -27,7 +27,10 @@ from .training._optim import init_optimizer_state, optimizer_specs, set_grads
 from .runtime._precision import MixedPrecision
 from .ops._ragged import RaggedOffsets, ragged_all_to_all, ragged_offsets
 from .mapping._remat import checkpoint, checkpoint_name, remat, remat_policies
-from .parallel._plans import Parallelized, match_plan, parallelize, verify_plan
+from .parallel._parallelize import parallelize
+from .parallel._plans import Parallelized
+from .parallel._verify import verify_plan
+from .parallel._rules import match_plan
 from .parallel._pretrained import from_pretrained, init_blocks, save_pretrained
 from .mapping._shard_map import shard_map
 from .mapping._show import print_ranks, visualize_sharding
@@ -36,10 +39,11 @@ from .runtime._world import process_count, process_index
 from .mapping._reshard import global_shapes, reshard
 from .mapping._sharding import pad_to_multiple, shard, unpad, unshard
 from .mesh._spec import P
-from .parallel._styles import (Colwise, ExpertDispatch, ExpertParallel, ExpertRouter, PrepareInput,
-                      ParameterRules, PrepareOutput, Replicated, Rowwise, SequenceParallel, Style,
-                      TensorParallelExperts, LocalSizes,
-                      VocabParallelEmbedding, register_style)
+from .parallel._style import Style, register_style
+from .parallel._ep import ExpertDispatch, ExpertParallel, ExpertRouter
+from .parallel._tp import (Colwise, PrepareInput, PrepareOutput, Replicated, Rowwise,
+                      SequenceParallel, VocabParallelEmbedding)
+from .parallel._hf import LocalSizes, ParameterRules, TensorParallelExperts
 from .parallel._fsdp_style import FullyShard
 
 __version__ = "0.1.0"

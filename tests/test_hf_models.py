@@ -59,7 +59,7 @@ def test_every_listed_type_exists():
 
 
 def _verify_gemma3n():
-    from functp.parallel._plans import _auto_plan
+    from functp.parallel._hf import _auto_plan
     model = _build("gemma3n_text")
     mesh = functp.make_mesh((2,), ("tp",))
     # transformers' own plan, without the rules 'auto' adds so that the activation
@@ -82,7 +82,7 @@ def test_verify_plan_names_the_module_fed_by_a_reduction_over_a_split_dimension(
 
 
 def _doge_with_transformers_plan():
-    from functp.parallel._plans import _auto_plan
+    from functp.parallel._hf import _auto_plan
     model = _build("doge")
     mesh = functp.make_mesh((2,), ("tp",))
     # transformers' plan as it is: dt_proj row-parallel, its output every head's

@@ -14,7 +14,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 import functp
 from functp import P
-from functp.parallel._styles import relayout
+from functp.parallel._style import relayout
 from _oracle import assert_tree_close, check_program, comm_stats, randn
 
 H, F, B, S = 8, 16, 2, 4
@@ -596,7 +596,7 @@ def test_heads_must_split_whole(run):
 
 
 def test_transformers_style_names_old_and_new_name_the_same_layouts():
-    from functp.parallel._styles import get_style
+    from functp.parallel._style import get_style
     assert get_style("rowwise_rep").input_layout == Replicate()        # split_input
     assert get_style("colwise_rep").output_layout == Replicate()       # gather_output
     for name in ("replicate", "replicated_with_grad_allreduce", "mla_kv_a_proj"):

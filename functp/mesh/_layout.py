@@ -31,7 +31,7 @@ from ..runtime._errors import ShardingError, leaf_text
 from ._mesh import Mesh
 from ._spec import P
 # the placement converters live in _spec; callers not yet moved import them from here
-# (parallel/_styles.py: axis_placement; tests/test_layout.py: all four)
+# (parallel/_style.py: axis_placement; tests/test_layout.py: all four)
 from ._spec import axis_placement, mesh_order, placements_to_spec, spec_to_placements  # noqa: F401
 
 Layout = tuple[tuple[str, ...], ...]       # per tensor dimension: its axes, major first

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from ..parallel._styles import PrepareOutput
+from ..parallel._tp import PrepareOutput
 
 __all__ = ["GPT2Config", "GPT2", "GPT2_TP_PLAN", "GPT2_SP_PLAN"]
 

@@ -48,7 +48,8 @@ from ..runtime import _compile
 from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import peek_interpreter_stack, top_saved_tensors_hooks
 from ._flat import gather_group
-from ._styles import Style, matches_rule
+from ._rules import matches_rule
+from ._style import Style
 
 __all__ = ["FullyShard"]
 

@@ -1,19 +1,14 @@
-"""Plans: wildcard rules over module names -> parallel styles, and ``parallelize``.
+"""Plans applied: ``parallelize`` lays a plan's rules (``_rules``) out over a mesh as
+parameter specs, this rank's blocks and module hooks, and returns the
+:class:`Parallelized` ``apply`` that runs the module under them.
 
-A plan is a dict like transformers' ``tp_plan`` or DTensor's ``parallelize_plan``::
-
-    {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
-
-Keys name modules by their dotted names; ``*`` (and ``?``, ``[...]``) match within
-one dotted component, so ``layers.*.mlp`` matches ``layers.3.mlp`` and not
-``layers.3.x.mlp``. When several rules match a module, the one with fewest
-wildcard components wins (an exact name beats a pattern), then the earlier one.
-Values are registered style names (``functp.parallel._styles``) or ``functp.Style`` objects.
+A plan is one dict of rules over one axis or plan families by mesh axis
+(``{"tp": ..., "ep": ..., "fsdp": "auto"}``); ``"auto"`` reads a transformers
+model's own plans (``_hf``).
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import re
 import warnings
 from typing import Any
@@ -27,60 +22,19 @@ from ..ops._collectives import axis_size
 from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import peek_interpreter_stack
 from ..mesh._mesh import Mesh
-from ..mesh._layout import uneven
+from ..mesh._layout import require_divisible, uneven
 from ..mapping._remat import recompute_within, reparametrized
 from ..mapping._sharding import unshard
 from ..mesh._spec import P, normalize_spec
 from ._fsdp_style import FullyShard
-from ._styles import (STYLES, Call, ExpertDispatch, ParameterRules, Replicated, Style,
-                      get_style, matches_rule)
-from ._verify import _example_args, check_plan
+from ._style import Call, Style
+from ._ep import ExpertDispatch
+from ._rules import _param_specs, _tied_styles, match_plan, matches_rule
+from ._hf import (_auto_ep_plan, _auto_plan, _check_expert_shards, _efsdp, _mesh_for_config,
+                  _overridden, _resolve_config)
+from ._tp import Replicated
 
-__all__ = ["parallelize", "Parallelized", "match_plan", "verify_plan"]
-
-_WILD = re.compile(r"[*?\[]")
-
-
-def _resolve(rule: str, value: Any) -> tuple[str, Style]:
-    """(label for messages, style) for one plan entry."""
-    if isinstance(value, str):
-        return repr(value), get_style(value)
-    if isinstance(value, Style):
-        return repr(value), value
-    raise ShardingError(
-        f"plan rule {rule!r}: the style must be a registered name (a str) or a "
-        f"functp.Style instance, got {value!r} ({type(value).__name__})")
-
-
-def match_plan(module: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, tuple[str, str, Style]], list[str]]:
-    """Which rule of ``plan`` applies to each submodule of ``module``.
-
-    **Returns:** ``(matched, unused)``: ``matched`` maps module names (in module
-    order) to ``(rule, label, style)``; ``unused`` lists the rules that matched no
-    module. Example::
-
-        matched, unused = functp.match_plan(model, {"layers.*.mlp.down_proj": "rowwise"})
-        list(matched)      # ['layers.0.mlp.down_proj', 'layers.1.mlp.down_proj']
-    """
-    if not isinstance(plan, dict):
-        raise ShardingError(f"a plan must be a dict of module-name patterns to styles, "
-                            f"got {type(plan).__name__}")
-    rules = []
-    for order, (rule, value) in enumerate(plan.items()):
-        if not isinstance(rule, str):
-            raise ShardingError(f"plan keys must be module names (str), got {rule!r}")
-        label, style = _resolve(rule, value)
-        wild = sum(bool(_WILD.search(c)) for c in rule.split("."))
-        rules.append((wild, order, rule, label, style))
-    rules.sort(key=lambda r: r[:2])
-    matched, used = {}, set()
-    for name, _ in module.named_modules():
-        for _, _, rule, label, style in rules:
-            if matches_rule(rule, name):
-                matched[name] = (rule, label, style)
-                used.add(rule)
-                break
-    return matched, [r for r in plan if r not in used]
+__all__ = ["Parallelized", "lay_out_plan"]
 
 
 def _generic(name: str) -> str:
@@ -182,29 +136,6 @@ class Parallelized:
                 f"returned; call apply(params, ...) inside a shard_map body, or keep a "
                 f"full model for reference checks")
 
-    def _release(self) -> dict[str, torch.Tensor]:
-        """Blocks held once: a replicated parameter's block is the module's own tensor;
-        a split one's block is cut out and the module's parameter (under every tied
-        name) made meta, so that the full tensor can be freed. The module then runs
-        only under ``apply``."""
-        local, meta = {}, {}
-        for name, p in self.module.named_parameters():
-            spec = self.specs[name]
-            if p.is_meta or not spec.axes:
-                local[name] = p.detach()
-                if p.is_meta:
-                    local[name] = self.shard({name: local[name]})[name]
-                continue
-            local[name] = self.shard({name: p.detach()})[name]
-            meta[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
-                                       requires_grad=p.requires_grad)
-        for mod in self.module.modules():
-            for short, p in list(mod._parameters.items()):
-                if p is not None and id(p) in meta:
-                    mod._parameters[short] = meta[id(p)]
-        self.released = True
-        return local
-
     def _style(self, name: str) -> Style:
         return self._owners[name][1] if name in self._owners else _REPLICATED
 
@@ -234,7 +165,7 @@ class Parallelized:
         except ShardingError:
             raise
         except (RuntimeError, ValueError, IndexError) as e:
-            raise self._failed(e) from e
+            raise _failure(self, e) from e
         finally:
             exits = state.exits
             state.params, state.exits, state.stacks = None, None, {}
@@ -261,46 +192,6 @@ class Parallelized:
                     fn()
         return enter
 
-    def _failed(self, e: BaseException) -> ShardingError:
-        """A raw error from inside the module under the plan, as a ShardingError
-        naming the innermost module of ``self.module`` that was running and the
-        plan's rules inside it (a shape mismatch there means the plan split one of
-        the values it combines and not the other)."""
-        names = {id(m): n for n, m in self.module.named_modules()}
-        where, tb = None, e.__traceback__
-        while tb is not None:
-            obj = tb.tb_frame.f_locals.get("self")
-            if id(obj) in names:
-                where = names[id(obj)]
-            tb = tb.tb_next
-        if where is None:
-            where = ""
-        prefix = where + "." if where else ""
-        rules = {}
-        for pname, (desc, _) in self._owners.items():
-            if pname.startswith(prefix):
-                rules.setdefault(pname.rpartition(".")[0], desc)
-        shown = "; ".join(f"{m!r}: {r}" for m, r in list(rules.items())[:8]) or "none"
-        mod = self.module.get_submodule(where) if where else self.module
-        raised = (f"module {where or '(the root)'!r} ({type(mod).__name__}) raised "
-                  f"{type(e).__name__} under the plan: "
-                  f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. ")
-        if "saved tensor hooks" in str(e) and peek_interpreter_stack() is not None:
-            # torch.utils.checkpoint (and other saved-tensor hooks) under torch.func: the
-            # plan is not the cause, the unsharded model raises the same
-            return ShardingError(
-                raised + "torch.func's grad/vjp/jacrev take no saved-tensor hooks, which "
-                "torch.utils.checkpoint (use_reentrant=False) records with; the plan is "
-                "not the cause (the unsharded model raises the same). Use "
-                "functp.checkpoint(fn)(x) for the checkpointed layers (it recomputes under "
-                "torch.func, FSDP's gathers included), or differentiate with tape autograd "
-                "(loss.backward())")
-        return ShardingError(
-            raised + f"The plan's rules inside it: {shown}. A module that combines a value "
-            f"the plan splits (its heads, its columns) with one it does not fails so; give "
-            f"that module's children rules that split both the same way, or 'replicated' "
-            f"(if the unsharded module raises the same error, the plan is not the cause)")
-
     def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical full tensors (keyed by parameter name) -> this rank's blocks."""
         return {k: self._style(k).shard_param(k, v, self.specs[k], self.mesh,
@@ -314,6 +205,71 @@ class Parallelized:
                     k, v, self.specs[k], self.mesh.axis_size(self.axes.get(k, self.axis))
                     if k in self.axes or self.axis is not None else 1)
                 for k, v in gathered.items()}
+
+
+def _release(apply: Parallelized) -> dict[str, torch.Tensor]:
+    """Blocks held once: a replicated parameter's block is the module's own tensor;
+    a split one's block is cut out and the module's parameter (under every tied
+    name) made meta, so that the full tensor can be freed. The module then runs
+    only under ``apply``."""
+    local, meta = {}, {}
+    for name, p in apply.module.named_parameters():
+        spec = apply.specs[name]
+        if p.is_meta or not spec.axes:
+            local[name] = p.detach()
+            if p.is_meta:
+                local[name] = apply.shard({name: local[name]})[name]
+            continue
+        local[name] = apply.shard({name: p.detach()})[name]
+        meta[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                   requires_grad=p.requires_grad)
+    for mod in apply.module.modules():
+        for short, p in list(mod._parameters.items()):
+            if p is not None and id(p) in meta:
+                mod._parameters[short] = meta[id(p)]
+    apply.released = True
+    return local
+
+
+def _failure(apply: Parallelized, e: BaseException) -> ShardingError:
+    """A raw error from inside the module under the plan, as a ShardingError
+    naming the innermost module of ``apply.module`` that was running and the
+    plan's rules inside it (a shape mismatch there means the plan split one of
+    the values it combines and not the other)."""
+    names = {id(m): n for n, m in apply.module.named_modules()}
+    where, tb = None, e.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if id(obj) in names:
+            where = names[id(obj)]
+        tb = tb.tb_next
+    if where is None:
+        where = ""
+    prefix = where + "." if where else ""
+    rules = {}
+    for pname, (desc, _) in apply._owners.items():
+        if pname.startswith(prefix):
+            rules.setdefault(pname.rpartition(".")[0], desc)
+    shown = "; ".join(f"{m!r}: {r}" for m, r in list(rules.items())[:8]) or "none"
+    mod = apply.module.get_submodule(where) if where else apply.module
+    raised = (f"module {where or '(the root)'!r} ({type(mod).__name__}) raised "
+              f"{type(e).__name__} under the plan: "
+              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. ")
+    if "saved tensor hooks" in str(e) and peek_interpreter_stack() is not None:
+        # torch.utils.checkpoint (and other saved-tensor hooks) under torch.func: the
+        # plan is not the cause, the unsharded model raises the same
+        return ShardingError(
+            raised + "torch.func's grad/vjp/jacrev take no saved-tensor hooks, which "
+            "torch.utils.checkpoint (use_reentrant=False) records with; the plan is "
+            "not the cause (the unsharded model raises the same). Use "
+            "functp.checkpoint(fn)(x) for the checkpointed layers (it recomputes under "
+            "torch.func, FSDP's gathers included), or differentiate with tape autograd "
+            "(loss.backward())")
+    return ShardingError(
+        raised + f"The plan's rules inside it: {shown}. A module that combines a value "
+        f"the plan splits (its heads, its columns) with one it does not fails so; give "
+        f"that module's children rules that split both the same way, or 'replicated' "
+        f"(if the unsharded module raises the same error, the plan is not the cause)")
 
 
 _REPLICATED = Replicated()
@@ -384,6 +340,13 @@ def _check_heads(root: nn.Module, name: str, x: torch.Tensor, spec: P, mesh: Mes
 
 def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str) -> None:
     packed = dict(spec.packed)
+    if not packed:          # (a packed dimension splits each of its blocks: below)
+        require_divisible(
+            f"parameter {name!r}", x.shape, spec, mesh,
+            f"(a vocabulary padded so, as Megatron's make-vocab-size-divisible-by), or choose "
+            f"heads, experts or hidden sizes divisible by {{k}}, or give that module the "
+            f"'replicated' style; plan rule {desc}")
+        return
     for d in range(len(spec)):
         axes = spec.dim_axes(d)
         if not axes:
@@ -400,320 +363,11 @@ def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str)
                 f"the '{'/'.join(axes)}' size), or give that module the 'replicated' style")
 
 
-# styles tried, in order, for a module that shares a weight with a module the plan
-# splits but has no rule of its own (a tied embedding and LM head)
-_TIE_CANDIDATES = {nn.Embedding: ("embedding_rowwise", "embedding_colwise"),
-                   nn.Linear: ("colwise_gather_output", "colwise", "rowwise")}
-
-
-def _param_specs(style: Style, mod: nn.Module, axis: str, own: dict, where: str) -> dict:
-    try:
-        pspecs = style.param_specs(mod, axis)
-    except ShardingError as e:
-        raise ShardingError(f"{where}: {e}") from None
-    extra = sorted(set(pspecs) - set(own))
-    if extra:
-        raise ShardingError(
-            f"{where}: the style gives specs for {extra}, which are not parameters of "
-            f"{type(mod).__name__} (it has {sorted(own)})")
-    return pspecs
-
-
-def _tied_styles(module: nn.Module, matched: dict, specs: dict, canon: dict, mesh: Mesh,
-                 axis: str) -> dict[str, tuple[str, str, Style]]:
-    """For each module without a rule holding a weight tied to one the plan splits:
-    the first style of :data:`_TIE_CANDIDATES` that splits it the same way (the
-    embedding of an LM head split over the vocabulary becomes vocab-parallel), or an
-    error naming both modules. Without this the module would take its block of the
-    shared weight for the whole of it."""
-    out: dict[str, tuple[str, str, Style]] = {}
-    uses = list(module.named_parameters(remove_duplicate=False))
-    # the module whose rule laid out each shared weight
-    ruled = {canon[id(p)]: n.rpartition(".")[0] for n, p in uses if n.rpartition(".")[0] in matched}
-    for name, p in uses:
-        c = canon[id(p)]
-        mname, _, short = name.rpartition(".")
-        if mname in matched or mname in out or c not in ruled or not specs.get(c, P()).axes:
-            continue
-        mod = module.get_submodule(mname)
-        cands = next((c for t, c in _TIE_CANDIDATES.items() if isinstance(mod, t)), ())
-        for cand in cands:
-            style = get_style(cand)
-            try:
-                got = style.param_specs(mod, axis).get(short)
-                got = got if got is None else normalize_spec(got, mesh.axis_names, cand, p.shape)
-            except ShardingError:
-                continue
-            if got == specs[c]:
-                out[mname] = (f"tied to {ruled[c]!r}", repr(cand), style)
-                break
-        else:
-            raise ShardingError(
-                f"parameter {name!r} is tied to module {ruled[c]!r}, whose rule splits it "
-                f"as {specs[c]!r}, but module {mname!r} ({type(mod).__name__}) has no rule "
-                f"and no style of {list(cands)} splits it that way; add a rule "
-                f"for {mname!r} that does, or untie the weights")
-    return out
-
-
-# transformers' style names -> functp's, where they differ (its old and new names
-# are registered functp styles too); None: no functp style yet.
-# 'replicated_with_grad_allreduce' and 'mla_kv_a_proj' need nothing more than
-# replication: vma sums the gradient of a replicated value that meets split ones.
-_HF_STYLES = {
-    "rowwise_rep": "rowwise_split_input", "colwise_rep": "colwise_gather_output",
-    "replicated_with_grad_allreduce": "replicated", "replicate": "replicated",
-    "mla_kv_a_proj": "replicated", "local_params": "replicated",
-    "grouped_gemm": None, "ep_dispatch_experts": None,
-}
-# module styles of transformers' plans that, over rules for the module's own
-# parameters, say whether its output is a partial sum (True) or not (False)
-_OWNER_STYLES = {"moe_tp_experts": True, "all_reduce": True, "local_params": False}
-
-
-# Plans functp ships for transformers classes that come without one (GPT-2's Conv1D
-# layers store their weights [in, out]: colwise/rowwise split them accordingly).
-_GPT2_BLOCKS = {"h.*.attn": "gpt2_attention", "h.*.attn.c_attn": "packed_colwise_qkv",
-                "h.*.attn.c_proj": "rowwise", "h.*.mlp.c_fc": "colwise",
-                "h.*.mlp.c_proj": "rowwise", "wte": "embedding_rowwise"}
-_SHIPPED = {"GPT2Model": _GPT2_BLOCKS,
-            "GPT2LMHeadModel": {**{f"transformer.{k}": v for k, v in _GPT2_BLOCKS.items()},
-                                "lm_head": "colwise_gather_output"}}
-
-
-def _auto_plan(module: nn.Module, size: int | None = None, override: Any = None,
-               exclude: tuple[str, ...] = ()) -> dict[str, Any]:
-    """transformers' own tensor-parallel plan of ``module`` in functp's styles
-    (``override``: a config's ``tp_plan`` dict; ``exclude``: patterns of modules another
-    plan family lays out, whose rules and their children's are dropped).
-
-    Rules that name a parameter (``experts.gate_up_proj``, ``self_attn.sinks``) are
-    gathered into one :class:`ParameterRules` style for their module, which sums its
-    output when the module's own rule says so (``moe_tp_experts``, ``all_reduce``).
-    """
-    kind = type(module).__name__
-    plan = getattr(module, "_tp_plan", None)
-    if plan is not None:
-        plan = {k: v for k, v in _overridden(plan, override).items()
-                if not any(k == e or k.startswith(e + ".") for e in exclude)}
-    if plan is None:
-        if importlib.util.find_spec("transformers") is None:
-            why = "transformers is not installed, and 'auto' reads its models' plans"
-        else:
-            why = (f"{kind} carries no transformers tensor-parallel plan (the "
-                   f"'_tp_plan' a transformers PreTrainedModel has)")
-        raise ShardingError(f"parallelize(..., 'auto'): {why}; pass a plan dict "
-                            f"{{module-name pattern: style}} instead")
-    if not plan and kind in _SHIPPED:
-        return dict(_SHIPPED[kind])
-    if not plan:
-        raise ShardingError(
-            f"parallelize(..., 'auto'): transformers gives {kind} no tensor-parallel plan "
-            f"(its config's base_model_tp_plan is empty), and functp ships none for it; "
-            f"pass a plan dict {{module-name pattern: style}}")
-    modules = dict(module.named_modules())
-    params = dict(module.named_parameters())
-    out: dict[str, Any] = {}
-    owned: dict[str, dict[str, str]] = {}        # owner pattern -> {parameter: layout}
-    missing = []
-    for pattern, style in plan.items():
-        on_module = any(matches_rule(pattern, m) for m in modules)
-        if not on_module and any(matches_rule(pattern, n) for n in params):
-            owner, _, short = pattern.rpartition(".")
-            if style in ParameterRules.KINDS:
-                if "gate_up" in short and not style.startswith("packed"):
-                    # a fused [gate; up] weight: a plain split would give one rank
-                    # all of gate (Inkling's plan says 'colwise' for it)
-                    style = f"packed_{style}"
-                owned.setdefault(owner, {})[short] = style
-            else:
-                missing.append(f"{pattern!r}: {style!r} (a parameter)")
-            continue
-        if not on_module:
-            continue         # (a rule for layers this configuration lacks is ignored)
-        name = _HF_STYLES.get(style, style)
-        if name is None or (name not in STYLES and name not in _OWNER_STYLES):
-            missing.append(f"{pattern!r}: {style!r}")
-        elif name != "local_params":
-            out[pattern] = name
-    for owner, rules in owned.items():
-        reduce = _OWNER_STYLES.get(plan.get(owner))
-        contracts = any(k.endswith("rowwise") for k in rules.values())
-        if reduce is None and contracts:
-            missing.append(f"{owner!r}: its parameters' rules {rules} split a dimension "
-                           f"it contracts, and no rule of the plan sums its output")
-            continue
-        out[owner] = ParameterRules(rules, reduce_output=bool(reduce), strict=False)
-    if missing:
-        raise ShardingError(
-            f"parallelize(..., 'auto'): {kind}'s transformers plan has rules functp cannot "
-            f"apply yet: {', '.join(missing)}; pass a plan dict that covers these modules "
-            f"with functp styles (see functp.parallelize)")
-    out.update(_whole_statistics(module, out))
-    out.update(_local_heads(module, out))
-    if size is not None:
-        out.update(_left_out(module, out, size))
-    return out
-
-
-def _covered(name: str, plan: dict[str, Any]) -> bool:
-    return any(matches_rule(r, name) for r in plan)
-
-
-def _left_out(module: nn.Module, plan: dict[str, Any], size: int) -> dict[str, str]:
-    """Megatron rules for the standard parts a transformers plan leaves out, where
-    they split exactly over ``size`` ranks: an attention module whose only
-    projections are ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (and per-head
-    norms), none with a rule, whose heads divide; a shared expert or shared MLP
-    (``gate_proj``, ``up_proj``, ``down_proj``) without rules."""
-    extra: dict[str, str] = {}
-    for name, sub in module.named_modules():
-        prefix = name + "." if name else ""
-        kids = dict(sub.named_children())
-        proj = [kids.get(k) for k in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        hd = getattr(sub, "head_dim", None)
-        if (all(isinstance(k, nn.Linear) for k in proj) and isinstance(hd, int) and hd > 0
-                and not any(_covered(prefix + k, plan) for k in ("q_proj", "k_proj", "v_proj",
-                                                                    "o_proj"))
-                and not any(p.numel() > hd for k, m in kids.items()
-                            if k not in ("q_proj", "k_proj", "v_proj", "o_proj")
-                            for p in m.parameters())
-                and not any(True for _ in sub.parameters(recurse=False))
-                and all(not uneven(m.out_features, hd * size) for m in proj[:3])):
-            extra.update({prefix + "q_proj": "colwise", prefix + "k_proj": "colwise",
-                          prefix + "v_proj": "colwise", prefix + "o_proj": "rowwise"})
-            continue
-        last = name.rpartition(".")[2]
-        mlp = [kids.get(k) for k in ("gate_proj", "up_proj", "down_proj")]
-        if (last in ("shared_expert", "shared_experts", "shared_mlp")
-                and all(isinstance(k, nn.Linear) for k in mlp) and len(kids) <= 4
-                and not any(_covered(prefix + k, plan) for k in ("gate_proj", "up_proj", "down_proj"))
-                and not uneven(mlp[2].in_features, size)):
-            extra.update({prefix + "gate_proj": "colwise", prefix + "up_proj": "colwise",
-                          prefix + "down_proj": "rowwise"})
-    return extra
-
-
-def _local_heads(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
-    """Rules that give a per-head side path of an attention module this rank's heads.
-
-    Doge's attention maps its (split) value heads through a row-parallel ``dt_proj``
-    to one number per key/value head, scales it by its own ``A`` (one per head)
-    and masks the attention weights of every head with it: ``dt_proj``'s output is
-    reduce-scattered over the heads, and ``A`` split, so both match this rank's
-    heads."""
-    extra: dict[str, Any] = {}
-    for name, sub in module.named_modules():
-        a, dt = getattr(sub, "A", None), getattr(sub, "dt_proj", None)
-        if not (isinstance(a, nn.Parameter) and a.ndim == 1 and isinstance(dt, nn.Linear)
-                and dt.out_features == a.shape[0]):
-            continue
-        rule = next((r for r in plan if matches_rule(r, f"{name}.dt_proj")), None)
-        if rule is not None and plan[rule] == "rowwise":
-            extra[f"{name}.dt_proj"] = "rowwise_scatter_output"
-            extra[name] = ParameterRules({"A": "colwise"})
-    return extra
-
-
-def _whole_statistics(module: nn.Module, plan: dict[str, Any]) -> dict[str, str]:
-    """Rules that keep a plan from splitting a dimension a module reduces over.
-
-    Gemma-3n's MLP with ``activation_sparsity > 0`` cuts ``gate_proj``'s output at
-    its mean plus a multiple of its standard deviation, taken over the whole
-    intermediate dimension: ``gate_proj`` then gathers its output (the statistic is
-    global), and ``act_fn``'s output goes back to this rank's columns for the
-    column-parallel ``up_proj`` it is multiplied with."""
-    extra: dict[str, str] = {}
-    for name, sub in module.named_modules():
-        if not getattr(sub, "activation_sparsity", 0) or not all(
-                isinstance(getattr(sub, c, None), nn.Module) for c in ("gate_proj", "act_fn")):
-            continue
-        gate = f"{name}.gate_proj"
-        rule = next((r for r in plan if matches_rule(r, gate)), None)
-        if rule is not None and plan[rule] == "colwise":
-            extra[gate] = "colwise_gather_output"
-            extra[f"{name}.act_fn"] = "local_columns"
-    return extra
-
-
-def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any] | str = "auto",
-                *, axis: str = "tp", verify: bool = False, distributed_config: Any = None,
-                keep_module: bool = True
-                ) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
-    """Applies a tensor- (and expert-) parallel ``plan`` to ``module`` over ``mesh``.
-
-    **Arguments:** ``module`` – an ordinary ``torch.nn.Module``, the same on every
-    rank (its parameters are read, never changed); ``mesh`` – a :class:`Mesh`;
-    ``plan`` – ``{module-name pattern: style}``, styles by registered name
-    (``"colwise"``, ``"rowwise"``, ``"packed_colwise"``, ``"embedding_rowwise"``,
-    ``"sequence_parallel"``, ``"replicated"``, ``"ep_router"``, ...) or as
-    ``functp.Style`` objects, all over ``axis``; or plan families by mesh axis,
-    ``{"tp": tp_plan, "ep": ep_plan}`` (an axis tuple as key splits over those axes
-    together; a module matched in two families is an error); or ``"auto"``: a
-    transformers model's own plans: its tensor-parallel plan (``model._tp_plan``,
-    style names translated; for GPT-2, which has none, a plan functp ships) over
-    ``axis`` when the mesh has it, and, when the mesh has an ``ep`` axis, its
-    expert-parallel plan (``model._ep_plan``: the experts as
-    :class:`functp.ExpertDispatch` over ``ep``, each tensor-parallel rank
-    dispatching its slice of the tokens; the tensor-parallel rules on the experts
-    dropped, as transformers does); ``axis`` – the axis of a single plan dict and of
-    the tensor-parallel family; ``verify`` – first run :func:`functp.verify_plan`
-    on random token ids (a transformers language model): a plan that makes any
-    module's output or any gradient differ from the unsharded module raises a
-    ``ShardingError`` naming the first such module; ``distributed_config`` –
-    transformers' ``DistributedConfig`` (or a dict of its fields) instead of a mesh:
-    without ``ep_size`` the mesh is ``("dp_replicate", "fsdp", "tp")``, with FSDP over
-    ``fsdp`` (HSDP with ``dp_replicate``); with ``ep_size`` > 1 it is
-    ``("dp_replicate", "efsdp", "ep", "tp")``, transformers' dense and expert meshes
-    in one: the experts split over ``("ep", "tp")`` (``ep_size`` shards) and
-    FSDP-sharded over ``efsdp`` (``fsdp_size x tp_size / ep_size``), the other
-    parameters FSDP-sharded over ``("efsdp", "ep")`` (transformers' ``fsdp``), the
-    batch over ``("dp_replicate", "efsdp", "ep")``; the plans are ``"auto"``, the
-    config's ``tp_plan`` / ``ep_plan`` dicts overriding rules as in transformers.
-    FSDP, also as the plan family ``{"fsdp": "auto"}`` and in ``"auto"`` on a mesh
-    with an ``fsdp`` axis: every module owning parameters no other family covers gets
-    :class:`FullyShard`: each parameter stored split over ``fsdp`` (dim 0 where it
-    divides, else its first dimension that does, else replicated:
-    ``apply.fsdp_replicated`` says why), all-gathered in the module's forward
-    pre-hook; its gradient is the block's, reduce-scattered (and, over
-    ``dp_replicate``, all-reduced). ``fsdp`` and ``dp_replicate`` stay batch axes.
-    ``fsdp_plan``'s ``free_full_weight``: see :class:`FullyShard` (tape autograd only).
-    ``keep_module`` – True (default): the blocks are copies and ``module`` keeps its
-    weights, for reference checks against the unsharded model (``verify_plan`` runs
-    it). False: parameters held once: a replicated parameter's block *is* the
-    module's tensor, a split one's full tensor is released (made meta), and calling
-    ``module`` itself raises (``apply`` runs it). A module on the meta device is
-    always so: its blocks come back on the meta device with their shapes, for
-    :func:`functp.init_blocks` or :func:`functp.from_pretrained` to fill.
-
-    **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
-    by the module's dotted parameter names), their specs, and
-    ``apply(params, *args, **kwargs)``, which runs the module with
-    ``torch.func.functional_call`` and, only during that call, the plan's hooks.
-    Call it inside a ``shard_map`` body; split the batch over ``apply.batch_axes``.
-    Parameters no rule covers are replicated; rank 0 warns about them and about
-    rules that matched nothing. A module without a rule that shares a weight with
-    one the plan splits (a tied embedding) gets the style that splits it the same
-    way (``embedding_rowwise`` for an LM head split over the vocabulary), or a
-    clear error. Other mesh axes (``dp``) are left to you: parameters are
-    replicated over them.
-
-    Model code must take local sizes from tensors (``view(b, s, -1, head_dim)``),
-    as transformers' models do, since a rank holds only its heads.
-
-    Example (``torchrun --nproc-per-node 2``)::
-
-        mesh = functp.make_mesh((2,), ("tp",))
-        mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
-        apply, params, specs = functp.parallelize(mlp, mesh, {"0": "colwise", "2": "rowwise"})
-        loss = functp.shard_map(lambda p, x: apply(p, x).square().mean(), mesh,
-                                in_specs=(specs, P()), out_specs=P())
-        grads = torch.func.grad(loss)(params, torch.randn(4, 8))
-        apply.unshard(grads)["0.weight"].shape       # (32, 8): the full gradient
-    """
+def lay_out_plan(module: nn.Module, mesh: Mesh | None, plan: dict[str, Any] | str,
+                 axis: str = "tp", distributed_config: Any = None, keep_module: bool = True
+                 ) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
+    """:func:`functp.parallelize` without its ``verify`` step (which runs this)."""
     mesh, config = _checked_mesh(module, mesh, distributed_config)
-    if verify:
-        verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
     families = _families(module, mesh, plan, axis, config)
     return _lay_out(module, mesh, families, keep_module)
 
@@ -896,106 +550,9 @@ def _lay_out(module: nn.Module, mesh: Mesh, families, keep_module: bool = True
     apply = Parallelized(module, mesh, first, specs, lay.owners, lay.hooked, lay.withheld,
                          lay.axes)
     if not keep_module or any(p.is_meta for p in lay.full.values()):
-        return apply, apply._release(), dict(specs)
+        return apply, _release(apply), dict(specs)
     local = apply.shard({n: p.detach() for n, p in lay.full.items()})
     return apply, local, dict(specs)
-
-
-# -- transformers' plan families and DistributedConfig ---------------------------------------
-
-_FSDP_STYLES = ("free_full_weight", "keep_full_weight")
-_SIZES = ("tp_size", "ep_size", "fsdp_size", "dp_replicate_size", "pp_size")
-_CONFIG_FIELDS = (*_SIZES, "tp_plan", "ep_plan", "fsdp_plan", "enable_expert_parallel",
-                  "enable_sequence_parallel", "fsdp_cpu_offload", "fsdp_mixed_precision",
-                  "ep_implementation")
-
-
-def _resolve_config(dc: Any) -> dict[str, Any]:
-    """transformers' ``DistributedConfig`` (or a dict of its fields) -> its sizes and plan
-    overrides, resolved as transformers resolves them, and checked for what functp does."""
-    if isinstance(dc, dict):
-        unknown = sorted(set(dc) - set(_CONFIG_FIELDS))
-        if unknown:
-            raise ShardingError(f"distributed_config: unknown fields {unknown}; the fields of "
-                                f"transformers' DistributedConfig are {list(_CONFIG_FIELDS)}")
-        raw = dict(dc)
-    else:
-        raw = {f: getattr(dc, f) for f in _CONFIG_FIELDS if hasattr(dc, f)}
-    c = {f: raw.get(f) for f in _CONFIG_FIELDS}
-    for f in _SIZES:
-        if c[f] is not None and (not isinstance(c[f], int) or c[f] < 1):
-            raise ShardingError(f"distributed_config: {f} must be an int >= 1, got {c[f]!r}")
-    for f, ok in (("tp_plan", "a dict of rules, 'auto' or None"),
-                  ("ep_plan", "a dict of rules or None"), ("fsdp_plan", "a dict of rules or None")):
-        if not (c[f] is None or isinstance(c[f], dict) or (f == "tp_plan" and c[f] == "auto")):
-            raise ShardingError(f"distributed_config: {f} must be {ok} (transformers' "
-                                f"DistributedConfig), got {c[f]!r}")
-    for f in ("fsdp_size", "dp_replicate_size", "pp_size"):
-        c[f] = c[f] or 1
-    if c["tp_size"] is None:      # transformers: the rest of the world when a tp_plan is set
-        c["tp_size"] = (_world.process_count() // (c["fsdp_size"] * c["dp_replicate_size"])
-                        if c["tp_plan"] is not None else 1)
-    if c["enable_expert_parallel"] and c["ep_size"] is None:
-        c["ep_size"], c["tp_plan"] = c["tp_size"], {} if c["tp_plan"] is None else c["tp_plan"]
-    c["ep_size"] = c["ep_size"] or 1
-    refuse = [f"{f}={c[f]!r}" for f in ("fsdp_cpu_offload", "fsdp_mixed_precision") if c[f]]
-    # transformers' FSDP styles say whether a module frees its gathered weights after
-    # the forward (FullyShard's free=, under tape autograd) or keeps them
-    fp = c["fsdp_plan"]
-    bad = ({k: v for k, v in fp.items() if v not in _FSDP_STYLES} if isinstance(fp, dict)
-           else fp)
-    if bad:
-        refuse.append(f"fsdp_plan rules {bad!r} (a dict of module patterns to "
-                      f"{' or '.join(_FSDP_STYLES)})")
-    if c["pp_size"] > 1:
-        refuse.append(f"pp_size={c['pp_size']} (functp's pipeline is examples/pipeline.py)")
-    if c["ep_implementation"] not in (None, "auto", "all_to_all"):
-        refuse.append(f"ep_implementation={c['ep_implementation']!r} (functp dispatches with "
-                      f"a ragged all-to-all: 'auto' or 'all_to_all')")
-    if refuse:
-        raise ShardingError(f"distributed_config: functp does not apply {', '.join(refuse)}; "
-                            f"use functp.MixedPrecision for mixed precision")
-    tp, ep = c["tp_size"], c["ep_size"]
-    if ep > 1 and (ep % tp or (c["fsdp_size"] * tp) % ep):
-        raise ShardingError(
-            f"distributed_config: ep_size={ep} must be a multiple of tp_size={tp} and divide "
-            f"fsdp_size * tp_size = {c['fsdp_size'] * tp} (as in transformers)")
-    return c
-
-
-def _efsdp(c: dict[str, Any]) -> int:
-    """transformers' ``efsdp_size``: the ranks holding the same experts, which
-    FSDP-shard them (``fsdp_size x tp_size / ep_size``)."""
-    return c["fsdp_size"] * c["tp_size"] // c["ep_size"]
-
-
-def _mesh_for_config(c: dict[str, Any]) -> Mesh:
-    """The mesh of a resolved config: without expert parallelism, transformers' axes
-    ``("dp_replicate", "fsdp", "tp")``; with it, both of transformers' views of the
-    world in one mesh, ``("dp_replicate", "efsdp", "ep", "tp")`` of sizes
-    ``(dp_replicate, efsdp, ep / tp, tp)``: transformers' dense ``fsdp`` axis is
-    ``("efsdp", "ep")`` and its expert ``ep`` axis is ``("ep", "tp")``, the same
-    ranks in the same order as its two row-major device meshes."""
-    from ..mesh._mesh import make_mesh
-    tp, ep = c["tp_size"], c["ep_size"]
-    world = c["dp_replicate_size"] * c["fsdp_size"] * tp
-    if world != _world.process_count():
-        raise ShardingError(
-            f"distributed_config: dp_replicate_size x fsdp_size x tp_size = {world}, but "
-            f"{_world.process_count()} processes run; make the sizes multiply to the world size")
-    if ep == 1:
-        return make_mesh((c["dp_replicate_size"], c["fsdp_size"], tp),
-                         ("dp_replicate", "fsdp", "tp"))
-    return make_mesh((c["dp_replicate_size"], _efsdp(c), ep // tp, tp),
-                     ("dp_replicate", "efsdp", "ep", "tp"))
-
-
-def _overridden(base: dict | None, override: Any) -> dict:
-    """transformers' rule: a dict override updates the model's plan; ``{}`` empties it."""
-    base = dict(base or {})
-    if isinstance(override, dict):
-        return {} if not override else {**base, **override}
-    return base
 
 
 def _auto_families(module: nn.Module, mesh: Mesh, axis: str, config: dict | None
@@ -1053,83 +610,3 @@ def _config_families(module: nn.Module, mesh: Mesh, c: dict[str, Any]
                                                      free=_fsdp_plan(module, c["fsdp_plan"])),
                          True))
     return families
-
-
-def _check_expert_shards(module: nn.Module, ep_plan: dict, c: dict) -> None:
-    """Every expert parameter must split into ``ep_size x efsdp_size`` shards on its
-    expert dimension: transformers' FSDP2 pads a short shard, functp does not."""
-    shards = c["ep_size"] * _efsdp(c)
-    for name, _ in match_plan(module, ep_plan)[0].items():
-        for short, p in module.get_submodule(name).named_parameters(recurse=False):
-            if p.shape[0] % shards:
-                raise ShardingError(
-                    f"distributed_config: {name}.{short} (shape {tuple(p.shape)}) holds "
-                    f"{p.shape[0]} experts, which do not split into ep_size x efsdp_size = "
-                    f"{c['ep_size']} x {_efsdp(c)} = {shards} shards (efsdp_size = fsdp_size "
-                    f"x tp_size / ep_size = {c['fsdp_size']} x {c['tp_size']} / "
-                    f"{c['ep_size']}); transformers pads the short FSDP shard, functp does "
-                    f"not: pick ep_size and fsdp_size so that {p.shape[0]} divides by "
-                    f"fsdp_size x tp_size (ep_size = fsdp_size x tp_size makes efsdp_size 1)")
-
-
-def _auto_ep_plan(module: nn.Module, style: ExpertDispatch, override: Any) -> dict[str, Any]:
-    """transformers' expert-parallel plan in functp's styles: an ``ep_dispatch_experts``
-    module is ``style`` (an :class:`ExpertDispatch`, whose parameters, the
-    ``grouped_gemm`` rules, it splits on the expert dimension)."""
-    kind = type(module).__name__
-    plan = _overridden(getattr(module, "_ep_plan", None), override)
-    if not plan:
-        raise ShardingError(
-            f"parallelize(..., 'auto'): the mesh has an 'ep' axis, but {kind} has no "
-            f"expert-parallel plan (transformers' base_model_ep_plan); use a mesh without "
-            f"'ep' (name a data-parallel axis 'dp'), or pass plan families {{'ep': ...}}")
-    dispatch = {p for p, s in plan.items() if s == "ep_dispatch_experts"}
-    out, missing = {}, []
-    for pattern, name in plan.items():
-        if name == "ep_dispatch_experts":
-            out[pattern] = style
-        elif not (name == "grouped_gemm" and pattern.rpartition(".")[0] in dispatch):
-            missing.append(f"{pattern!r}: {name!r}")
-    if missing:
-        raise ShardingError(
-            f"parallelize(..., 'auto'): {kind}'s expert-parallel plan has rules functp cannot "
-            f"apply yet: {', '.join(missing)} (functp applies 'ep_dispatch_experts' and the "
-            f"'grouped_gemm' parameters of such a module); pass plan families instead")
-    return out
-
-
-def verify_plan(module: nn.Module, mesh: Mesh | None, plan: dict[str, Any] | str, *args: Any,
-                axis: str = "tp", rtol: float | None = None, distributed_config: Any = None,
-                **kwargs: Any) -> dict[str, Any]:
-    """Checks ``plan`` on ``module`` against the unsharded module, in seconds.
-
-    Runs the module on ``args`` once unsharded and once under the plan (inside a
-    ``shard_map``, inputs replicated), gathers each submodule's output where the plan
-    split it and compares them in execution order; then compares the gradients of
-    every parameter of a scalar of the output. Call it on every rank, as
-    :func:`parallelize`; it changes nothing.
-
-    **Arguments:** ``module``, ``mesh``, ``plan``, ``axis``, ``distributed_config`` – as
-    :func:`parallelize`;
-    ``*args``/``**kwargs`` – a small example input (default, for a transformers
-    language model: random token ids of shape ``(2, 8)``); ``rtol`` – allowed error
-    relative to each tensor's largest entry (default 1e-6 for float64 parameters,
-    1e-4 otherwise: models that compute a part in float32 round there).
-
-    **Returns:** ``{"modules": n, "parameters": n, "max_error": e}`` when everything
-    matches. **Raises:** ``ShardingError`` naming the first module whose output
-    differs (and by how much), or the first parameter whose gradient does.
-
-    Example::
-
-        report = functp.verify_plan(model, mesh, "auto")
-        # ShardingError: ... first module whose output differs under the plan:
-        #   'model.layers.0.mlp.act_fn' (GELUTanh), by 3.1e-01 ...
-    """
-    if not args and not kwargs:
-        args, kwargs = _example_args(module)
-    with warnings.catch_warnings():      # (the user's own parallelize call warns)
-        warnings.simplefilter("ignore")
-        apply, local, specs = parallelize(module, mesh, plan, axis=axis,
-                                          distributed_config=distributed_config)
-    return check_plan(module, apply, local, specs, args, kwargs, rtol)

@@ -25,8 +25,9 @@ from ..mesh._mesh import Mesh
 from ..mesh._spec import P
 from ..runtime import _world
 from ..runtime._errors import CheckpointError, ShardingError, first_line
-from ._plans import Parallelized, parallelize
-from ._styles import Style
+from ._parallelize import parallelize
+from ._plans import Parallelized
+from ._style import Style
 
 __all__ = ["from_pretrained", "init_blocks", "save_pretrained"]
 

@@ -1,0 +1,351 @@
+"""Tensor (and sequence) parallelism: the styles that split a module's weights over a
+mesh axis, Megatron-style, and reshard activations at module boundaries.
+
+:class:`Colwise` / :class:`Rowwise` split ``nn.Linear`` (and GPT-2's ``Conv1D``)
+weights by output / input features, packed fused weights included;
+:class:`VocabParallelEmbedding` splits an embedding's rows; :class:`SequenceParallel`,
+:class:`PrepareInput` and :class:`PrepareOutput` move activations between layouts;
+:class:`Replicated` keeps a module whole. Because functp tracks vma, a replicated
+parameter or activation that meets a sharded one is ``pvary``'d implicitly:
+Megatron's "f" operator (identity forward, all-reduce backward) and the gradient
+all-reduce of replicated norm weights need no hook.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from ..ops._collectives import all_gather_invariant, axis_index, axis_size, pvary
+from ..runtime._errors import ShardingError
+from ..mesh._layout import packed_slice, uneven
+from ..mesh._spec import P
+from ._style import Call, Layout, Style, _layout, register_style, relayout
+
+__all__ = ["Replicated", "Colwise", "Rowwise", "VocabParallelEmbedding",
+           "SequenceParallel", "PrepareInput", "PrepareOutput"]
+
+
+def _weight_of(module: nn.Module, style: str) -> torch.Tensor:
+    w = getattr(module, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ShardingError(
+            f"style {style!r} needs a module with a 2-d `weight` (nn.Linear, nn.Embedding "
+            f"or one laid out like them), but {type(module).__name__} has "
+            f"{None if w is None else tuple(w.shape)}; apply it to such a module, or use "
+            f"'replicated' / a custom functp.Style")
+    return w
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): an affine map whose weight is stored
+    ``[in, out]``, the transpose of ``nn.Linear``'s, with ``nf`` output features."""
+    w = getattr(module, "weight", None)      # (during apply: this rank's block)
+    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+            and isinstance(w, torch.Tensor) and w.dim() == 2)
+
+
+def _local_attributes(module: nn.Module, names: tuple[str, ...], call: "Call",
+                      where: str) -> None:
+    """Divides the integer attributes ``names`` of ``module`` by the axis size until
+    the call ends: the module reads its local sizes from them (``Conv1D.nf``)."""
+    n = axis_size(call.axis)
+    for a in names:
+        full = getattr(module, a)
+        if uneven(full, n):
+            raise ShardingError(
+                f"{where}: {type(module).__name__}.{a} = {full} does not split over the "
+                f"{n} ranks of {call.axis!r}; choose sizes divisible by {n}")
+        setattr(module, a, full // n)
+        call.on_exit(lambda a=a, full=full: setattr(module, a, full))
+
+
+def _packed_split(full: torch.Tensor, dim: int, blocks: int, n: int, i: int) -> torch.Tensor:
+    """Rank ``i``'s slice of each of ``blocks`` equal blocks along ``dim``, concatenated."""
+    return packed_slice(full, dim, blocks, n, i).contiguous()
+
+
+def _packed_merge(gathered: torch.Tensor, dim: int, blocks: int, n: int) -> torch.Tensor:
+    """Inverse of gathering ``_packed_split``'s slices: ``[g0 u0 g1 u1]`` -> ``[g0 g1 u0 u1]``."""
+    shape = gathered.shape
+    x = gathered.unflatten(dim, (n, blocks, shape[dim] // (n * blocks)))
+    return x.transpose(dim, dim + 1).reshape(shape).contiguous()
+
+
+class _Linearish(Style):
+    """Shared by Colwise/Rowwise: which weight dimension is split, and packing."""
+
+    def __init__(self, blocks: int):
+        if blocks < 1:
+            raise ShardingError(f"{type(self).__name__}: packed must be >= 1, got {blocks}")
+        self.blocks = blocks
+
+    def _spec(self, *entries) -> P:
+        """``P(*entries)``, its split dimension packed when the weight is fused."""
+        d = next(i for i, e in enumerate(entries) if e is not None)
+        return P(*entries, packed={d: self.blocks} if self.blocks > 1 else None)
+
+
+class Colwise(_Linearish):
+    """Column-parallel ``nn.Linear`` (output features split) or ``nn.Embedding``
+    (embedding dimension split): the output is sharded on its last dimension.
+
+    ``input_layout``: how the input arrives (default ``Replicate()``; ``Shard(1)`` to
+    all-gather a sequence-sharded input first). ``output_layout``: ``Shard(-1)``
+    (default: the local columns, for a following row-parallel layer) or
+    ``Replicate()`` (all-gathered: transformers' ``gather_output``). ``packed``: the
+    number of fused blocks in the output features (2 for a ``gate_up`` weight), so
+    that every rank gets matching slices of each.
+
+    A replicated input needs no hook: meeting the sharded weight makes it varying,
+    and its gradient is summed over the axis (Megatron's ``f``).
+    """
+
+    def __init__(self, *, input_layout: Layout = Replicate(), output_layout: Layout = Shard(-1),
+                 packed: int = 1):
+        super().__init__(packed)
+        self.input_layout, self.output_layout = input_layout, output_layout
+
+    def param_specs(self, module, axis):
+        _weight_of(module, "colwise")
+        emb = isinstance(module, nn.Embedding) or _is_conv1d(module)   # [*, out] weights
+        specs = {n: P() for n, _ in module.named_parameters(recurse=False)}
+        specs["weight"] = self._spec(None, axis) if emb else self._spec(axis, None)
+        if "bias" in specs and getattr(module, "bias", None) is not None:
+            specs["bias"] = self._spec(axis)
+        return specs
+
+    def prepare_input(self, module, args, kwargs, call):
+        if _is_conv1d(module):
+            _local_attributes(module, ("nf",), call, f"colwise on {call.name!r}")
+        src = _layout(self.input_layout, call.axis, "Colwise input_layout")
+        if not args or isinstance(src, Replicate):
+            return args, kwargs
+        # the local matmul that follows varies over the axis: a plain all_gather
+        return (relayout(args[0], src, Replicate(), call.axis, varying=True), *args[1:]), kwargs
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        dst = _layout(self.output_layout, call.axis, "Colwise output_layout")
+        if self.blocks > 1 and isinstance(dst, Replicate):
+            # gathered [g0 u0 g1 u1] must become [g0 g1 u0 u1]
+            out = all_gather_invariant(output, call.axis, axis=output.ndim - 1, tiled=True)
+            return _packed_merge(out, out.ndim - 1, self.blocks, axis_size(call.axis))
+        return relayout(output, Shard(-1), dst, call.axis)
+
+
+class Rowwise(_Linearish):
+    """Row-parallel ``nn.Linear``: input features split, partial outputs summed.
+
+    ``input_layout``: ``Shard(-1)`` (default: the local columns coming out of a
+    column-parallel layer, no communication) or ``Replicate()`` (transformers'
+    ``split_input``: this rank keeps its slice). ``output_layout``: ``Replicate()``
+    (default, one all-reduce) or ``Shard(1)`` (reduce-scatter into a sequence-parallel
+    region). The bias is replicated and added once, after the reduction.
+    ``packed``: fused blocks in the input features, as for :class:`Colwise`.
+    """
+
+    def __init__(self, *, input_layout: Layout = Shard(-1), output_layout: Layout = Replicate(),
+                 packed: int = 1):
+        super().__init__(packed)
+        self.input_layout, self.output_layout = input_layout, output_layout
+
+    def param_specs(self, module, axis):
+        if isinstance(module, nn.Embedding):
+            raise ShardingError(
+                "style 'rowwise' on an nn.Embedding: use 'embedding_rowwise' "
+                "(vocab-parallel, functp.VocabParallelEmbedding) to split its rows")
+        _weight_of(module, "rowwise")
+        specs = {n: P() for n, _ in module.named_parameters(recurse=False)}
+        specs["weight"] = self._spec(axis, None) if _is_conv1d(module) else self._spec(None, axis)
+        if "bias" in specs and self._scatters_features():
+            specs["bias"] = P(axis)     # added to this rank's output features
+        return specs
+
+    def _scatters_features(self) -> bool:
+        """Whether the output is reduce-scattered over its last dimension (features)."""
+        out = self.output_layout
+        return isinstance(out, Shard) and out.dim == -1
+
+    def withheld(self, module):
+        return ("bias",) if getattr(module, "bias", None) is not None else ()
+
+    def prepare_input(self, module, args, kwargs, call):
+        src = _layout(self.input_layout, call.axis, "Rowwise input_layout")
+        if not args or (isinstance(src, Shard) and src.dim % args[0].ndim == args[0].ndim - 1):
+            return args, kwargs         # already this rank's columns (from a colwise layer)
+        x = args[0]
+        if isinstance(src, Replicate) and self.blocks > 1:
+            n, i = axis_size(call.axis), axis_index(call.axis)
+            x = _packed_split(pvary(x, call.axis), x.ndim - 1, self.blocks, n, i)
+        else:
+            x = relayout(x, src, Shard(-1), call.axis)
+        return (x, *args[1:]), kwargs
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        dst = _layout(self.output_layout, call.axis, "Rowwise output_layout")
+        out = relayout(output, Partial(), dst, call.axis)
+        bias = call.params.get("bias")
+        return out if bias is None else out + bias
+
+
+class VocabParallelEmbedding(Style):
+    """``nn.Embedding`` with its rows (the vocabulary) split over the axis.
+
+    Each rank looks up the ids that fall in its rows, zeroes the others, and the
+    partial embeddings are summed: ``output_layout`` ``Replicate()`` (default, one
+    all-reduce) or ``Shard(1)`` (reduce-scatter into a sequence-parallel region).
+    A ``padding_idx`` keeps its meaning (no gradient for that row).
+    """
+
+    def __init__(self, *, output_layout: Layout = Replicate()):
+        self.output_layout = output_layout
+
+    def param_specs(self, module, axis):
+        if not isinstance(module, nn.Embedding):
+            _weight_of(module, "embedding_rowwise")
+        specs = {n: P() for n, _ in module.named_parameters(recurse=False)}
+        specs["weight"] = P(axis, None)
+        return specs
+
+    def prepare_input(self, module, args, kwargs, call):
+        rows = call.params["weight"].shape[0]
+        start = axis_index(call.axis) * rows
+        # the local ids differ between ranks: say so (ids are ints: no gradient)
+        ids = pvary(args[0], call.axis) - start
+        outside = (ids < 0) | (ids >= rows)
+        call.state["outside"] = outside
+        pad = getattr(module, "padding_idx", None)
+        if pad is not None:      # the global padding row, in local numbering (or none here)
+            call.on_exit(lambda: setattr(module, "padding_idx", pad))
+            module.padding_idx = pad - start if 0 <= pad - start < rows else None
+        return (ids.masked_fill(outside, 0), *args[1:]), kwargs
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        out = output.masked_fill(call.state["outside"].unsqueeze(-1), 0)
+        return relayout(out, Partial(), _layout(self.output_layout, call.axis,
+                                                "VocabParallelEmbedding output_layout"),
+                        call.axis)
+
+
+class Replicated(Style):
+    """Every parameter replicated, inputs and outputs unchanged (norms, small
+    layers). The gradient is still right where the module's output meets sharded
+    values: vma makes its parameters vary there, and their gradients are summed
+    over the axis (transformers needs a gradient all-reduce hook for this)."""
+
+
+class SequenceParallel(Style):
+    """A module (a norm, dropout) that runs on sequence-sharded activations.
+
+    Parameters are replicated; the input arrives split along ``sequence_dim`` (from a
+    reduce-scattering row-parallel layer or embedding). With ``gather_output=True``
+    (default) the output is all-gathered along the sequence for the tensor-parallel
+    region it feeds (attention, MLP, the LM head); the gather's backward is a
+    reduce-scatter. With ``False`` it stays sharded.
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, gather_output: bool = True):
+        self.sequence_dim, self.gather_output = sequence_dim, gather_output
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        if not self.gather_output:
+            return output
+        return relayout(output, Shard(self.sequence_dim), Replicate(), call.axis, varying=True)
+
+
+def _layouts(x) -> tuple:
+    """One layout or a sequence of them (``None`` entries leave a value alone)."""
+    return (x,) if isinstance(x, (Placement, P)) else tuple(x or ())
+
+
+def _paired_layouts(style: str, name: str, given: Any, desired: Any) -> tuple[tuple, tuple]:
+    """``given`` and ``desired`` layouts as tuples of the same length (``name`` and
+    ``desired_<name>`` are the arguments' names, for the error)."""
+    given, desired = _layouts(given), _layouts(desired)
+    if len(given) != len(desired):
+        raise ShardingError(f"{style}: {name} {given} and desired_{name} {desired} must "
+                            f"have the same length")
+    return given, desired
+
+
+class PrepareInput(Style):
+    """Reshards a module's inputs: positional input ``i`` from ``input_layouts[i]`` to
+    ``desired_input_layouts[i]`` (``None`` leaves it alone), keyword inputs likewise
+    by name. The module's own parameters are replicated. Example: ``PrepareInput(
+    Shard(1), Replicate())`` all-gathers a sequence-sharded input."""
+
+    def __init__(self, input_layouts: Any = None, desired_input_layouts: Any = None, *,
+                 input_kwarg_layouts: dict | None = None,
+                 desired_input_kwarg_layouts: dict | None = None):
+        self.input_layouts, self.desired_input_layouts = _paired_layouts(
+            "PrepareInput", "input_layouts", input_layouts, desired_input_layouts)
+        self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
+        self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+
+    def prepare_input(self, module, args, kwargs, call):
+        if len(args) < len(self.input_layouts):
+            raise ShardingError(
+                f"PrepareInput on '{call.name}': {len(self.input_layouts)} input layouts but "
+                f"the module got {len(args)} positional inputs")
+        lay = lambda v: _layout(v, call.axis, f"PrepareInput on '{call.name}'")
+        moved = [relayout(a, lay(s), lay(d), call.axis) for a, s, d in
+                 zip(args, self.input_layouts, self.desired_input_layouts)]
+        kwargs = {k: relayout(v, lay(self.input_kwarg_layouts.get(k)),
+                              lay(self.desired_input_kwarg_layouts.get(k)), call.axis)
+                  for k, v in kwargs.items()}
+        return (*moved, *args[len(moved):]), kwargs
+
+
+class PrepareOutput(Style):
+    """Reshards a module's output(s) from ``output_layouts`` to
+    ``desired_output_layouts`` (one each, or tuples for a tuple output). The module's
+    own parameters are replicated. Example: ``PrepareOutput(Replicate(), Shard(0))``
+    keeps this rank's rows of a replicated output (position embeddings entering a
+    sequence-parallel region)."""
+
+    def __init__(self, output_layouts: Any, desired_output_layouts: Any):
+        self.output_layouts, self.desired_output_layouts = _paired_layouts(
+            "PrepareOutput", "output_layouts", output_layouts, desired_output_layouts)
+
+    def prepare_output(self, module, args, kwargs, output, call):
+        single = not isinstance(output, tuple)
+        outs = (output,) if single else output
+        if len(outs) != len(self.output_layouts):
+            raise ShardingError(
+                f"PrepareOutput on '{call.name}': {len(self.output_layouts)} output layouts "
+                f"but the module returned {len(outs)} outputs")
+        lay = lambda v: _layout(v, call.axis, f"PrepareOutput on '{call.name}'")
+        new = tuple(relayout(o, lay(s), lay(d), call.axis)
+                    for o, s, d in zip(outs, self.output_layouts, self.desired_output_layouts))
+        return new[0] if single else new
+
+
+_SEQ = Shard(1)        # [batch, sequence, hidden]: the sequence-parallel split
+for _name, _style in {
+    "replicated": Replicated(),
+    "colwise": Colwise(),
+    "colwise_gather_output": Colwise(output_layout=Replicate()),
+    "rowwise": Rowwise(),
+    "rowwise_split_input": Rowwise(input_layout=Replicate()),
+    "rowwise_sp": Rowwise(output_layout=_SEQ),
+    "rowwise_scatter_output": Rowwise(output_layout=Shard(-1)),
+    "packed_colwise": Colwise(packed=2),
+    "packed_rowwise": Rowwise(packed=2),
+    "packed_colwise_qkv": Colwise(packed=3),
+    "embedding_rowwise": VocabParallelEmbedding(),
+    "embedding_rowwise_sp": VocabParallelEmbedding(output_layout=_SEQ),
+    "embedding_colwise": Colwise(output_layout=Replicate()),
+    "sequence_parallel": SequenceParallel(),
+    "local_columns": PrepareOutput(Replicate(), Shard(-1)),
+    # transformers' names, old and new, for the same layouts
+    "colwise_rep": Colwise(output_layout=Replicate()),
+    "rowwise_rep": Rowwise(input_layout=Replicate()),
+    "replicate": Replicated(),
+    "replicated_with_grad_allreduce": Replicated(),
+    # MLA's kv_a_proj is replicated: its rope part meets split heads, and vma sums
+    # its gradient over the axis there (transformers needs a hook for that)
+    "mla_kv_a_proj": Replicated(),
+}.items():
+    register_style(_name, _style)
