@@ -607,7 +607,7 @@ _AOT_CELLS = [
     ("qwen3_moe", _TP2, (_TAPE,), _ONE),
     ("qwen3_moe", _DP2_TP2, (_GRAD,), _ONE),
     ("deepseek_v3", _TP2, (_VAG,), {}),          # (layer 0 dense, layer 1 MoE)
-    ("deepseek_v3", _DP2_TP2, (_TAPE,), {}),
+    ("deepseek_v3", _DP2_TP2, (_TAPE,), _ONE),   # (MLA and a dense MLP)
     ("gemma3_text", _DP2_TP2, (_VAG,), _ONE),    # (its one layer: sliding window)
     ("llama", _DP2_TP2, (_GRAD, _TAPE), _ONE),
     ("gpt2", _TP2, (_GRAD, _VAG), _ONE),
