@@ -310,7 +310,10 @@ else:
         return torch.compiler.is_compiling() or _compile_id() is not None
 
     # torch.export's own context: torch.compiler.is_compiling() (and is_exporting())
-    # answer True inside it. torch 2.13 answers so for a whole compile session.
+    # answer True inside it, as they do for the Python Dynamo traces itself on these
+    # torches (Dynamo folds both to True before torch 2.14: transformers' masks read the
+    # same answers in a vma body as in the plain model compiled). torch 2.13 answers
+    # is_compiling() so for a whole compile session.
     compiling_context = _need(
         "torch._export.utils._compiling_state_context",
         "torch.compiler.is_compiling() true while a vma body runs on fake tensors "
