@@ -3,12 +3,13 @@ tape-autograd step, and torch.func.grad_and_value of a shard_map in every canoni
 layout, with the unsharded program's gradients."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import functp
 from functp import P
-from functp.runtime import _torch_compat
 from _oracle import assert_tree_close, randn
 
 GLOO = True     # gloo processes: compiled graphs wait on collectives inside, where
@@ -433,61 +434,87 @@ def test_compiled_function_inside_an_eager_vma_body_gloo(run):
     run(2, _compiled_in_body, True)
 
 
-# -- transformers models through parallelize(model, mesh, "auto"), compiled by Inductor ---------
+# -- transformers models through parallelize(model, mesh, "auto"), compiled ------------------
+# Five models (Llama; Qwen3-MoE's experts; Gemma-3's tied embeddings and sliding-window
+# layers; DeepSeek-V3's MLA and experts; GPT-2's shipped plan) x three ways to take the
+# gradients (torch.func.grad, functp.value_and_grad, the tape) x tp=2 and dp2 x tp2,
+# each torch.compile(fullgraph=True): no graph break (fullgraph raises at one), the eager
+# step's gradients, the eager step's collectives (comm_log against the graphs) and no
+# host sync (aten._local_scalar_dense) in any graph, which CUDA graphs
+# (mode="reduce-overhead") could not replay.
+#
+# Cost: one cell is 2-10 s of tracing on 2 cores; the 30 cells would be ~4 minutes. What
+# functp adds is decided before the backend runs (AOTAutograd runs the vma body on fake
+# tensors: collectives, pvary, buffers as graph inputs), so most cells use aot_eager
+# (float64 exact, 1e-10) and cover each model, mesh and path at least once between them;
+# Inductor, which only lowers that same graph, compiles the representative ones (Llama,
+# every path on tp=2; Gemma-3; GPT-2 check_vma=False), where a model's
+# float32 rotary table rounds differently in Inductor's fused kernel, as the plain
+# model's compiled step does (~1e-7 against eager, as the plain Llama compiled: 9e-8; GPT-2, all float64: 5e-16).
+#
 # The body reads the model's buffers (Llama's rotary inv_freq) from the module, not from
 # its arguments: they become inputs of the compiled graph (Inductor refused them as
 # real-tensor constants: "Please convert all Tensors to FakeTensors first ... inv_freq").
+# MoE models compile with experts_implementation="batched_mm": transformers' "eager"
+# experts loop branches on which experts got tokens, so their plain model does not
+# compile with fullgraph=True either.
 
-def _tiny_lm(model_type: str):
-    import warnings
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    config = CONFIG_MAPPING[model_type](
-        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
-        n_embd=32, n_layer=2, n_head=4, n_positions=32, sliding_window=4,
-        tie_word_embeddings=model_type == "gemma3_text", attn_implementation="eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.manual_seed(0)                         # the same weights on every rank
-        return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(
-            config).double().eval()
+_FIELDS = {
+    "gemma3_text": dict(tie_word_embeddings=True, sliding_window=4),
+    "qwen3_moe": dict(experts_implementation="batched_mm"),
+    "deepseek_v3": dict(experts_implementation="batched_mm"),
+}
 
 
 class _GraphCensus:
-    """An Inductor pre-pass over every graph it compiles (forward and backward):
-    the collectives in them, and any host sync (``aten._local_scalar_dense``)."""
+    """The collectives and host syncs (``aten._local_scalar_dense``) in every graph a
+    backend compiles (forward and backward): ``backend`` is aot_eager with a census
+    of its graphs, or, for ``"inductor"``, Inductor with a census pre-pass."""
 
-    def __init__(self):
-        from torch._inductor.custom_graph_pass import CustomGraphPass
-        census = self
-        self.collectives, self.syncs = [], []
+    def __init__(self, backend: str):
+        self.collectives, self.syncs, self.kind = [], [], backend
+        if backend == "inductor":
+            from torch._inductor.custom_graph_pass import CustomGraphPass
+            census = self
 
-        class Count(CustomGraphPass):
-            def __call__(self, graph):
-                for n in graph.nodes:
-                    t = n.target
-                    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-                        continue
-                    if t.namespace == "_c10d_functional" and t._opname != "wait_tensor":
-                        census.collectives.append(t._opname)
-                    if t._opname == "_local_scalar_dense":
-                        census.syncs.append(str(n))
+            class Count(CustomGraphPass):
+                def __call__(self, graph):
+                    census.count(graph)
 
-            def uuid(self):
-                return None                # (not cached: counted on every compile)
-        self.pass_ = Count()
+                def uuid(self):
+                    return None                # (not cached: counted on every compile)
+            self.pass_, self.backend = Count(), "inductor"
+        else:
+            import functools
+            from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+            def compiler(gm, example_inputs):
+                self.count(gm.graph)
+                return boxed_nop(gm, example_inputs)
+            self.backend = functools.partial(aot_eager, fw_compiler=compiler,
+                                             bw_compiler=compiler)
+
+    def count(self, graph) -> None:
+        for n in graph.nodes:
+            t = n.target
+            if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+                continue
+            if t.namespace == "_c10d_functional" and t._opname != "wait_tensor":
+                self.collectives.append(t._opname)
+            if t._opname == "_local_scalar_dense":
+                self.syncs.append(str(n))
 
     def __enter__(self):
-        import torch._inductor.config as inductor_config
-        self.old = inductor_config.post_grad_custom_pre_pass
-        inductor_config.post_grad_custom_pre_pass = self.pass_
+        if self.kind == "inductor":
+            import torch._inductor.config as inductor_config
+            self.old = inductor_config.post_grad_custom_pre_pass
+            inductor_config.post_grad_custom_pre_pass = self.pass_
         return self
 
     def __exit__(self, *exc):
-        import torch._inductor.config as inductor_config
-        inductor_config.post_grad_custom_pre_pass = self.old
+        if self.kind == "inductor":
+            import torch._inductor.config as inductor_config
+            inductor_config.post_grad_custom_pre_pass = self.old
 
 
 def _steps(step, params: dict, args: tuple) -> dict:
@@ -507,69 +534,109 @@ def _steps(step, params: dict, args: tuple) -> dict:
     }
 
 
-def _compiled_hf_body(model_type: str, shape: tuple, names: tuple, paths: tuple,
-                      check_vma: bool = True):
-    import torch._dynamo
-    model = _tiny_lm(model_type)
+def _hf_step(model_type: str, shape: tuple, names: tuple, check_vma: bool = True, **fields):
+    import warnings
+    import _hf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")           # transformers' notes about tiny configs
+        model = _hf._build(model_type, **{**_FIELDS.get(model_type, {}), **fields})
     mesh = functp.make_mesh(shape, names)
     apply, params, specs = functp.parallelize(model, mesh, "auto")
     dp = "dp" if "dp" in names else None
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 32, (4, 8), generator=g)
-    tgt = torch.randint(32, (4, 8), generator=g)
+    ids = torch.randint(3, _hf.VOCAB, (_hf.BATCH, _hf.SEQ), generator=g)
+    tgt = torch.randint(_hf.VOCAB, (_hf.BATCH, _hf.SEQ), generator=g)
 
     def local_loss(p, i, t):
-        logits = apply(p, input_ids=i, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), t.flatten())
+        loss = _hf._lm_loss(apply(p, input_ids=i, use_cache=False).logits, t)
         return functp.pmean(loss, dp) if dp else loss
     step = functp.shard_map(local_loss, mesh, in_specs=(specs, P(dp), P(dp)),
                             out_specs=P(), check_vma=check_vma)
-    args = functp.shard((ids, tgt), mesh, P(dp))
+    return step, params, functp.shard((ids, tgt), mesh, P(dp))
+
+
+def _compiled_hf_body(model_type: str, shape: tuple, names: tuple, paths: tuple,
+                      backend: str = "inductor", check_vma: bool = True,
+                      fields: dict | None = None):
+    import torch._dynamo
+    step, params, args = _hf_step(model_type, shape, names, check_vma, **(fields or {}))
     for path, make in _steps(step, params, args).items():
         if path not in paths:
             continue
         with functp.comm_log() as log:
             eager = make(lambda f: f)(params)
         torch._dynamo.reset()
-        with _GraphCensus() as census:
-            got = make(lambda f: torch.compile(f, fullgraph=True))(params)
-        what = f"{model_type} {names} {path} check_vma={check_vma}"
-        # Llama's rotary table is computed in float32 (as in the plain model compiled
-        # by Inductor, whose fused float32 kernel rounds differently from eager's)
+        with _GraphCensus(backend) as census:
+            got = make(lambda f: torch.compile(f, fullgraph=True, backend=census.backend))(
+                params)
+        what = f"{model_type} {names} {path} {backend} check_vma={check_vma}"
         scale = max(v.abs().max().item() for v in eager.values())
         worst = max((got[k] - eager[k]).abs().max().item() for k in eager) / scale
-        assert worst < (1e-6 if model_type != "gpt2" else 1e-10), f"{what}: {worst:.2e}"
+        # (Inductor: the models' float32 rotary tables, see above)
+        exact = backend != "inductor" or model_type == "gpt2"
+        assert worst < (1e-10 if exact else 1e-6), f"{what}: {worst:.2e}"
         assert not census.syncs, f"{what}: host syncs in the compiled graphs {census.syncs}"
         assert len(census.collectives) == len(log), (
             f"{what}: the compiled graphs issue {sorted(census.collectives)}, the eager "
             f"step {log.summary()}")
 
 
-# torch 2.11/2.12 answer torch.compiler.is_compiling() false where Dynamo runs a vma body's
-# Python on fake tensors; transformers' mask code asks it and takes its data-dependent
-# branch there (GuardOnDataDependentSymNode). functp cannot answer for torch without
-# patching it: compiling a transformers model's step needs torch 2.13 (docs/fast.md).
-_NEEDS_213 = pytest.mark.skipif(
-    not _torch_compat.SESSION_IS_COMPILING,
-    reason="transformers' mask code compiles inside a vma body from torch 2.13 on")
-
-
-@_NEEDS_213
 def test_inductor_compiles_a_transformers_llama_through_parallelize_tp2(run):
+    pytest.importorskip("transformers")
     run(2, _compiled_hf_body, "llama", (2,), ("tp",),
         ("torch.func.grad", "functp.value_and_grad", "tape"), timeout=900)
 
 
-@_NEEDS_213
-def test_inductor_compiles_a_transformers_llama_through_parallelize_dp2_tp2(run):
-    run(4, _compiled_hf_body, "llama", (2, 2), ("dp", "tp"), ("torch.func.grad",),
+def test_inductor_compiles_a_check_vma_false_body_of_gpt2(run):
+    pytest.importorskip("transformers")
+    run(2, _compiled_hf_body, "gpt2", (2,), ("tp",), ("tape",), "inductor", False,
         timeout=900)
 
 
-def test_inductor_compiles_a_check_vma_false_body_of_gpt2(run):
-    run(2, _compiled_hf_body, "gpt2", (2,), ("tp",), ("tape",), False, timeout=900)
-
-
-@_NEEDS_213
 def test_inductor_compiles_a_tied_sliding_window_gemma3_through_parallelize_tp2(run):
+    pytest.importorskip("transformers")
     run(2, _compiled_hf_body, "gemma3_text", (2,), ("tp",), ("torch.func.grad",), timeout=900)
+
+
+_TP2, _DP2_TP2 = ((2,), ("tp",)), ((2, 2), ("dp", "tp"))
+_GRAD, _VAG, _TAPE = "torch.func.grad", "functp.value_and_grad", "tape"
+_ONE = dict(num_hidden_layers=1)     # (a layer of each kind is enough: half the tracing)
+# (model, mesh, paths, fields): with the Inductor tests above, every model on both
+# meshes and every path on each mesh; 2-10 s a cell
+_AOT_CELLS = [
+    ("qwen3_moe", _TP2, (_TAPE,), _ONE),
+    ("qwen3_moe", _DP2_TP2, (_GRAD,), _ONE),
+    ("deepseek_v3", _TP2, (_VAG,), {}),          # (layer 0 dense, layer 1 MoE)
+    ("deepseek_v3", _DP2_TP2, (_TAPE,), _ONE),   # (MLA and a dense MLP)
+    ("gemma3_text", _DP2_TP2, (_VAG,), _ONE),    # (its one layer: sliding window)
+    ("llama", _DP2_TP2, (_GRAD, _TAPE), _ONE),
+    ("gpt2", _TP2, (_GRAD, _VAG), _ONE),
+    ("gpt2", _DP2_TP2, (_TAPE,), _ONE),
+]
+
+
+@pytest.mark.parametrize("model_type,mesh,paths,fields", _AOT_CELLS, ids=[
+    f"{m}-{'x'.join(n)}-{'+'.join(p)}" for m, (_, n), p, _ in _AOT_CELLS])
+def test_compiled_transformers_step_matches_eager(run, model_type, mesh, paths, fields):
+    pytest.importorskip("transformers")
+    shape, names = mesh
+    run(math.prod(shape), _compiled_hf_body, model_type, shape, names, paths, "aot_eager",
+        True, fields, timeout=900)
+
+
+def _eager_experts_body():
+    """transformers' "eager" experts loop reads which experts got tokens: compiled, the
+    warning names the cause and the implementation that compiles."""
+    import torch._dynamo
+    step, params, args = _hf_step("qwen3_moe", (2,), ("tp",), experts_implementation="eager",
+                                  num_hidden_layers=1)
+    torch._dynamo.reset()
+    with pytest.raises(Exception), pytest.warns(UserWarning) as warned:
+        torch.compile(torch.func.grad(step), fullgraph=True, backend="aot_eager")(params, *args)
+    text = " ".join(str(w.message) for w in warned)
+    assert "experts_implementation='batched_mm'" in text, text
+
+
+def test_compiled_eager_experts_loop_says_what_compiles(run):
+    pytest.importorskip("transformers")
+    run(2, _eager_experts_body, timeout=900)

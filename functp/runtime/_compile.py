@@ -24,6 +24,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import types
@@ -106,6 +107,7 @@ class _NoneArg:
 
 
 _NONE = _NoneArg()
+_NO_CONTEXT = contextlib.nullcontext()
 _torch_compat.register_pytree_constant(_NoneArg)
 
 
@@ -154,7 +156,10 @@ def opaque(run: Callable, name: str, f: Callable | None = None) -> Opaque | None
     # either, or it would meet this call again.
     def opaque_body(consts, *args):
         try:
-            with _in_place_of(owners, consts):
+            # (torch < 2.13: torch.compiler.is_compiling() is false here unless told;
+            # transformers' mask code asks it to stay off data-dependent branches)
+            session = _torch_compat.compiling_context() if tracing() else _NO_CONTEXT
+            with _in_place_of(owners, consts), session:
                 out = run(_nones(args, _NONE, None))
             if tracing():
                 check_traceable(out, name)
@@ -164,9 +169,22 @@ def opaque(run: Callable, name: str, f: Callable | None = None) -> Opaque | None
                 # with fullgraph=True Dynamo reports only "Unsupported output type for
                 # nonstrict_trace-ed function", without this error's text
                 warnings.warn(f"torch.compile could not trace the shard_map body "
-                              f"{name!r}: {e}", stacklevel=2)
+                              f"{name!r}: {e}{_hint(e)}", stacklevel=2)
             raise
     return Opaque(nonstrict_trace(disable(opaque_body)), owners)
+
+
+# A body whose Python branches on a tensor's values cannot be one graph; the common case
+# in transformers models, named with the setting that compiles
+_DATA_DEPENDENT = (
+    ". Compiled, a body's Python may not branch on a tensor's values (a data-dependent "
+    "expression: the unsharded model compiled with fullgraph=True fails the same way); "
+    "transformers' MoE experts with experts_implementation='eager' loop over the experts "
+    "that got tokens: build the model with experts_implementation='batched_mm'")
+
+
+def _hint(e: Exception) -> str:
+    return _DATA_DEPENDENT if "data-dependent" in str(e) else ""
 
 
 def call_opaque(body: Opaque | None, args: tuple, name: str):

@@ -21,7 +21,9 @@ them that functp meets, each handled here:
 - ``torch.compiler.is_compiling()``: from 2.13 true for a whole compile session; on
   2.11 and 2.12 only inside what Dynamo traces itself, not where AOTAutograd or a
   ``nonstrict_trace`` call runs Python on fake tensors. :func:`is_compiling` answers
-  as 2.13 does on each.
+  as 2.13 does on each, and :data:`compiling_context` makes torch's own answer true
+  while a vma body runs on fake tensors there (torch.export's context; transformers'
+  mask code asks ``torch.compiler.is_compiling()``).
 - ``dcp.save``'s returned ``Metadata``: from 2.12 it holds the stored byte ranges
   (``storage_data``); 2.11's ``FileSystemWriter.finish`` writes them into a copy.
   :class:`MetadataWriter` puts them back.
@@ -38,6 +40,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
@@ -288,13 +291,15 @@ CheckpointException = _need("torch.distributed.checkpoint.api.CheckpointExceptio
 # on fake tensors; 2.11 and 2.12 answer true only inside what Dynamo traces itself (a
 # vma body's check-mode exchange then ran on fake tensors and failed to compile). There,
 # the session's compile id answers instead.
-# transformers asks the same question (``is_torchdynamo_compiling``) to keep its mask code
-# off data-dependent branches, so on 2.11/2.12 a transformers model's vma body does not
-# compile (GuardOnDataDependentSymNode in its padding-mask check): SESSION_IS_COMPILING
-# says whether this torch answers for the whole session.
+# transformers asks torch itself (``is_torchdynamo_compiling``) to keep its mask code off
+# data-dependent branches: on 2.11/2.12 a transformers model's vma body failed to compile
+# (GuardOnDataDependentSymNode in its packed-sequence check) until functp ran the body
+# inside ``compiling_context`` there. SESSION_IS_COMPILING says whether this torch
+# answers for the whole session itself.
 SESSION_IS_COMPILING = hasattr(torch.compiler, "_compile_session_context")   # torch >= 2.13
 if SESSION_IS_COMPILING:
     is_compiling = torch.compiler.is_compiling              # an alias: asked per collective
+    compiling_context = contextlib.nullcontext
 else:
     _compile_id = _need("torch._guards.CompileContext.current_compile_id",
                         "telling a compile session's fake run from an eager one (torch < 2.13)")
@@ -303,6 +308,16 @@ else:
         """``torch.compiler.is_compiling()`` as torch 2.13 answers it: true for the
         whole compile session. (Traced by Dynamo, the first test is a constant True.)"""
         return torch.compiler.is_compiling() or _compile_id() is not None
+
+    # torch.export's own context: torch.compiler.is_compiling() (and is_exporting())
+    # answer True inside it, as they do for the Python Dynamo traces itself on these
+    # torches (Dynamo folds both to True before torch 2.14: transformers' masks read the
+    # same answers in a vma body as in the plain model compiled). torch 2.13 answers
+    # is_compiling() so for a whole compile session.
+    compiling_context = _need(
+        "torch._export.utils._compiling_state_context",
+        "torch.compiler.is_compiling() true while a vma body runs on fake tensors "
+        "(torch < 2.13: transformers' mask code asks it)")
 
 
 _DYNAMO = (_lazy("torch._dynamo.disable", "a shard_map body Dynamo must not trace"),
