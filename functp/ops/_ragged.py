@@ -19,6 +19,15 @@ rank's received runs lands (``land_off``, exchanged once from the senders'
 no exchange. Sizes travel as Python ints (``all_to_all_single`` takes its splits on
 the host): ``ragged_offsets`` makes them with one small all-gather of the counts and
 one host sync; ``ragged_all_to_all`` given tensors syncs once for them.
+
+Sizes that disagree between a sender and its receiver cannot be seen by either alone,
+and the backend does not say: gloo leaves a short run's rows unwritten and aborts the
+process on a long one. So the sizes a caller hands over are all-gathered and judged
+alike on every rank before any row moves (one small collective and one host sync,
+shared with the exchange of offsets when there is one), and every rank raises the
+same error. Sizes functp derived from one exchange of every rank's counts (a
+``ragged_offsets`` plan's lists, unchanged; ``ExpertDispatch``) agree by construction
+and are not exchanged again.
 """
 from __future__ import annotations
 
