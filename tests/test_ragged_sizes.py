@@ -165,3 +165,28 @@ def test_a_plans_own_lists_are_not_exchanged_again(world):
 def test_a_changed_plan_is_checked_again():
     msgs = functp.simulate(_planned, 2, "changed", check=False)
     assert len(set(msgs)) == 1 and "peer 0 sends 3 rows to peer 1" in msgs[0], msgs
+
+
+def _uneven():
+    """Rank 0 sends 1 row to rank 1, rank 1 sends 2 to rank 0: sizes that agree, but
+    differ per rank; returns the number of all-gathers (the size check's)."""
+    mesh = functp.make_mesh((2,), ("ep",))
+    me = mesh.axis_index("ep")
+
+    def body(x, b):
+        send, recv = ([0, 1], [0, 2]) if me == 0 else ([2, 0], [1, 0])
+        return functp.ragged_all_to_all(x, b, [0, 0], send, [0, 0], recv, "ep",
+                                        recv_offsets=[0, 0])
+
+    f = functp.shard_map(body, mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
+    with functp.comm_log() as log:
+        f(torch.ones(4, H), torch.zeros(4, H))
+    return log.count("all_gather")
+
+
+def test_an_estimate_issues_the_check_but_does_not_judge_fake_sizes():
+    # an estimate's all-gather repeats this rank's row for every peer: judged, the
+    # sizes above would look mismatched; its collectives are still a real run's
+    assert functp.simulate(_uneven, 2, check=False) == [1, 1]
+    est = functp.estimate(_uneven, 2, ranks=[0, 1])
+    assert [est[r].comm.count("all_gather") for r in range(2)] == [1, 1]
