@@ -327,10 +327,14 @@ def _sizes(args, recv_offsets, g: AxisGroup, agreed: bool, operand, output):
     # operand's and the output's rows
     dev = operand.device
     roff = recv_offsets if recv_offsets is not None else [-1] * n
-    mine = torch.cat([torch.as_tensor(a, dtype=torch.int64).reshape(-1).to(dev)
-                      for a in (args[1], args[3], args[0], args[2])]
-                     + [torch.tensor(roff + [operand.shape[0], output.shape[0]],
-                                     dtype=torch.int64, device=dev)])
+    tail = [*roff, operand.shape[0], output.shape[0]]
+    if tensors:
+        mine = torch.cat([torch.as_tensor(a, dtype=torch.int64).reshape(-1).to(dev)
+                          for a in (args[1], args[3], args[0], args[2])]
+                         + [torch.tensor(tail, dtype=torch.int64, device=dev)])
+    else:         # (one call: the usual case, lists)
+        mine = torch.tensor([*args[1], *args[3], *args[0], *args[2], *tail],
+                            dtype=torch.int64, device=dev)
     table = (prim._blocks_from_group_order(prim.all_gather(mine.unsqueeze(0), g, 0), g)
              if n > 1 else mine.unsqueeze(0))
     if _world.dry_run() is not None:
@@ -368,10 +372,11 @@ def _verdict(t, n: int, g: AxisGroup, check_offsets: bool) -> str | None:
     at = f"over {g.axes} (peers by index along it)"
     def rows(k):
         return f"{k} row" if k == 1 else f"{k} rows"
-    pairs = [f"peer {s} sends {rows(col(s, 0, d))} to peer {d} (its send_sizes[{d}]), "
-             f"which plans to receive {col(d, 1, s)} (its recv_sizes[{s}])"
-             for s in range(n) for d in range(n) if col(s, 0, d) != col(d, 1, s)]
+    pairs = [(s, d) for s in range(n) for d in range(n) if t[s][d] != t[d][n + s]]
     if pairs:
+        pairs = [f"peer {s} sends {rows(col(s, 0, d))} to peer {d} (its send_sizes[{d}]), "
+                 f"which plans to receive {col(d, 1, s)} (its recv_sizes[{s}])"
+                 for s, d in pairs]
         more = f"; and {len(pairs) - 4} more pairs" if len(pairs) > 4 else ""
         return (f"functp.ragged_all_to_all {at}: senders and receivers disagree on the "
                 f"rows between them, so no row was sent (every rank of the axis raises "
@@ -381,12 +386,14 @@ def _verdict(t, n: int, g: AxisGroup, check_offsets: bool) -> str | None:
                 f"both with functp.ragged_offsets(send_counts, {g.axes!r}) and pass its "
                 f"lists unchanged, or derive recv_sizes from an exchange of the send counts")
     bad = []
-    for r in range(n):
-        ops, outs = t[r][5 * n], t[r][5 * n + 1]
+    for r in range(n):        # (indexing, no calls: this runs on every checked exchange)
+        row = t[r]
+        ops, outs = row[5 * n], row[5 * n + 1]
         for j in range(n):
-            s, rv, io = col(r, 0, j), col(r, 1, j), col(r, 2, j)
-            ld = col(r, 4, j) if col(r, 4, j) >= 0 else col(j, 3, r)
-            if min(s, rv, io, ld) < 0:
+            s, rv, io, ld = row[j], row[n + j], row[2 * n + j], row[4 * n + j]
+            if ld < 0:
+                ld = t[j][3 * n + r]
+            if s < 0 or rv < 0 or io < 0 or ld < 0:
                 bad.append(f"peer {r} has a negative offset or size for peer {j}")
             elif io + s > ops:
                 bad.append(f"peer {r}'s rows for peer {j} ({io}:{io + s}) run past the "
