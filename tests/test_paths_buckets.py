@@ -182,5 +182,8 @@ def test_ranks_given_different_parameters_are_named_without_the_check_mode(misma
     for r, m in enumerate(msgs):
         assert "different replicated floating inputs" in m, (r, m)
         assert f"position {5 if mismatch == 'extra' else 3} of them differs at indices [1]" in m
-    assert "input 4 of the body (torch.float64 (16, 16))" in msgs[1] or mismatch == "dtype"
-    assert "input 2 of the body (torch.float32 (16, 16))" in msgs[1] or mismatch == "extra"
+    # the input named by its pytree path among the body's arguments (was: "input 4 of
+    # the body", its place among the inputs that get a gradient bucket)
+    assert "it is args[0]['e4'] (torch.float64 (16, 16))" in msgs[1] or mismatch == "dtype"
+    assert "it is args[0]['e2'] (torch.float32 (16, 16))" in msgs[1] or mismatch == "extra"
+    assert "it is args[0]['e2'] (torch.float64 (16, 16))" in msgs[0] or mismatch == "extra"

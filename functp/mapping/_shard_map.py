@@ -29,6 +29,7 @@ from ..runtime import _fingerprint
 from ..runtime import _world
 from ..mesh import _layout
 from ..ops import _ops
+from ..ops import _overlap
 from ..ops._boundary import SumRules, VmaRules
 from ..runtime._errors import ShardingError, keystr
 from ._interop import dtensor_to_local
@@ -334,6 +335,7 @@ def _enter(body: _Body, plan: _InPlan, local: list, specs: list, rules, tracker,
                                  for x in local], base)
         if key is not None:
             plan.boundary[key] = hit
+    _overlap._rank.paths = plan.paths      # (gradient buckets name inputs by them)
     rules.enter(tracker, local, hit)
     if mp is not None and mp.param_dtype is not None:    # then the body's
         rules.cast(tracker, local, mp.param_dtype)

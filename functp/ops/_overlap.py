@@ -68,6 +68,9 @@ _settings = {"enabled": True, "bucket_mb": 25.0, "first_bucket_mb": 1.0, "forwar
 
 class _Rank(threading.local):
     values: dict | None = None
+    # the pytree paths of the inputs of the body being entered (set by shard_map
+    # before its boundary rules call :func:`enter`): errors name an input by them
+    paths: list | None = None
 
 
 _rank = _Rank()
@@ -159,10 +162,11 @@ class Sink:
     all-reduce pairs the same inputs on every rank. A group takes part once some input
     used its alias here; its peers, holding the same data or the same program, do too."""
 
-    def __init__(self, local: list) -> None:
+    def __init__(self, local: list, paths: list) -> None:
         # (read in the forward: the backward may run in another thread)
         self.whose, self.pin = (None, None) if _world._local.run is None else _whose()
         self.n = len(local)
+        self.paths = paths      # each input's pytree path among the body's arguments
         self.node = None        # the entry's autograd node
         self.outs: list = []    # weak references to the entry's outputs (their vma tags)
         self.meta = [(x.shape, x.dtype, x.device, x.nbytes) for x in local]
@@ -246,7 +250,7 @@ class Sink:
             if order is not None:
                 orders[key] = order
             elif _world.dry_run() is None:
-                _agree_layout(key, layout, self.meta)
+                _agree_layout(key, layout, self.meta, self.paths)
                 self.fresh[key] = layout
         plan = self._cut(_get(), orders if REBUILD else None)
         self.plan, self.left = plan, [len(js) for _, js in plan]
@@ -380,7 +384,7 @@ def _describe(entry: tuple) -> str:
     return f"{entry[1]} {tuple(entry[0])}"
 
 
-def _agree_layout(key: str, layout: tuple, meta: list) -> None:
+def _agree_layout(key: str, layout: tuple, meta: list, paths: list) -> None:
     """The group's ranks compare the inputs their gradient buckets hold (position,
     shape and dtype of each), once per layout, before the first bucket is launched:
     ranks given different parameters would pair different gradients, or abort in the
@@ -398,7 +402,7 @@ def _agree_layout(key: str, layout: tuple, meta: list) -> None:
     table = _gather_ints(crcs + [-1] * (width - len(crcs)), key, device)
     k = next(c for c in range(width) if not bool((table[:, c] == table[0, c]).all()))
     differ = sorted(at[r] for r in range(g.size) if int(table[r, k]) != int(table[0, k]))
-    mine = (f"input {layout[k][0]} of the body ({_describe(meta[layout[k][0]][:2])})"
+    mine = (f"{paths[layout[k][0]]} ({_describe(meta[layout[k][0]][:2])})"
             if k < len(layout) else f"missing (it has {len(layout)})")
     raise ShardingError(
         f"shard_map gradient buckets over {g.axes}: the ranks' bodies were given "
@@ -511,7 +515,9 @@ def enter(local: list) -> None:
     if (not torch.is_grad_enabled() or _context.active() or _compile.tracing()
             or not _level_ok()):
         return
-    sink = Sink([local[i] for i in idx])
+    paths = _rank.paths
+    sink = Sink([local[i] for i in idx],
+                [paths[i] if paths else f"input {i} of the body" for i in idx])
     token = _put(sink)
     try:
         outs = overlap_entry([local[i] for i in idx], token)

@@ -19,6 +19,15 @@ rank's received runs lands (``land_off``, exchanged once from the senders'
 no exchange. Sizes travel as Python ints (``all_to_all_single`` takes its splits on
 the host): ``ragged_offsets`` makes them with one small all-gather of the counts and
 one host sync; ``ragged_all_to_all`` given tensors syncs once for them.
+
+Sizes that disagree between a sender and its receiver cannot be seen by either alone,
+and the backend does not say: gloo leaves a short run's rows unwritten and aborts the
+process on a long one. So the sizes a caller hands over are all-gathered and judged
+alike on every rank before any row moves (one small collective and one host sync,
+shared with the exchange of offsets when there is one), and every rank raises the
+same error. Sizes functp derived from one exchange of every rank's counts (a
+``ragged_offsets`` plan's lists, unchanged; ``ExpertDispatch``) agree by construction
+and are not exchanged again.
 """
 from __future__ import annotations
 
@@ -31,7 +40,7 @@ from . import _context
 from . import _ops
 from . import _primitives as prim
 from ._collectives import AxisName, _group, _need_tensor
-from ..runtime import _crosscheck
+from ..runtime import _compile, _crosscheck, _world
 from ..runtime._errors import ShardingError
 from ..mesh._mesh import AxisGroup, group_of
 
@@ -143,6 +152,24 @@ def _ints(v, n: int, name: str) -> list[int] | torch.Tensor:
     return v
 
 
+class _Planned(list):
+    """A size list :func:`ragged_offsets` made from every rank's counts: its plan's
+    other size list agrees with the peers' by construction, so an exchange that uses
+    the two unchanged (either way round: the return trip swaps them) needs no check."""
+
+    def __init__(self, values: list[int], plan: object, role: str, group: str) -> None:
+        super().__init__(values)
+        self.plan, self.role, self.group, self.snap = plan, role, group, tuple(values)
+
+
+def _agreed_by_plan(send, recv, g: AxisGroup) -> bool:
+    """Both size lists are one :func:`ragged_offsets` plan's, over this group, unchanged
+    since (a host comparison of ``axis_size`` ints; no exchange)."""
+    return (isinstance(send, _Planned) and isinstance(recv, _Planned)
+            and send.plan is recv.plan and send.role != recv.role and send.group == g.key
+            and tuple(send) == send.snap and tuple(recv) == recv.snap)
+
+
 def ragged_offsets(send_counts: Any, axis_name: AxisName) -> RaggedOffsets:
     """Plans a :func:`ragged_all_to_all` from how many rows this rank sends to each
     peer, its operand grouped by destination (peer 0's rows first) and every output
@@ -152,8 +179,10 @@ def ragged_offsets(send_counts: Any, axis_name: AxisName) -> RaggedOffsets:
     ``axis_name`` – the mesh axis (or tuple) of the exchange.
 
     **Returns:** a :class:`RaggedOffsets`. One all-gather of the counts (``axis_size``
-    squared ints) and **one host sync**, for the whole dispatch; none per expert.
-    Example (inside a body; ``dest`` is each token's destination rank)::
+    squared ints) and **one host sync**, for the whole dispatch; none per expert. Its
+    ``send_sizes`` and ``recv_sizes`` agree across the ranks by construction: passed
+    unchanged to :func:`ragged_all_to_all` (either way round), they are not checked
+    again. Example (inside a body; ``dest`` is each token's destination rank)::
 
         plan = functp.ragged_offsets(torch.bincount(dest, minlength=n), "ep")
         out = x.new_zeros(plan.recv_total, x.shape[1])
@@ -179,7 +208,9 @@ def ragged_offsets(send_counts: Any, axis_name: AxisName) -> RaggedOffsets:
     out_off = [sum(c[s][j] for s in range(me)) for j in range(n)]
     recv = [c[s][me] for s in range(n)]
     recv_off = [sum(recv[:s]) for s in range(n)]
-    return RaggedOffsets(in_off, send, out_off, recv, recv_off, sum(recv))
+    plan = object()
+    return RaggedOffsets(in_off, _Planned(send, plan, "send", g.key), out_off,
+                         _Planned(recv, plan, "recv", g.key), recv_off, sum(recv))
 
 
 def ragged_all_to_all(operand: torch.Tensor, output: torch.Tensor, input_offsets: Any,
@@ -197,21 +228,42 @@ def ragged_all_to_all(operand: torch.Tensor, output: torch.Tensor, input_offsets
     ``send_sizes`` entry for this rank; ``axis_name`` – the axis (or tuple) of the
     exchange; ``recv_offsets`` – where the rows from each peer land in this rank's
     ``output`` (what :func:`ragged_offsets` gives): without it, the senders'
-    ``output_offsets`` are exchanged first (a small all-to-all).
+    ``output_offsets`` are exchanged first.
 
     **Returns:** ``output`` with the received rows written (varying over the axis).
     Backward: the same exchange reversed (``operand``'s gradient gathered from the
-    rows' destinations; ``output``'s gradient zero where rows landed). Host syncs:
-    one for the sizes when any argument is a tensor or ``recv_offsets`` is missing;
-    none with lists and ``recv_offsets`` (then the peers' sizes are exchanged and
-    compared only in the check mode, ``FUNCTP_DEBUG=1``: a run the receiver does not
-    expect cannot be seen without that exchange). Bad sizes (a run outside
-    ``operand`` or ``output``, counts the peers do not agree on, ``recv_offsets``
-    other than the senders' ``output_offsets``) raise ``ShardingError``; with the
-    check mode on, on every rank. Example (2 ranks, rank 0 sends 1 row to rank 1)::
+    rows' destinations; ``output``'s gradient zero where rows landed).
+
+    **Sizes are checked before any row moves**, always: unless both size lists are a
+    :func:`ragged_offsets` plan's, unchanged (they agree by construction), the ranks
+    all-gather their sizes (one small all-gather, ``axis_size`` x ``5 axis_size + 2``
+    ints, and one host sync) and every rank raises the same ``ShardingError`` if a
+    sender's ``send_sizes`` entry differs from its receiver's ``recv_sizes`` entry (one
+    row fewer would leave output rows unwritten, one more overrun the buffer), or a
+    run falls outside an operand or output; in the check mode (``FUNCTP_DEBUG=1``)
+    also if ``recv_offsets`` differ from the senders' ``output_offsets``. Pass a
+    plan's lists on every rank or your own on every rank (the choice decides whether
+    the ranks exchange). Not checked while ``torch.compile`` traces, nor under
+    :func:`functp.estimate` (no host reads there). Example (2 ranks, rank 0 sends 1
+    row to rank 1)::
 
         out = functp.ragged_all_to_all(x, buf, [0, 0], [0, 1], [0, 2], [0, 0], "ep")
     """
+    return _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                              recv_sizes, axis_name, recv_offsets, False)
+
+
+def planned_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                              recv_sizes, axis_name, *, recv_offsets):
+    """:func:`ragged_all_to_all` for functp's own dispatch (``ExpertDispatch``), whose
+    sizes it derived from one exchange of every rank's counts: they agree by
+    construction, and are not exchanged again (outside the check mode)."""
+    return _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                              recv_sizes, axis_name, recv_offsets, True)
+
+
+def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                       axis_name, recv_offsets, agreed: bool) -> torch.Tensor:
     fr, g = _group(axis_name, "ragged_all_to_all")
     operand = _need_tensor(operand, "ragged_all_to_all")
     output = _need_tensor(output, "ragged_all_to_all")
@@ -225,8 +277,11 @@ def ragged_all_to_all(operand: torch.Tensor, output: torch.Tensor, input_offsets
     args = [_ints(v, n, name) for v, name in (
         (input_offsets, "input_offsets"), (send_sizes, "send_sizes"),
         (output_offsets, "output_offsets"), (recv_sizes, "recv_sizes"))]
+    # (while torch.compile traces nothing is checked: the plan's lists are not looked at)
+    agreed = agreed or (not _compile.tracing() and _agreed_by_plan(send_sizes, recv_sizes, g))
     with _untracked(fr):
-        in_off, send, out_off, recv, land = _sizes(args, recv_offsets, g)
+        in_off, send, out_off, recv, land = _sizes(args, recv_offsets, g, agreed, operand,
+                                                   output)
     _check(operand, output, in_off, send, land, recv, g)
     tr = fr.tracker
     if tr is None:
@@ -247,49 +302,119 @@ def _untracked(fr):
     return fr.tracker.paused() if fr.tracker is not None else contextlib.nullcontext()
 
 
-def _sizes(args, recv_offsets, g: AxisGroup):
+def _sizes(args, recv_offsets, g: AxisGroup, agreed: bool, operand, output):
     """The four JAX arguments and the landing offsets as Python ints, with at most one
-    host sync (and one small all-to-all when the landing offsets are not given): each
-    rank learns its peers' ``output_offsets`` and ``send_sizes`` for it."""
+    host sync and one small all-gather: the ranks exchange their sizes where they
+    must learn the senders' ``output_offsets`` (no ``recv_offsets``) or check them
+    (sizes not agreed by construction, or the check mode), and then every rank judges
+    every rank's sizes alike (:func:`_verdict`): an error is raised by all of them,
+    before any row moves, never by one rank while its peers wait in the exchange."""
     n = g.size
     if recv_offsets is not None:
         recv_offsets = _ints(recv_offsets, n, "recv_offsets")
         if isinstance(recv_offsets, torch.Tensor):
             recv_offsets = recv_offsets.tolist()
-    if (recv_offsets is not None and not _crosscheck.ENABLED
-            and not any(isinstance(a, torch.Tensor) for a in args)):
-        return (*args, recv_offsets)
-    if recv_offsets is not None and _crosscheck.ENABLED:
-        # the check mode: the sizes exchanged as without recv_offsets, and compared
-        *sizes, land = _sizes(args, None, g)
-        if land != [recv_offsets[j] if sizes[3][j] else land[j] for j in range(n)]:
-            raise ShardingError(
-                f"functp.ragged_all_to_all over {g.axes}: recv_offsets {recv_offsets} "
-                f"(where rank {g.index} writes the rows from each peer) differ from the "
-                f"peers' output_offsets for it, {land}; pass the plan's own recv_offsets "
-                f"(functp.ragged_offsets) or leave them out [FUNCTP_DEBUG check]")
-        return (*sizes, recv_offsets)
-    mine = torch.stack([torch.as_tensor(a, dtype=torch.int64).reshape(-1) for a in args], 1)
-    if recv_offsets is None:
-        # row j (my send, output offset and recv for peer j) goes to peer j: each side
-        # sees both ends of every pair, so a mismatch is an error on both ranks
-        meta = mine[:, 1:4].contiguous()
-        theirs = (prim._blocks_from_group_order(prim.all_to_all(meta, g, 0, 0), g)
-                  if n > 1 else meta)
-        both = torch.cat([mine, theirs], 1).tolist()         # the host sync
-        in_off, send, out_off, recv = ([row[k] for row in both] for k in range(4))
-        their_send, land, their_recv = ([row[k] for row in both] for k in range(4, 7))
+        recv_offsets = list(recv_offsets)
+    tensors = any(isinstance(a, torch.Tensor) for a in args)
+    checks = (not agreed or _crosscheck.ENABLED) and not _compile.tracing()
+    if recv_offsets is not None and not checks:
+        if not tensors:
+            return (*args, recv_offsets)
+        rows = torch.stack([torch.as_tensor(a, dtype=torch.int64).reshape(-1)
+                            for a in args], 1).tolist()      # the host sync
+        return (*([row[k] for row in rows] for k in range(4)), recv_offsets)
+    # one row per rank: send | recv | in_off | out_off | recv_offsets (-1: none) | the
+    # operand's and the output's rows
+    dev = operand.device
+    roff = recv_offsets if recv_offsets is not None else [-1] * n
+    tail = [*roff, operand.shape[0], output.shape[0]]
+    if tensors:
+        mine = torch.cat([torch.as_tensor(a, dtype=torch.int64).reshape(-1).to(dev)
+                          for a in (args[1], args[3], args[0], args[2])]
+                         + [torch.tensor(tail, dtype=torch.int64, device=dev)])
+    else:         # (one call: the usual case, lists)
+        mine = torch.tensor([*args[1], *args[3], *args[0], *args[2], *tail],
+                            dtype=torch.int64, device=dev)
+    table = (prim._blocks_from_group_order(prim.all_gather(mine.unsqueeze(0), g, 0), g)
+             if n > 1 else mine.unsqueeze(0))
+    if _world.dry_run() is not None:
+        # functp.estimate: the exchange is issued (a real run's collectives), but fake
+        # values are not judged; the senders' offsets read by its rule for host reads
+        own = mine.tolist() if tensors else None
+        if own is None and recv_offsets is not None:
+            return (*args, recv_offsets)
+        return _unpack(table.tolist() if recv_offsets is None else None, own, n, g.index,
+                       recv_offsets)
+    t = table.tolist()                                        # the host sync
+    if checks or recv_offsets is None:
+        err = _verdict(t, n, g, check_offsets=_crosscheck.ENABLED and recv_offsets is not None)
+        if err:
+            raise ShardingError(err)
+    return _unpack(t, None, n, g.index, recv_offsets)
+
+
+def _unpack(t, own, n: int, me: int, recv_offsets):
+    """This rank's sizes from the gathered table ``t`` (or its own row ``own``)."""
+    row = own if own is not None else t[me]
+    send, recv, in_off, out_off = (row[k * n:(k + 1) * n] for k in range(4))
+    land = (recv_offsets if recv_offsets is not None
+            else [t[s][3 * n + me] if t is not None else out_off[me] for s in range(n)])
+    return in_off, send, out_off, recv, land
+
+
+def _verdict(t, n: int, g: AxisGroup, check_offsets: bool) -> str | None:
+    """The same message on every rank (from every rank's row of sizes), or None: runs
+    whose sender and receiver disagree on the rows, runs outside an operand or output,
+    and (``check_offsets``) receivers whose recv_offsets are not the senders'
+    output_offsets."""
+    def col(r, k, j):
+        return t[r][k * n + j]
+    at = f"over {g.axes} (peers by index along it)"
+    def rows(k):
+        return f"{k} row" if k == 1 else f"{k} rows"
+    pairs = [(s, d) for s in range(n) for d in range(n) if t[s][d] != t[d][n + s]]
+    if pairs:
+        pairs = [f"peer {s} sends {rows(col(s, 0, d))} to peer {d} (its send_sizes[{d}]), "
+                 f"which plans to receive {col(d, 1, s)} (its recv_sizes[{s}])"
+                 for s, d in pairs]
+        more = f"; and {len(pairs) - 4} more pairs" if len(pairs) > 4 else ""
+        return (f"functp.ragged_all_to_all {at}: senders and receivers disagree on the "
+                f"rows between them, so no row was sent (every rank of the axis raises "
+                f"this): {'; '.join(pairs[:4])}{more}. One row fewer would leave rows of "
+                f"the receiver's output unwritten, one more would overrun it. Every "
+                f"send_sizes[j] must equal peer j's recv_sizes entry for this rank: plan "
+                f"both with functp.ragged_offsets(send_counts, {g.axes!r}) and pass its "
+                f"lists unchanged, or derive recv_sizes from an exchange of the send counts")
+    bad = []
+    for r in range(n):        # (indexing, no calls: this runs on every checked exchange)
+        row = t[r]
+        ops, outs = row[5 * n], row[5 * n + 1]
         for j in range(n):
-            if their_send[j] != recv[j] or their_recv[j] != send[j]:
-                raise ShardingError(
-                    f"functp.ragged_all_to_all over {g.axes}: rank {g.index} and peer {j} "
-                    f"disagree on the rows between them: rank {g.index} sends {send[j]} and "
-                    f"expects {recv[j]} (recv_sizes[{j}]), peer {j} sends {their_send[j]} and "
-                    f"expects {their_recv[j]}; every send_sizes entry must equal the peer's "
-                    f"recv_sizes entry for it (functp.ragged_offsets plans them)")
-        return in_off, send, out_off, recv, land
-    rows = mine.tolist()                                     # the host sync
-    return (*([row[k] for row in rows] for k in range(4)), list(recv_offsets))
+            s, rv, io, ld = row[j], row[n + j], row[2 * n + j], row[4 * n + j]
+            if ld < 0:
+                ld = t[j][3 * n + r]
+            if s < 0 or rv < 0 or io < 0 or ld < 0:
+                bad.append(f"peer {r} has a negative offset or size for peer {j}")
+            elif io + s > ops:
+                bad.append(f"peer {r}'s rows for peer {j} ({io}:{io + s}) run past the "
+                           f"operand's {ops} rows")
+            elif ld + rv > outs:
+                bad.append(f"peer {r}'s {rows(rv)} from peer {j} land at {ld}:{ld + rv}, "
+                           f"past the output buffer's {outs} rows (make the buffer larger: "
+                           f"ragged_offsets(...).recv_total rows)")
+    if bad:
+        return (f"functp.ragged_all_to_all {at}: no row was sent (every rank of the axis "
+                f"raises this): {'; '.join(bad[:4])}")
+    if check_offsets:
+        off = [f"peer {d} writes the rows from peer {s} at {col(d, 4, s)}, which "
+               f"names {col(s, 3, d)} (its output_offsets[{d}])"
+               for d in range(n) for s in range(n)
+               if col(d, 1, s) and col(d, 4, s) != col(s, 3, d)]
+        if off:
+            return (f"functp.ragged_all_to_all {at}: recv_offsets differ from the senders' "
+                    f"output_offsets: {'; '.join(off[:4])}; pass the plan's own recv_offsets "
+                    f"(functp.ragged_offsets) or leave them out [FUNCTP_DEBUG check]")
+    return None
 
 
 def _check(operand, output, in_off, send, land, recv, g: AxisGroup) -> None:
