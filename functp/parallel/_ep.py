@@ -22,7 +22,9 @@ from ..ops._collectives import (all_gather, all_gather_invariant, all_to_all, ax
 from ..runtime._errors import ShardingError
 from ..mesh._layout import chunk, uneven
 from ..mesh._spec import P
-from ..ops._ragged import ragged_all_to_all      # (ops layer: below the styles)
+# (ops layer, below the styles). The dispatch's sizes come from one all-gather of every
+# rank's counts, so they agree by construction: the entry that does not check them again.
+from ..ops._ragged import planned_ragged_all_to_all as ragged_all_to_all
 from ._flat import gather_group
 from ._style import Call, Layout, Style, _layout, register_style, relayout
 
