@@ -8,7 +8,9 @@
 # transformers) travel in .whl/ (see benchmarks/README.md, "On a GPU").
 #
 #     bash benchmarks/gpu_session.sh
+#     COMPILE_CONFIGS=h1024 EAGER_LIMIT=130 bash benchmarks/gpu_session.sh   # a shorter run
 set -u
+COMPILE_CONFIGS=${COMPILE_CONFIGS:-h1024,host}
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -29,12 +31,12 @@ stage() {   # stage NAME SECONDS CMD...: run with a limit, keep its log and its 
     echo "== $name: exit $? after $((SECONDS - t0)) s"
     grep -v -i "warn" "$OUT/$name.log" | tail -40
 }
-stage gpu_truth 150 python3 benchmarks/gpu_truth.py
+stage gpu_truth ${TRUTH_LIMIT:-150} python3 benchmarks/gpu_truth.py
 cp benchmarks/results/gpu_truth.json "$OUT/gpu_truth.json" 2>/dev/null
-stage gpu_step_eager 200 python3 benchmarks/gpu_step.py --device cuda --reps 5
+stage gpu_step_eager ${EAGER_LIMIT:-200} python3 benchmarks/gpu_step.py --device cuda --reps 5
 cp benchmarks/results/gpu_step.json "$OUT/gpu_step_eager.json" 2>/dev/null
 rm -f benchmarks/results/gpu_step.json
-stage gpu_step_compiled 170 python3 benchmarks/gpu_step.py --device cuda --reps 5 --compile \
-    --configs "h1024,host"
+stage gpu_step_compiled ${COMPILE_LIMIT:-170} python3 benchmarks/gpu_step.py --device cuda --reps 5 \
+    --compile --configs "$COMPILE_CONFIGS"
 cp benchmarks/results/gpu_step.json "$OUT/gpu_step_compiled.json" 2>/dev/null
 exit 0
