@@ -197,3 +197,81 @@ def test_the_estimate_counts_the_grouped_collectives(run, tape, free):
     # the head's)
     assert real[("all_gather", ("fsdp",))][0] == 2 * (7 + 4 * free)
     assert real[("reduce_scatter", ("fsdp",))][0] == 2 * 7
+
+
+class _Tail(torch.nn.Module):
+    """A transformers-shaped model: an embedding, layers, the final norm and an LM
+    head (``tied``: the head's weight is the embedding's, as transformers marks it)."""
+
+    def __init__(self, tied=False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+            self.all_tied_weights_keys = {"head.weight": "embed.weight"}
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+_TAIL_PLAN = {"embed": "free_full_weight", "blocks.*": "free_full_weight",
+              "norm": "keep_full_weight", "head": "keep_full_weight"}
+
+
+def _tail_case(tied, tape):
+    from _fsdp import _groups
+    mesh = functp.make_mesh((2,), ("fsdp",))
+    torch.manual_seed(0)
+    model = _Tail(tied).double()
+    for blk in model.blocks:            # (each block's scale in float32: two dtypes)
+        blk.scale.data = blk.scale.data.float()
+    style = FullyShard(2, free=_TAIL_PLAN)
+    apply, params, specs = functp.parallelize(model, mesh, {"fsdp": style})
+    ids = torch.randint(32, (8, 5), generator=torch.Generator().manual_seed(1))
+    step = functp.shard_map(lambda p, i: functp.pmean(apply(p, i).square().mean(), "fsdp"),
+                            mesh, in_specs=(specs, P("fsdp")), out_specs=P())
+    local = functp.shard(ids, mesh, P("fsdp"))
+    step(params, local)            # (the first call checks the order)
+    with functp.comm_log() as log:
+        grads, loss = grads_and_loss(step, params, local, tape=tape)
+    ref_apply, full = functp.functionalize(model)
+    ref, ref_loss = torch.func.grad_and_value(lambda p: ref_apply(p, ids).square().mean())(full)
+    got = apply.unshard(grads)
+    err = max(((got[k] - v).abs().max() / v.abs().max()).item()
+              / (1e-5 if v.dtype == torch.float32 else 1e-10) for k, v in ref.items())
+    # the oracle's groups, and the flat buffers they make (one per group and dtype)
+    oracle = _groups(model, specs, _TAIL_PLAN)
+    buffers = {(g, p.dtype) for m, g in oracle.items()
+               for p in model.get_submodule(m).parameters(recurse=False)}
+    return (abs(loss.item() - ref_loss.item()), err, log.summary(), style.plan_groups(model),
+            oracle, len(buffers))
+
+
+@pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_kept_norm_and_head_are_one_group_as_transformers_wraps_them(run, tied, tape):
+    # transformers' FSDP2 wrapping: each module its fsdp_plan names is a fully_shard
+    # unit, but the kept (final norm, LM head) pair is one; a tied head's rule moves to
+    # the embedding, so the pair is (norm, embedding) and the head gathers with it
+    loss_err, err, log, groups, oracle, buffers = run(2, _tail_case, tied, tape)[0]
+    assert loss_err < 1e-12 and err < 1, (loss_err, err)
+    parts = [{frozenset(m for m in g if g[m] == k) for k in g.values()} for g in (groups, oracle)]
+    assert parts[0] == parts[1], (groups, oracle)          # (the oracle names its own)
+    tail = "embed+norm" if tied else "norm+head"
+    assert groups["norm"] == groups["head"] == tail
+    assert groups["embed"] == ("embed+norm" if tied else "embed")
+    assert log[("reduce_scatter", ("fsdp",))] == buffers
+    # (tape: the freed layers' weights are gathered again in the backward)
+    assert (log[("all_gather", ("fsdp",))] == buffers) != tape
