@@ -243,6 +243,7 @@ def _tail_case(tied, tape):
     step = functp.shard_map(lambda p, i: functp.pmean(apply(p, i).square().mean(), "fsdp"),
                             mesh, in_specs=(specs, P("fsdp")), out_specs=P())
     local = functp.shard(ids, mesh, P("fsdp"))
+    functp.set_overlap(first_bucket_mb=0.01)   # (the reduce-scatters deferred to the entry)
     step(params, local)            # (the first call checks the order)
     with functp.comm_log() as log:
         grads, loss = grads_and_loss(step, params, local, tape=tape)
@@ -275,3 +276,56 @@ def test_the_kept_norm_and_head_are_one_group_as_transformers_wraps_them(run, ti
     assert log[("reduce_scatter", ("fsdp",))] == buffers
     # (tape: the freed layers' weights are gathered again in the backward)
     assert (log[("all_gather", ("fsdp",))] == buffers) != tape
+
+
+def _in_flight_step(events, tape):
+    """A 4-layer step, each layer its own group, that records each layer's backward."""
+    mesh = functp.make_mesh((2,), ("fsdp",))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).double()
+    def mark(module, args, out, i):         # (a forward hook's result would replace out)
+        out.register_hook(lambda ct: events.append((functp.process_index(), "backward", i)))
+    for i, layer in enumerate(model):
+        layer.register_forward_hook(lambda m, a, out, i=i: mark(m, a, out, i))
+    apply, params, specs = functp.parallelize(model, mesh,
+                                              {"fsdp": FullyShard(2, groups=["*"])})
+    step = functp.shard_map(lambda p, x: functp.pmean(apply(p, x).square().mean(), "fsdp"),
+                            mesh, in_specs=(specs, P("fsdp")), out_specs=P())
+    x = torch.randn(8, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    functp.set_overlap(first_bucket_mb=0.01)     # (this rank's: the body is 66 KB)
+    grads, _ = grads_and_loss(step, params, functp.shard(x, mesh, P("fsdp")), tape=tape)
+    ref_apply, full = functp.functionalize(model)
+    ref = torch.func.grad(lambda p: ref_apply(p, x).square().mean())(full)
+    got = apply.unshard(grads)
+    return max(((got[k] - v).abs().max() / v.abs().max()).item() for k, v in ref.items())
+
+
+@pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
+def test_a_groups_reduce_scatter_is_in_flight_during_the_rest_of_the_backward(
+        monkeypatch, tape):
+    # as a gather per weight's was (docs/overlap.md): launched where the group's
+    # gather node runs, waited on at the body's entry, after the earlier layers'
+    # backward; each layer's piece of the result added to its blocks' gradients
+    from functp.ops import _primitives as prim
+    events, record, wait = [], prim._record, prim._wait
+
+    def launched(op, g, x, how="", ragged=False):
+        if op == "reduce_scatter":
+            events.append((functp.process_index(), "launch"))
+        return record(op, g, x, how, ragged)
+
+    def waited(t, op, g):
+        if op == "reduce_scatter":
+            events.append((functp.process_index(), "wait"))
+        return wait(t, op, g)
+
+    monkeypatch.setattr(prim, "_record", launched)
+    monkeypatch.setattr(prim, "_wait", waited)
+    errs = functp.simulate(_in_flight_step, 2, events, tape, check=False)
+    assert max(errs) < 1e-12, errs
+    r = events[0][0]
+    mine = [e[1:] for e in events if e[0] == r]
+    # the last layer's reduce-scatter launched before layer 0's backward, and no
+    # wait before it: four launches, then the waits at the entry
+    assert mine.index(("launch",)) < mine.index(("backward", 0)) < mine.index(("wait",)), mine
+    assert mine.count(("launch",)) == 4 == mine.count(("wait",)), mine
