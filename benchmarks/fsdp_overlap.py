@@ -12,7 +12,8 @@ stored as its half over the ``fsdp`` axis of the two hosts:
 - FSDP2: ``fully_shard`` on each Linear and on the root, ``reshard_after_forward=False``
   (the gathered weights kept for the backward, as functp keeps them) and ``=True``
   (freed after the forward, gathered again in the backward); tape autograd;
-- functp: ``parallelize(model, mesh, {"fsdp": "auto"})`` in one shard_map'd loss
+- functp: ``parallelize(model, mesh, {"fsdp": FullyShard(2, groups=["*"])})`` (each
+  Linear a gather group, FSDP2's units here) in one shard_map'd loss
   (``pmean`` over ``fsdp``), through tape autograd, ``torch.func.grad`` and
   ``functp.value_and_grad``; "no prefetch": the plan's ``FullyShard`` with
   ``prefetch=False`` (each module gathers its weights in its own pre-hook); "no
@@ -59,7 +60,9 @@ def _functp(x, y, prefetch: bool = True, free: bool = False):
     from functp import FullyShard
     n = dist.get_world_size()
     mesh = functp.make_mesh((n,), ("fsdp",))
-    family = "auto" if prefetch and not free else FullyShard(n, prefetch=prefetch, free=free)
+    # the units FSDP2's wrapping above makes (each Linear): a Sequential has no
+    # ModuleList of layers, so functp's default rule would make the model one group
+    family = FullyShard(n, prefetch=prefetch, free=free, groups=["*"])
     apply, params, specs = functp.parallelize(make_model(), mesh, {"fsdp": family})
     loss = functp.shard_map(lambda p, x, y: functp.pmean(mse(apply(p, x), y), "fsdp"),
                             mesh, in_specs=(specs, P("fsdp"), P("fsdp")), out_specs=P())

@@ -197,3 +197,135 @@ def test_the_estimate_counts_the_grouped_collectives(run, tape, free):
     # the head's)
     assert real[("all_gather", ("fsdp",))][0] == 2 * (7 + 4 * free)
     assert real[("reduce_scatter", ("fsdp",))][0] == 2 * 7
+
+
+class _Tail(torch.nn.Module):
+    """A transformers-shaped model: an embedding, layers, the final norm and an LM
+    head (``tied``: the head's weight is the embedding's, as transformers marks it)."""
+
+    def __init__(self, tied=False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+            self.all_tied_weights_keys = {"head.weight": "embed.weight"}
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+_TAIL_PLAN = {"embed": "free_full_weight", "blocks.*": "free_full_weight",
+              "norm": "keep_full_weight", "head": "keep_full_weight"}
+
+
+def _tail_case(tied, tape):
+    from _fsdp import _groups
+    mesh = functp.make_mesh((2,), ("fsdp",))
+    torch.manual_seed(0)
+    model = _Tail(tied).double()
+    for blk in model.blocks:            # (each block's scale in float32: two dtypes)
+        blk.scale.data = blk.scale.data.float()
+    style = FullyShard(2, free=_TAIL_PLAN)
+    apply, params, specs = functp.parallelize(model, mesh, {"fsdp": style})
+    ids = torch.randint(32, (8, 5), generator=torch.Generator().manual_seed(1))
+    step = functp.shard_map(lambda p, i: functp.pmean(apply(p, i).square().mean(), "fsdp"),
+                            mesh, in_specs=(specs, P("fsdp")), out_specs=P())
+    local = functp.shard(ids, mesh, P("fsdp"))
+    functp.set_overlap(first_bucket_mb=0.01)   # (the reduce-scatters deferred to the entry)
+    step(params, local)            # (the first call checks the order)
+    with functp.comm_log() as log:
+        grads, loss = grads_and_loss(step, params, local, tape=tape)
+    ref_apply, full = functp.functionalize(model)
+    ref, ref_loss = torch.func.grad_and_value(lambda p: ref_apply(p, ids).square().mean())(full)
+    got = apply.unshard(grads)
+    err = max(((got[k] - v).abs().max() / v.abs().max()).item()
+              / (1e-5 if v.dtype == torch.float32 else 1e-10) for k, v in ref.items())
+    # the oracle's groups, and the flat buffers they make (one per group and dtype)
+    oracle = _groups(model, specs, _TAIL_PLAN)
+    buffers = {(g, p.dtype) for m, g in oracle.items()
+               for p in model.get_submodule(m).parameters(recurse=False)}
+    return (abs(loss.item() - ref_loss.item()), err, log.summary(), style.plan_groups(model),
+            oracle, len(buffers))
+
+
+@pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_kept_norm_and_head_are_one_group_as_transformers_wraps_them(run, tied, tape):
+    # transformers' FSDP2 wrapping: each module its fsdp_plan names is a fully_shard
+    # unit, but the kept (final norm, LM head) pair is one; a tied head's rule moves to
+    # the embedding, so the pair is (norm, embedding) and the head gathers with it
+    loss_err, err, log, groups, oracle, buffers = run(2, _tail_case, tied, tape)[0]
+    assert loss_err < 1e-12 and err < 1, (loss_err, err)
+    parts = [{frozenset(m for m in g if g[m] == k) for k in g.values()} for g in (groups, oracle)]
+    assert parts[0] == parts[1], (groups, oracle)          # (the oracle names its own)
+    tail = "embed+norm" if tied else "norm+head"
+    assert groups["norm"] == groups["head"] == tail
+    assert groups["embed"] == ("embed+norm" if tied else "embed")
+    assert log[("reduce_scatter", ("fsdp",))] == buffers
+    # (tape: the freed layers' weights are gathered again in the backward)
+    assert (log[("all_gather", ("fsdp",))] == buffers) != tape
+
+
+def _in_flight_step(events, tape):
+    """A 4-layer step, each layer its own group, that records each layer's backward."""
+    mesh = functp.make_mesh((2,), ("fsdp",))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).double()
+    def mark(module, args, out, i):         # (a forward hook's result would replace out)
+        out.register_hook(lambda ct: events.append((functp.process_index(), "backward", i)))
+    for i, layer in enumerate(model):
+        layer.register_forward_hook(lambda m, a, out, i=i: mark(m, a, out, i))
+    apply, params, specs = functp.parallelize(model, mesh,
+                                              {"fsdp": FullyShard(2, groups=["*"])})
+    step = functp.shard_map(lambda p, x: functp.pmean(apply(p, x).square().mean(), "fsdp"),
+                            mesh, in_specs=(specs, P("fsdp")), out_specs=P())
+    x = torch.randn(8, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    functp.set_overlap(first_bucket_mb=0.01)     # (this rank's: the body is 66 KB)
+    grads, _ = grads_and_loss(step, params, functp.shard(x, mesh, P("fsdp")), tape=tape)
+    ref_apply, full = functp.functionalize(model)
+    ref = torch.func.grad(lambda p: ref_apply(p, x).square().mean())(full)
+    got = apply.unshard(grads)
+    return max(((got[k] - v).abs().max() / v.abs().max()).item() for k, v in ref.items())
+
+
+@pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])
+def test_a_groups_reduce_scatter_is_in_flight_during_the_rest_of_the_backward(
+        monkeypatch, tape):
+    # as a gather per weight's was (docs/overlap.md): launched where the group's
+    # gather node runs, waited on at the body's entry, after the earlier layers'
+    # backward; each layer's piece of the result added to its blocks' gradients
+    from functp.ops import _primitives as prim
+    events, record, wait = [], prim._record, prim._wait
+
+    def launched(op, g, x, how="", ragged=False):
+        if op == "reduce_scatter":
+            events.append((functp.process_index(), "launch"))
+        return record(op, g, x, how, ragged)
+
+    def waited(t, op, g):
+        if op == "reduce_scatter":
+            events.append((functp.process_index(), "wait"))
+        return wait(t, op, g)
+
+    monkeypatch.setattr(prim, "_record", launched)
+    monkeypatch.setattr(prim, "_wait", waited)
+    errs = functp.simulate(_in_flight_step, 2, events, tape, check=False)
+    assert max(errs) < 1e-12, errs
+    r = events[0][0]
+    mine = [e[1:] for e in events if e[0] == r]
+    # the last layer's reduce-scatter launched before layer 0's backward, and no
+    # wait before it: four launches, then the waits at the entry
+    assert mine.index(("launch",)) < mine.index(("backward", 0)) < mine.index(("wait",)), mine
+    assert mine.count(("launch",)) == 4 == mine.count(("wait",)), mine

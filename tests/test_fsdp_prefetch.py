@@ -309,9 +309,7 @@ def _hf_free(fsdp_plan):
     (loss, grads, fwd, log, specs, apply, _), (ref_loss, ref_grads) = _step(
         model, mesh, "auto", True, lambda a, p, i: a(p, input_ids=i, use_cache=False).logits,
         distributed_config=config)
-    from _fsdp import _named
-    units = _named(model, set(model.fsdp_plan) | set(fsdp_plan or {}))
-    n = len(set(_groups(model, specs, units).values()))
+    n = len(set(_groups(model, specs, {**model.fsdp_plan, **(fsdp_plan or {})}).values()))
     return (hf._max_error(grads, ref_grads, loss, ref_loss), n, fwd.summary(), log.summary())
 
 

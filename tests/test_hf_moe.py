@@ -179,9 +179,9 @@ def _config_step(model_type, sizes, tape):
     # tp) and (dp_replicate, efsdp, ep), against its index on functp's axes
     where = functp.shard_map(lambda: tuple(functp.axis_index(a) for a in (
         ("efsdp", "ep"), "tp", "efsdp", ("ep", "tp"))), mesh, in_specs=(), out_specs=P())()
-    from _fsdp import _groups, _named
+    from _fsdp import _groups
     dense = {n: P() if ".experts." in n else s for n, s in specs.items()}
-    groups = _groups(model, dense, _named(model, model.fsdp_plan), axis="efsdp")
+    groups = _groups(model, dense, model.fsdp_plan, axis="efsdp")
     return (hf._max_error(apply.unshard(grads), ref_grads, loss, ref_loss), dict(specs),
             batch, mesh.axis_names, dict(mesh.shape), log.summary(), where,
             len(set(groups.values())))
@@ -228,7 +228,7 @@ def test_a_config_with_ep_and_fsdp_shards_dense_over_fsdp_and_experts_over_ep_an
     assert fsdp and all(("tp" in s.axes) != (n in fsdp) or not s.axes
                         for n, s in dense.items()), dense
     # one gather and one reduce-scatter per group (the model's fsdp_plan units: each
-    # layer, the embedding, the norm, the LM head) and layer call; under tape the
+    # layer, the embedding, the final norm with the LM head) and layer call; under tape the
     # layers the model's fsdp_plan frees (free_full_weight) gather the weights their
     # backward reads once more, one by one (torch.func keeps them)
     gathers = log[("all_gather", ("efsdp", "ep"))]

@@ -14,6 +14,15 @@ Every block of a group is even over the axis (FSDP splits only a dimension the a
 divides), so a rank's part of the flat buffer is the concatenation of its blocks, all
 ranks' parts the same length: no padding is needed, and none shows in what the user
 sees (the blocks, their specs, checkpoints).
+
+The group's reduce-scatter stays in flight during the rest of the backward, as a
+gather per weight's did (``ops/_overlap``): where every block of a flat buffer is an
+input of the same top-level body (its entry's :class:`~functp.ops._overlap.Sink`
+tagged it), the buffer carries a :class:`_FlatSink`, and the gather's backward
+launches the reduce-scatter without waiting and hands each block its piece of the
+result (views: read only after the entry's wait), added to that input's gradient at
+the entry. Otherwise (HSDP's aliases, blocks made inside the body, a backward that
+cannot defer) it is waited on at once.
 """
 from __future__ import annotations
 
@@ -22,8 +31,44 @@ from typing import Hashable
 import torch
 
 from ..ops._collectives import all_gather, axis_size, pvary
+from ..ops._overlap import SINK
 
 __all__ = ["gather_group"]
+
+
+class _FlatSink:
+    """A flat buffer's stand-in for its blocks' entry sink: the gather's backward
+    (``_ops._ag_bwd``) calls :meth:`defer` with the buffer's gradient and the launch
+    of its reduce-scatter; each block's piece goes to its input at the entry."""
+
+    def __init__(self, tags: list, shapes: list) -> None:
+        self.tags, self.shapes = tags, shapes      # per block: (Sink, index), its shape
+
+    def defer(self, _, ct: torch.Tensor, launch) -> bool:
+        pieces = []
+
+        def first():                # the collective, launched once, not waited on
+            out = launch()
+            pieces.extend(out.split([s.numel() for s in self.shapes]))
+            return pieces[0].view(self.shapes[0])
+        (sink, j), rest = self.tags[0], self.tags[1:]
+        if not sink.defer(j, ct, first):
+            return False            # (nothing launched: the gather waits as usual)
+        for (sink, j), piece, shape in zip(rest, pieces[1:], self.shapes[1:]):
+            sink.defer(j, ct, lambda piece=piece, shape=shape: piece.view(shape))
+        return True
+
+
+def _tag(flat: torch.Tensor, blocks: list) -> torch.Tensor:
+    """``flat`` with a :class:`_FlatSink` where each of ``blocks`` (its parts, in
+    order) is an input of one body's entry; else as it is."""
+    # (a block twice, a tied weight used by two modules: both pieces are added)
+    tags = [b.__dict__.get(SINK) for b in blocks]
+    if tags and all(t is not None for t in tags) and len({id(t[0]) for t in tags}) == 1:
+        if flat.__dict__.get(SINK) is not None:      # (the one block itself: a view)
+            flat = flat.view_as(flat)
+        flat.__dict__[SINK] = (_FlatSink(tags, [b.shape for b in blocks]), 0)
+    return flat
 
 
 def gather_group(blocks: dict[Hashable, tuple[torch.Tensor, int]], axis,
@@ -57,6 +102,8 @@ def gather_group(blocks: dict[Hashable, tuple[torch.Tensor, int]], axis,
         parts = [(pvary(blocks[k][0], replicate) if replicate else blocks[k][0]).reshape(-1)
                  for k in keys]
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)          # copy-in
+        if not replicate:       # (HSDP: its aliases' gradients go through the buckets)
+            flat = _tag(flat, [blocks[k][0] for k in keys])
         gathered = all_gather(flat, axis, axis=0, tiled=True).view(size, -1)
         # (split, not a slice per weight: its transpose is one concatenation)
         for key, piece in zip(keys, gathered.split([p.numel() for p in parts], dim=1)):

@@ -244,6 +244,53 @@ def _frees(plan, name: str) -> bool:
     return False
 
 
+def _embeddings(root: nn.Module, names: dict) -> tuple[str | None, str | None]:
+    """The names of ``root``'s input embedding and output head (transformers'
+    ``get_input_embeddings`` / ``get_output_embeddings``), None where it has none."""
+    out = []
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            m = getattr(root, get)() if hasattr(root, get) else None
+        except (NotImplementedError, AttributeError):     # (a model without one)
+            m = None
+        out.append(None if m is None else names.get(id(m)))
+    return out[0], out[1]
+
+
+def _fsdp2_units(root: nn.Module, plan: dict) -> dict[str, str]:
+    """The FSDP2 units transformers' ``fsdp_plan`` makes of ``root``: module name ->
+    the name of its unit's group.
+
+    Each module a pattern of ``plan`` names is a unit (the first matching pattern
+    says how), after transformers folds a tied LM head's rule into the embedding's
+    (with ``all_tied_weights_keys``: the embedding's own rule dropped, and a
+    ``keep_full_weight`` head's moved to it); where exactly two modules are kept
+    (``keep_full_weight``) and they are the final norm (``norm`` or ``*.norm``) and
+    the input embedding or the output head, the two are one unit, gathered together
+    (``"model.norm+lm_head"``), as transformers wraps that tail pair in one
+    ``fully_shard``. Example: a transformers Llama's plan (``model.embed_tokens``
+    and ``model.layers.*`` freed, ``model.norm`` and ``lm_head`` kept) gives the
+    embedding, each layer, and ``model.norm+lm_head``."""
+    names = {id(m): n for n, m in root.named_modules()}
+    how = {}
+    for n in names.values():
+        h = next((h for p, h in plan.items() if matches_rule(p, n)), None)
+        if h is not None:
+            how[n] = h
+    embed, head = _embeddings(root, names)
+    if getattr(root, "all_tied_weights_keys", None) and embed is not None and head is not None:
+        how.pop(embed, None)
+        if how.get(head) == "keep_full_weight":
+            del how[head]
+            how[embed] = "keep_full_weight"
+    units = {n: n for n in how}
+    kept = [n for n in names.values() if how.get(n) == "keep_full_weight"]
+    if (len(kept) == 2 and any(n == "norm" or n.endswith(".norm") for n in kept)
+            and any(n is not None and n in (embed, head) for n in kept)):
+        units.update(dict.fromkeys(kept, "+".join(kept)))
+    return units
+
+
 class FullyShard(Style):
     """Shards every own parameter of a module over the plan axis; gathers it per call,
     one module ahead (see prefetch below).
@@ -264,10 +311,12 @@ class FullyShard(Style):
     whose weights the backward reads; not with ``create_graph=True``). ``torch.func`` transforms keep them;
     ``groups`` – which modules' blocks are gathered together, by one all-gather per
     dtype (and their gradients reduce-scattered by one): None (the default) groups
-    each module under the deepest unit holding it, a unit being a module ``free``'s
-    patterns name (transformers' ``fsdp_plan``: FSDP2's ``fully_shard`` units) or an
-    item of an ``nn.ModuleList`` (a layer), the rest in the root's group; a list of
-    module patterns names the units instead; ``"module"``: one group per module.
+    each module under the deepest unit holding it, the units being those
+    transformers' FSDP2 wrapping makes of ``free``'s plan (each module it names; the
+    final norm and the LM head, when both are kept, one unit) and each item of an
+    ``nn.ModuleList`` (a layer), the rest in the root's group (a tied LM head in its
+    embedding's); a list of module patterns names the units instead; ``"module"``:
+    one group per module.
     A group is gathered when its first module runs (and prefetched whole).
 
     Example (what ``parallelize(model, mesh, {"fsdp": "auto"})`` applies to each module;
@@ -328,31 +377,50 @@ class FullyShard(Style):
 
     def plan_groups(self, root: nn.Module) -> dict[str, str]:
         """Puts the modules this style shards (those of ``root``'s tree) in their
-        gather groups; returns module name -> the name of its group's unit.
+        gather groups; returns module name -> the name of its group (its unit's name;
+        ``"a+b"`` for two units gathered as one; ``""``: the root's group).
 
-        A unit is a module the ``groups`` patterns name (default: the ``free``
-        plan's patterns, as transformers' ``fsdp_plan`` names FSDP2's
-        ``fully_shard`` units, and each item of an ``nn.ModuleList``, the repeated
-        layers); a module belongs to the deepest unit holding it, else to the root's
-        group (``""``), as FSDP2's root ``fully_shard`` takes what is left."""
-        names = {id(m): n for n, m in root.named_modules()}
+        A unit is a module the ``groups`` patterns name, or by default what
+        transformers' FSDP2 wrapping makes one (:func:`_fsdp2_units`: each module the
+        ``free`` plan names, the final norm and the LM head kept together, and each
+        item of an ``nn.ModuleList``, the repeated layers); a module belongs to the
+        deepest unit holding it, else, where each of its parameters is another
+        module's (tied), to that module's group, else to the root's (``""``), as
+        FSDP2's root ``fully_shard`` takes what is left."""
+        named = dict(root.named_modules())
+        names = {id(m): n for n, m in named.items()}
         if self.groups == "module":
-            units = set(names.values())
+            units = {n: n for n in named}
+        elif self.groups is not None:
+            units = {n: n for n in named if any(matches_rule(p, n) for p in self.groups)}
         else:
-            pats = self.groups if self.groups is not None else \
-                list(self.free) if isinstance(self.free, dict) else []
-            units = {n for n in names.values() if any(matches_rule(p, n) for p in pats)}
-            if self.groups is None:
-                units |= {f"{n}.{c}" if n else c for n, m in root.named_modules()
-                          if isinstance(m, nn.ModuleList) for c, _ in m.named_children()}
+            units = _fsdp2_units(root, self.free if isinstance(self.free, dict) else {})
+            for n, m in named.items():
+                if isinstance(m, nn.ModuleList):
+                    for c, _ in m.named_children():
+                        units.setdefault(f"{n}.{c}" if n else c, f"{n}.{c}" if n else c)
+        owner = {}                      # id(parameter) -> the first module holding it
+        for n, m in named.items():
+            for p in m._parameters.values():
+                if p is not None:
+                    owner.setdefault(id(p), n)
+
+        def unit(name: str) -> str:
+            parts = name.split(".") if name else []
+            return next((units[".".join(parts[:k])] for k in range(len(parts), 0, -1)
+                         if ".".join(parts[:k]) in units), "")
+
         out = {}
         for mod in list(self._order.mods.values()):
             name = names.get(id(mod))
             if name is None:
                 continue                # (another model's module: its own plan groups it)
-            parts = name.split(".") if name else []
-            out[name] = next((".".join(parts[:k]) for k in range(len(parts), 0, -1)
-                              if ".".join(parts[:k]) in units), "")
+            out[name] = unit(name)
+            # a module whose weights are another's (an LM head tied to the embedding)
+            # goes with that module's group, as FSDP2 wraps a parameter once
+            tied = {owner[id(p)] for p in mod._parameters.values() if p is not None}
+            if out[name] == "" and len(tied) == 1 and name not in tied:
+                out[name] = unit(tied.pop())
             self._order.key[id(mod)] = (id(root), out[name])
         self._order.rebuild()
         return out
