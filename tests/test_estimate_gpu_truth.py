@@ -62,6 +62,46 @@ def _functp_programs():
     return mod
 
 
+FUNCTP_ROWS = [r for r in json.load(open(os.path.join(HERE, "gpu_truth_h200_functp.json")))["rows"]
+               if r["step"] != "plain tape"]
+# One step kind per shape (tape), and all three on the small shape. Bounds: 5% where
+# the estimate holds; looser, with the reason, where it does not yet:
+# - the 8B-shaped SDPA rows: the estimate's step peak is 1.49x (tape) and 1.26x
+#   (func.grad) the measured one, while the same program without functp estimates
+#   within 2%: under functp's union rule the CPU fakes' SDPA counts more than CUDA's
+#   flash kernel holds (not yet found; issue 40);
+# - func.grad of the 8B shape (eager): 1.18x; the measurement was taken on main with
+#   the size-1 pvarys removed (no pvary node over a 1-rank axis), which this estimate
+#   of the same program does not yet reflect everywhere.
+# - the 8B-shaped eager rows' step peak: 1.06x (tape), the plain program's within 5%:
+#   the union rule's pvary'd copies counted on the fakes that the GPU run does not make.
+_LOOSE = {("8b-L2 1x2048 sdpa", "functp tape"): 1.55,
+          ("8b-L2 1x2048 eager", "functp tape"): 1.10,
+          ("8b-L2 1x2048 sdpa", "functp func.grad"): 1.30,
+          ("8b-L2 1x2048 eager", "functp func.grad"): 1.22}
+_CHOSEN = [r for r in FUNCTP_ROWS
+           if r["step"] == "functp tape" or r["name"].startswith("mid")
+           or (r["name"], r["step"]) in _LOOSE]
+
+
+@pytest.mark.parametrize("row", _CHOSEN, ids=[f"{r['name']}-{r['step']}" for r in _CHOSEN])
+def test_gpu_truth_functp_steps(row):
+    """functp's own steps (tape, value_and_grad, torch.func.grad over a 1x1 mesh)
+    against the allocator: the resident bytes within 5% everywhere (functp leaves
+    nothing allocated between steps beyond the parameters: the fix of its cycles);
+    the step peak and total peak within 5%, or the documented bound above."""
+    program = _functp_programs().program
+    est = functp.estimate(lambda: program(row["config"], "cuda", row["step"])(), 1)
+    assert abs(est.resident_bytes / row["resident_bytes"] - 1) < 0.05
+    bound = _LOOSE.get((row["name"], row["step"]))
+    step = est.step_peak_bytes / row["step_peak_above_resident_bytes"]
+    total = est.peak_bytes / row["peak_total_bytes"]
+    if bound is None:
+        assert abs(step - 1) < 0.05 and abs(total - 1) < 0.05, (step, total)
+    else:          # over-estimates, never under
+        assert 0.95 < step < bound and 0.95 < total < bound, (step, total)
+
+
 class _Made(torch.utils._python_dispatch.TorchDispatchMode):
     """Weak references to the storages the ops make within it."""
 
