@@ -117,8 +117,14 @@ class Tags:
             t.__dict__[_TAG] = tag
 
     def forget(self, tensors) -> None:
-        """Drops the tags of the body's inputs (the user's tensors) once it is done,
-        so that none is left in their ``__dict__`` (torch.save would keep it)."""
+        """Once the body is done: drops the tags of its inputs (the user's tensors),
+        so that none is left in their ``__dict__`` (torch.save would keep it), and
+        the body's rule (``mode``), whose reference back to the tracker is a cycle:
+        left, every tensor the tracker caches (the pvarys and their inputs, the
+        entry aliases) would stay allocated after the step until Python's cycle
+        collector ran, a step's activations or more on a GPU."""
+        if getattr(self, "mode", None) is not None:
+            self.mode = None
         for t in tensors:
             d = t.__dict__        # set() tags an input itself only (its own level)
             if _TAG in d:
@@ -137,7 +143,9 @@ class EntryAliases:
     after the whole backward), and the views of the inputs, to view an alias alike."""
 
     def __init__(self, tags: Tags):
-        self.tags = tags
+        # the run's token, not the tracker: the tracker holds this object, and a
+        # reference back would be a cycle keeping the body's tensors alive after it
+        self.token = tags.token
         self.entry: list[torch.Tensor] = []    # the aliased inputs
         self.aliases: list[dict] = []          # per input: {axes: alias}
         # id of an input or a view of it -> (it, index, the view ops that made it from
@@ -156,7 +164,7 @@ class EntryAliases:
             self.of[id(local[i])] = (local[i], j, ())
         self.entry.extend([local[i] for i in aliased])
         self.aliases.extend([{} for _ in aliased])
-        token = self.tags.token
+        token = self.token
         for key, axes, idx in groups:
             # over axes of size 1 the gradient's psum is the identity: a view carries
             # the tag, with no op, no backward node and no launch point (_overlap)
