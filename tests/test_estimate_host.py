@@ -76,3 +76,18 @@ def test_pycalls_counts_python_and_c_calls():
     with PyCalls() as c:
         f(1)
     assert c.total == 1 and c.builtin >= 1 and c.functp == 0
+
+
+def test_counting_leaves_the_peak_alone():
+    """Counting the host's calls holds no frame (and so no tensor) past its return."""
+    def program():
+        a = torch.randn(256, 256)
+        b = _square(a)
+        return (b @ a).sum()
+    assert (functp.estimate(program, 1).peak_bytes ==
+            functp.estimate(program, 1, hardware=HW).peak_bytes)
+
+
+def _square(a):
+    t = a @ a          # a temporary that dies with this frame
+    return t @ a

@@ -74,7 +74,7 @@ class PyCalls:
         # counts when it was made: a step's Python starts there, before its first
         # operator (see ``entered``)
         self.root: Any = None
-        self.latest: tuple = (None, 0, 0)
+        self.latest: tuple = (None, 0, 0)     # ((id, code) of the frame, calls, ops)
         self.ops: Any = None          # an object with ``ops`` (operators so far), or None
         self._previous = None
 
@@ -114,7 +114,9 @@ class PyCalls:
             if self.root is None:
                 self.root = frame
             elif frame.f_back is self.root:
-                self.latest = (frame, self.total + self.builtin,
+                # (the frame's id and code, not the frame: a frame held after it
+                # returns keeps its tensors, and the estimate's peak, alive)
+                self.latest = ((id(frame), code), self.total + self.builtin,
                                self.ops.ops if self.ops is not None else 0)
             self.total += 1
             self.functp += kind
@@ -128,7 +130,7 @@ class PyCalls:
         if frame is None:
             return None
         f = sys._getframe()
-        while f is not None and f is not frame:
+        while f is not None and (id(f), f.f_code) != frame:
             f = f.f_back
         return (py, ops) if f is not None else None
 
