@@ -13,10 +13,12 @@ prediction from a hardware profile (``_hardware``), with two bounds.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import linecache
 import os
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -29,6 +31,7 @@ from ..runtime import _comm_log
 from ..runtime import _crosscheck
 from . import _estimate_plot
 from . import _fake_devices
+from . import _host_count
 from . import _host_reads
 from ..mesh import _mesh
 from ..runtime import _world
@@ -60,10 +63,11 @@ class _OpRecorder(TorchDispatchMode):
     decompositions), with the FLOPs torch's formula gives this call and the bytes
     the call reads and writes (for the time model)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: "_Host | None" = None) -> None:
         super().__init__()
         self.calls: list[tuple[str, int, int, str]] = []   # (operator, flops, bytes, dtype)
         self.uncounted: dict[str, int] = {}
+        self.host = host
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -78,6 +82,8 @@ class _OpRecorder(TorchDispatchMode):
                   sum(t.numel() * t.element_size() for t in tensors))
         dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "float32"
         self.calls.append((name, flops, nbytes, dtype))
+        if flops and self.host is not None and self.host.start is None:
+            self.host.begin(len(self.calls) - 1)
         if (formula is None and not func.is_view and func.namespace == "aten"
                 and name not in _NO_COMPUTE
                 and any(isinstance(t, torch.Tensor) for t in optree.tree_leaves(args))):
@@ -116,8 +122,9 @@ class _Tracker(MemTracker):
     def _post_bw_hook(self, module, args) -> None:
         pass
 
-    def __init__(self) -> None:
+    def __init__(self, host: "_Host | None" = None) -> None:
         super().__init__()
+        self.host = host              # counts the operators the program dispatches
         self._comm: dict[int, tuple[Any, Any]] = {}  # id -> (weakref to storage, its winfo)
         self._copy: Any = None        # weakref to the storage the last op copied into
         self._peaks: dict = {}        # MemTracker's peak per device, as last seen
@@ -127,6 +134,20 @@ class _Tracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # MemTracker's state read here (_peak_mem, _WINFO) is set in its __init__;
         # a torch without it fails the estimate tests, not silently
+        if self.host is None:
+            return self._dispatch(func, types, args, kwargs)
+        # the top mode: the operator as the program dispatched it; what runs below
+        # (fake kernels, counters) is no Python work of a real step
+        was = sys.getprofile()
+        sys.setprofile(None)
+        if func.namespace != "prim":
+            self.host.ops += 1
+        try:
+            return self._dispatch(func, types, args, kwargs)
+        finally:
+            sys.setprofile(was)
+
+    def _dispatch(self, func, types, args, kwargs):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func.namespace == "_c10d_functional" and func not in _NOT_A_BUFFER:
             self._note_comm(func, args, out)
@@ -160,6 +181,68 @@ class _Tracker(MemTracker):
                 key = id(winfo)
                 self._comm[key] = (weakref.ref(st, lambda _, k=key: self._comm.pop(k, None)),
                                    winfo)
+
+
+class _Host:
+    """The host's work in a traced step and where the step synchronizes: operators
+    the program dispatched (``ops``, counted by the top mode), Python calls
+    (``python``), and at each host read a cut: (operator records, collectives,
+    operators dispatched, Python calls) so far."""
+
+    def __init__(self) -> None:
+        self.ops = 0
+        self.python = _host_count.PyCalls()
+        self.python.ops = self
+        self.start: tuple | None = None
+        self.cuts: list[tuple] = []
+        self._calls: list = []
+        self._events: list = []
+
+    def watch(self, calls: list, events: list) -> None:
+        self._calls, self._events = calls, events
+
+    def now(self) -> tuple:
+        return (len(self._calls), len(self._events), self.ops,
+                self.python.total + self.python.builtin)
+
+    def begin(self, index: int) -> None:
+        """The step starts at operator record ``index``, the first that computes
+        (building a model computes nothing; its initialization is not the step's),
+        inside the operator just counted; its host work from where the program's
+        call that issued it began (``PyCalls.entered``)."""
+        _, events, ops, py = self.now()
+        self.start = (index, events, ops - 1, py)
+        at = self.python.entered()
+        if at is not None:               # from where the step's outermost call began
+            self.start = (index, events, at[1], at[0])
+
+    def sync(self) -> None:
+        self.cuts.append(self.now())
+
+    def time(self, hw: Hardware, calls: list, events: list, members: dict) -> "StepTime":
+        """The step's :class:`StepTime`: per stretch between host reads (from the
+        step's start), the device's compute and communication over that stretch's
+        operators and collectives, and the host's operators and Python calls."""
+        end = self.now()
+        start = self.start or (0, 0, 0, 0)
+        # the device's time from the first record (as before the host was counted),
+        # the host's from the step's start
+        marks = [(0, 0, start[2], start[3])]
+        for c in self.cuts + [end]:       # (reads before the step are its setup's)
+            if c[0] > start[0] and c != marks[-1]:
+                marks.append(c)
+        if len(marks) == 1:
+            marks.append(end)
+        parts, ops, py = [], 0, 0
+        for a, b in zip(marks, marks[1:]):
+            compute = sum(op_seconds(hw, f, n, d) for _, f, n, d in calls[a[0]:b[0]])
+            comm = sum(collective_seconds(hw, e.op, e.nbytes, members[frozenset(e.axes)])
+                       for e in events[a[1]:b[1]])
+            parts.append((compute, comm, (b[2] - a[2]) * hw.host_call +
+                          (b[3] - a[3]) * hw.host_python))
+            ops, py = ops + b[2] - a[2], py + b[3] - a[3]
+        return StepTime(sum(p[0] for p in parts), sum(p[1] for p in parts),
+                        sum(p[2] for p in parts), ops, py, tuple(parts))
 
 
 class _DryRank:
@@ -200,29 +283,41 @@ class _DryRank:
 @dataclass(frozen=True)
 class StepTime:
     """A predicted step time (seconds) and its two bounds: ``overlapped`` if every
-    collective hides behind computation, ``serial`` if none does. ``host``: the
-    time the host takes to issue the step (its operator calls times the profile's
-    ``host_call``; 0 where the profile has none). The device runs no faster than the
-    host issues work, so each bound is at least ``host``; ``bound`` says which side
-    the step sits on (``"host"`` or ``"device"``). The step is taken as one stretch
-    between synchronizations (a program that synchronizes inside its step, e.g.
-    with ``.item()``, can be slower)."""
+    collective hides behind computation, ``serial`` if none does.
+
+    ``host``: the time the host takes to issue the step: its operator calls
+    (``host_calls``) times the profile's ``host_call`` plus its Python function
+    calls (``python_calls``: the model's, torch's and functp's own Python, C
+    functions called from Python included) times ``host_python`` (0 where the
+    profile has none). The device runs no faster than the host issues work, and
+    waits for it after each synchronization: the step is cut into ``stretches``
+    at each host read (``.item()``, ``tolist()``, ``bool()``, a shape that depends
+    on values), each a ``(compute, communication, host)`` triple, and a bound is
+    the sum over stretches of ``max(device, host)``; ``compute``, ``communication``
+    and ``host`` are the sums. ``bound`` says which side most of the step sits on
+    (``"host"`` or ``"device"``)."""
     compute: float
     communication: float
     host: float = 0.0
     host_calls: int = 0
+    python_calls: int = 0
+    stretches: tuple = ()
+
+    def _parts(self) -> tuple:
+        return self.stretches or ((self.compute, self.communication, self.host),)
 
     @property
     def overlapped(self) -> float:
-        return max(self.compute, self.communication, self.host)
+        return sum(max(c, m, h) for c, m, h in self._parts())
 
     @property
     def serial(self) -> float:
-        return max(self.compute + self.communication, self.host)
+        return sum(max(c + m, h) for c, m, h in self._parts())
 
     @property
     def bound(self) -> str:
-        return "host" if self.host > max(self.compute, self.communication) else "device"
+        on_host = sum(h for c, m, h in self._parts() if h > max(c, m))
+        return "host" if on_host > self.overlapped / 2 else "device"
 
     def __str__(self) -> str:
         return f"{_secs(self.overlapped)} .. {_secs(self.serial)}"
@@ -370,9 +465,12 @@ class Estimate:
                 lines.append(f"        device: {e.device}")
             if e.seconds is not None:
                 t = e.seconds
+                cut = (f" over {len(t.stretches)} stretches between host reads"
+                       if len(t.stretches) > 1 else "")
                 lines.append(f"        compute {_secs(t.compute)}, communication "
                              f"{_secs(t.communication)}, host {_secs(t.host)} "
-                             f"({t.host_calls} operator calls): {t.bound}-bound")
+                             f"({t.host_calls} operator calls, {t.python_calls} Python "
+                             f"calls){cut}: {t.bound}-bound")
             for read in e.reads:
                 lines.append(f"        host read: {read}")
             if e.uncounted:       # the most called first; est[r].uncounted has them all
@@ -548,6 +646,9 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
     caller = _world.process_state()
     previous = _crosscheck.set_debug(False)     # no peers to compare with
     dry = _DryRank(rank, nprocs, prefix)
+    # the host's work is counted for a time prediction only (counting Python calls
+    # slows the trace)
+    host = _Host() if hw is not None else None
     _world.set_dry_run(dry)
     try:
         with mode, _host_reads.Values(*rules) as values, _host_reads.ToList(values), devices:
@@ -556,10 +657,14 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
             # (MemTracker on top, as on a real run: it sees the operators the
             # program calls, not FlopCounterMode's decompositions of them; the
             # values just above the fakes, where the others see every operator)
-            with _comm_log.comm_log() as log, _OpRecorder() as ops, \
-                    FlopCounterMode(display=False) as flops, _Tracker() as mem:
+            with _comm_log.comm_log() as log, _OpRecorder(host) as ops, \
+                    FlopCounterMode(display=False) as flops, _Tracker(host) as mem:
+                if host is not None:
+                    host.watch(ops.calls, log.events)
+                    values.on_sync = host.sync
                 try:
-                    result = fn(*fargs, **fkwargs)
+                    with host.python if host is not None else contextlib.nullcontext():
+                        result = fn(*fargs, **fkwargs)
                 except (DataDependentOutputException, DynamicOutputShapeException) as e:
                     raise _host_read(e, rank) from None
                 except RuntimeError as e:
@@ -582,17 +687,7 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
                  if k != "Total" and v}
     seconds = None
     if hw is not None:
-        # the step's operator calls: from the first that computes (building a
-        # model computes nothing; its initialization is not the step's)
-        # (prim.device: fake tensors asking each other's device, not a call of the
-        # program's)
-        start = next((i for i, c in enumerate(ops.calls) if c[1] > 0), 0)
-        issued = sum(1 for c in ops.calls[start:] if not c[0].startswith("prim."))
-        seconds = StepTime(
-            sum(op_seconds(hw, f, b, d) for _, f, b, d in ops.calls),
-            sum(collective_seconds(hw, e.op, e.nbytes, dry.members[frozenset(e.axes)])
-                for e in log.events),
-            issued * hw.host_call, issued)
+        seconds = host.time(hw, ops.calls, log.events, dry.members)
     resident = sum(breakdown.get(k, 0) for k in ("Parameter", "Buffer", "Optstate"))
     return RankEstimate(rank, log, int(flops.get_total_flops()), by_op, ops.uncounted,
                         int(snap.get("Total", 0)), breakdown, seconds, values.reads,

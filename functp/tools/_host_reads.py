@@ -127,6 +127,10 @@ class Values(TorchDispatchMode):
         self.rules = dict(reads or {})
         self.routing = _check_routing(routing)
         self._reads: dict[tuple, HostRead] = {}
+        # called at each read that waits for the device on a real run (a value read
+        # on the host, a shape that depends on values): the estimate cuts its step
+        # time there (None: nothing to tell)
+        self.on_sync: Any = None
 
     @property
     def reads(self) -> list[HostRead]:
@@ -155,6 +159,8 @@ class Values(TorchDispatchMode):
 
     def read(self, op: str, t: torch.Tensor, convert) -> Any:
         """A host read of ``t``, answered by the first rule that applies."""
+        if self.on_sync is not None:
+            self.on_sync()
         site = _site()
         for where, value in self.rules.items():
             if where in site:
@@ -233,6 +239,8 @@ class Values(TorchDispatchMode):
     def _from_values(self, func, args, kwargs):
         """An operator whose output (or its shape) depends on values: run for real on
         the known values, zeros for the unknown, and its output made fake."""
+        if self.on_sync is not None:        # (a real run reads the size on the host)
+            self.on_sync()
         (rargs, rkwargs), missing = self._reals(args, kwargs, default=True)
         with disable_current_modes():      # (the fake mode below would take the reals)
             real = func(*rargs, **rkwargs)

@@ -1,0 +1,93 @@
+"""Host time in functp.estimate: the counts it records and the per-stretch sum, with
+the per-call costs injected (no timing is asserted)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import functp
+from functp.tools._host_count import PyCalls
+
+# a profile whose device is fast and whose host costs are round numbers
+HW = dataclasses.replace(functp.tools._hardware.HARDWARE["h100-sxm"],
+                         host_call=1e-6, host_python=1e-7)
+
+
+def _synced():
+    """Two matmul stretches with a host read (.item()) between them."""
+    a = torch.randn(64, 64)
+    b = a @ a
+    if b.sum().item() > -1e30:       # the read: the host waits for the device here
+        b = b @ a
+    return b @ a
+
+
+def test_step_is_cut_at_host_reads_and_each_stretch_is_max_of_device_and_host():
+    t = functp.estimate(_synced, 1, hardware=HW).seconds
+    assert len(t.stretches) == 2
+    assert t.host_calls > 0 and t.python_calls > 0
+    # each stretch's host time is its own counts at the injected costs, summed
+    assert t.host == pytest.approx(t.host_calls * 1e-6 + t.python_calls * 1e-7)
+    assert t.host == pytest.approx(sum(h for _, _, h in t.stretches))
+    assert t.compute == pytest.approx(sum(c for c, _, _ in t.stretches))
+    assert t.overlapped == pytest.approx(sum(max(c, m, h) for c, m, h in t.stretches))
+    assert t.serial == pytest.approx(sum(max(c + m, h) for c, m, h in t.stretches))
+    # the cut is not the whole step's max: a device-bound stretch beside a
+    # host-bound one adds up
+    one = max(t.compute, t.communication, t.host)
+    assert t.overlapped >= one
+    assert "2 stretches between host reads" in str(functp.estimate(_synced, 1, hardware=HW))
+
+
+def test_no_read_one_stretch():
+    def program():
+        a = torch.randn(64, 64)
+        return a @ a
+    t = functp.estimate(program, 1, hardware=HW).seconds
+    assert len(t.stretches) == 1
+    assert t.overlapped == pytest.approx(max(t.compute, t.communication, t.host))
+
+
+def test_functp_python_is_counted():
+    """A functp shard_map step counts functp's own Python calls on top of the same
+    operators a plain step issues."""
+    def plain():
+        w = torch.randn(16, 16, requires_grad=True)
+        (torch.ones(4, 16) @ w).tanh().sum().backward()
+        return w.grad
+
+    def sharded():
+        mesh = functp.make_mesh((1,), ("dp",))
+        w = torch.randn(16, 16, requires_grad=True)
+        f = functp.shard_map(lambda w, x: functp.psum((x @ w).tanh().sum(), "dp"), mesh,
+                             in_specs=(functp.P(), functp.P("dp")), out_specs=functp.P())
+        f(w, torch.ones(4, 16)).backward()
+        return w.grad
+    p = functp.estimate(plain, 1, hardware=HW).seconds
+    s = functp.estimate(sharded, 1, hardware=HW).seconds
+    assert s.python_calls > p.python_calls + 20
+
+
+def test_pycalls_counts_python_and_c_calls():
+    def f(x):
+        return len([x, x])
+    with PyCalls() as c:
+        f(1)
+    assert c.total == 1 and c.builtin >= 1 and c.functp == 0
+
+
+def test_counting_leaves_the_peak_alone():
+    """Counting the host's calls holds no frame (and so no tensor) past its return."""
+    def program():
+        a = torch.randn(256, 256)
+        b = _square(a)
+        return (b @ a).sum()
+    assert (functp.estimate(program, 1).peak_bytes ==
+            functp.estimate(program, 1, hardware=HW).peak_bytes)
+
+
+def _square(a):
+    t = a @ a          # a temporary that dies with this frame
+    return t @ a
