@@ -24,7 +24,7 @@ SECTIONS = [
     ("Collectives", ["_collectives", "_ragged"]),
     ("Communication log and the cross-rank check", ["_comm_log", "_crosscheck"]),
     ("One process: simulated ranks, printing, layouts", ["_simulate", "_world", "_show"]),
-    ("Dry runs: what a step costs", ["_estimate", "_rank_meshes", "_hardware"]),
+    ("Dry runs: what a step costs", ["_estimate", "_host_time", "_rank_meshes", "_hardware"]),
     ("Training: gradients, norms, accumulation, mixed precision, remat, optimizers",
      ["_autodiff", "_grads", "_overlap", "_precision", "_remat", "_optim"]),
     ("Plans and styles", ["_parallelize", "_plans", "_rules", "_verify", "_style", "_tp", "_ep", "_hf",

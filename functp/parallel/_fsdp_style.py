@@ -291,6 +291,47 @@ def _fsdp2_units(root: nn.Module, plan: dict) -> dict[str, str]:
     return units
 
 
+def _module_groups(root: nn.Module, groups, free, mods: list) -> tuple[dict, dict]:
+    """:meth:`FullyShard.plan_groups`' rule, for the modules ``mods`` of ``root``'s
+    tree: returns (module name -> group name, id(module) -> group name)."""
+    named = dict(root.named_modules())
+    names = {id(m): n for n, m in named.items()}
+    if groups == "module":
+        units = {n: n for n in named}
+    elif groups is not None:
+        units = {n: n for n in named if any(matches_rule(p, n) for p in groups)}
+    else:
+        units = _fsdp2_units(root, free if isinstance(free, dict) else {})
+        for n, m in named.items():
+            if isinstance(m, nn.ModuleList):
+                for c, _ in m.named_children():
+                    units.setdefault(f"{n}.{c}" if n else c, f"{n}.{c}" if n else c)
+    owner = {}                      # id(parameter) -> the first module holding it
+    for n, m in named.items():
+        for p in m._parameters.values():
+            if p is not None:
+                owner.setdefault(id(p), n)
+
+    def unit(name: str) -> str:
+        parts = name.split(".") if name else []
+        return next((units[".".join(parts[:k])] for k in range(len(parts), 0, -1)
+                     if ".".join(parts[:k]) in units), "")
+
+    out, of_module = {}, {}
+    for mod in mods:
+        name = names.get(id(mod))
+        if name is None:
+            continue                # (another model's module: its own plan groups it)
+        out[name] = unit(name)
+        # a module whose weights are another's (an LM head tied to the embedding)
+        # goes with that module's group, as FSDP2 wraps a parameter once
+        tied = {owner[id(p)] for p in mod._parameters.values() if p is not None}
+        if out[name] == "" and len(tied) == 1 and name not in tied:
+            out[name] = unit(tied.pop())
+        of_module[id(mod)] = out[name]
+    return out, of_module
+
+
 class FullyShard(Style):
     """Shards every own parameter of a module over the plan axis; gathers it per call,
     one module ahead (see prefetch below).
@@ -387,41 +428,10 @@ class FullyShard(Style):
         deepest unit holding it, else, where each of its parameters is another
         module's (tied), to that module's group, else to the root's (``""``), as
         FSDP2's root ``fully_shard`` takes what is left."""
-        named = dict(root.named_modules())
-        names = {id(m): n for n, m in named.items()}
-        if self.groups == "module":
-            units = {n: n for n in named}
-        elif self.groups is not None:
-            units = {n: n for n in named if any(matches_rule(p, n) for p in self.groups)}
-        else:
-            units = _fsdp2_units(root, self.free if isinstance(self.free, dict) else {})
-            for n, m in named.items():
-                if isinstance(m, nn.ModuleList):
-                    for c, _ in m.named_children():
-                        units.setdefault(f"{n}.{c}" if n else c, f"{n}.{c}" if n else c)
-        owner = {}                      # id(parameter) -> the first module holding it
-        for n, m in named.items():
-            for p in m._parameters.values():
-                if p is not None:
-                    owner.setdefault(id(p), n)
-
-        def unit(name: str) -> str:
-            parts = name.split(".") if name else []
-            return next((units[".".join(parts[:k])] for k in range(len(parts), 0, -1)
-                         if ".".join(parts[:k]) in units), "")
-
-        out = {}
-        for mod in list(self._order.mods.values()):
-            name = names.get(id(mod))
-            if name is None:
-                continue                # (another model's module: its own plan groups it)
-            out[name] = unit(name)
-            # a module whose weights are another's (an LM head tied to the embedding)
-            # goes with that module's group, as FSDP2 wraps a parameter once
-            tied = {owner[id(p)] for p in mod._parameters.values() if p is not None}
-            if out[name] == "" and len(tied) == 1 and name not in tied:
-                out[name] = unit(tied.pop())
-            self._order.key[id(mod)] = (id(root), out[name])
+        out, of_module = _module_groups(root, self.groups, self.free,
+                                        list(self._order.mods.values()))
+        for key, group in of_module.items():
+            self._order.key[key] = (id(root), group)
         self._order.rebuild()
         return out
 

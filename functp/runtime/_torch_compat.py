@@ -341,3 +341,12 @@ def stance() -> tuple[Any, Any, Any]:
     ``torch.compiler.set_stance``'s context-manager wrapper, and whether a compiled
     region's frame is running (where the stance may not change)."""
     return tuple(resolve(p, why) for p, why in SYMBOLS if p in _STANCE)
+
+
+def mode_entry_files() -> tuple[str, ...]:
+    """The files of torch's own Python through which every operator enters a Python
+    dispatch mode (its Dynamo-disabled wrapper): an estimate's host count leaves them
+    out, since a real eager step runs no such mode (``tools/_host_count``)."""
+    import os
+    root = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    return root + "_compile.py", root + "_dynamo" + os.sep

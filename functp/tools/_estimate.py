@@ -31,12 +31,12 @@ from ..runtime import _comm_log
 from ..runtime import _crosscheck
 from . import _estimate_plot
 from . import _fake_devices
-from . import _host_count
 from . import _host_reads
 from ..mesh import _mesh
 from ..runtime import _world
 from ..runtime._errors import ShardingError
-from ._hardware import Hardware, collective_seconds, hardware_profile, op_seconds
+from ._hardware import Hardware, hardware_profile
+from ._host_time import StepTime, _Host, _secs
 from ..runtime._torch_compat import (DataDependentOutputException, DynamicOutputShapeException,
                             FakeTensorMode, MemRefType as _MemRefType, MemTracker,
                             TorchDispatchMode, c10d_functional,
@@ -183,68 +183,6 @@ class _Tracker(MemTracker):
                                    winfo)
 
 
-class _Host:
-    """The host's work in a traced step and where the step synchronizes: operators
-    the program dispatched (``ops``, counted by the top mode), Python calls
-    (``python``), and at each host read a cut: (operator records, collectives,
-    operators dispatched, Python calls) so far."""
-
-    def __init__(self) -> None:
-        self.ops = 0
-        self.python = _host_count.PyCalls()
-        self.python.ops = self
-        self.start: tuple | None = None
-        self.cuts: list[tuple] = []
-        self._calls: list = []
-        self._events: list = []
-
-    def watch(self, calls: list, events: list) -> None:
-        self._calls, self._events = calls, events
-
-    def now(self) -> tuple:
-        return (len(self._calls), len(self._events), self.ops,
-                self.python.total + self.python.builtin)
-
-    def begin(self, index: int) -> None:
-        """The step starts at operator record ``index``, the first that computes
-        (building a model computes nothing; its initialization is not the step's),
-        inside the operator just counted; its host work from where the program's
-        call that issued it began (``PyCalls.entered``)."""
-        _, events, ops, py = self.now()
-        self.start = (index, events, ops - 1, py)
-        at = self.python.entered()
-        if at is not None:               # from where the step's outermost call began
-            self.start = (index, events, at[1], at[0])
-
-    def sync(self) -> None:
-        self.cuts.append(self.now())
-
-    def time(self, hw: Hardware, calls: list, events: list, members: dict) -> "StepTime":
-        """The step's :class:`StepTime`: per stretch between host reads (from the
-        step's start), the device's compute and communication over that stretch's
-        operators and collectives, and the host's operators and Python calls."""
-        end = self.now()
-        start = self.start or (0, 0, 0, 0)
-        # the device's time from the first record (as before the host was counted),
-        # the host's from the step's start
-        marks = [(0, 0, start[2], start[3])]
-        for c in self.cuts + [end]:       # (reads before the step are its setup's)
-            if c[0] > start[0] and c != marks[-1]:
-                marks.append(c)
-        if len(marks) == 1:
-            marks.append(end)
-        parts, ops, py = [], 0, 0
-        for a, b in zip(marks, marks[1:]):
-            compute = sum(op_seconds(hw, f, n, d) for _, f, n, d in calls[a[0]:b[0]])
-            comm = sum(collective_seconds(hw, e.op, e.nbytes, members[frozenset(e.axes)])
-                       for e in events[a[1]:b[1]])
-            parts.append((compute, comm, (b[2] - a[2]) * hw.host_call +
-                          (b[3] - a[3]) * hw.host_python))
-            ops, py = ops + b[2] - a[2], py + b[3] - a[3]
-        return StepTime(sum(p[0] for p in parts), sum(p[1] for p in parts),
-                        sum(p[2] for p in parts), ops, py, tuple(parts))
-
-
 class _DryRank:
     """The rank an estimate traces: what ``process_index``/``process_count`` answer
     and what ``make_mesh`` builds inside it (``_world.dry_run()`` returns it)."""
@@ -280,49 +218,6 @@ class _DryRank:
         return mesh
 
 
-@dataclass(frozen=True)
-class StepTime:
-    """A predicted step time (seconds) and its two bounds: ``overlapped`` if every
-    collective hides behind computation, ``serial`` if none does.
-
-    ``host``: the time the host takes to issue the step: its operator calls
-    (``host_calls``) times the profile's ``host_call`` plus its Python function
-    calls (``python_calls``: the model's, torch's and functp's own Python, C
-    functions called from Python included) times ``host_python`` (0 where the
-    profile has none). The device runs no faster than the host issues work, and
-    waits for it after each synchronization: the step is cut into ``stretches``
-    at each host read (``.item()``, ``tolist()``, ``bool()``, a shape that depends
-    on values), each a ``(compute, communication, host)`` triple, and a bound is
-    the sum over stretches of ``max(device, host)``; ``compute``, ``communication``
-    and ``host`` are the sums. ``bound`` says which side most of the step sits on
-    (``"host"`` or ``"device"``)."""
-    compute: float
-    communication: float
-    host: float = 0.0
-    host_calls: int = 0
-    python_calls: int = 0
-    stretches: tuple = ()
-
-    def _parts(self) -> tuple:
-        return self.stretches or ((self.compute, self.communication, self.host),)
-
-    @property
-    def overlapped(self) -> float:
-        return sum(max(c, m, h) for c, m, h in self._parts())
-
-    @property
-    def serial(self) -> float:
-        return sum(max(c + m, h) for c, m, h in self._parts())
-
-    @property
-    def bound(self) -> str:
-        on_host = sum(h for c, m, h in self._parts() if h > max(c, m))
-        return "host" if on_host > self.overlapped / 2 else "device"
-
-    def __str__(self) -> str:
-        return f"{_secs(self.overlapped)} .. {_secs(self.serial)}"
-
-
 def _ranges(ranks) -> str:
     """``[0, 1, 2, 5]`` as ``0-2, 5``."""
     out, ranks = [], sorted(ranks)
@@ -330,10 +225,6 @@ def _ranges(ranks) -> str:
         run = [r for _, r in run]
         out.append(f"{run[0]}" if len(run) == 1 else f"{run[0]}-{run[-1]}")
     return ", ".join(out)
-
-
-def _secs(t: float) -> str:
-    return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
 
 
 def _bytes(n: float) -> str:

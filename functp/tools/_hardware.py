@@ -147,6 +147,56 @@ def fit_link(small: float, large: float, large_bytes: int, ranks: int) -> tuple[
     return alpha, large_bytes / ranks / max(large / steps - alpha, 1e-12)
 
 
+def _best(f, repeat: int) -> float:
+    """The fastest of ``repeat`` timings of ``f()``, after one warm-up call."""
+    import time
+    f()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _matmul_flops(m: int, best) -> dict[str, float]:
+    """FLOP/s of float32 and float64 matmuls on this host: a step's matmuls are
+    rarely square, so a square one, a wide and a tall one of the same work (FLOPs
+    over the total time)."""
+    import torch
+    shapes = [(m, m, m), (m // 4, m, 4 * m), (m // 4, 4 * m, m)]
+    flops = {}
+    for dtype in (torch.float32, torch.float64):
+        pairs = [(torch.randn(a, b, dtype=dtype), torch.randn(b, c, dtype=dtype))
+                 for a, b, c in shapes]
+        seconds = sum(best(lambda x=x, y=y: x @ y) for x, y in pairs)
+        flops[str(dtype).removeprefix("torch.")] = sum(2 * a * b * c
+                                                       for a, b, c in shapes) / seconds
+    return flops
+
+
+def _gloo_link(ranks: int, best) -> tuple[float, float]:
+    """(latency, bandwidth) of a gloo all-reduce between ``ranks`` simulated ranks,
+    fitted to one of 4 B and one of 4 MiB (a collective ends when its slowest rank's
+    does)."""
+    import torch
+
+    from ..ops import _collectives
+    from ..mesh import _mesh
+    from ..mapping import _shard_map
+    from . import _simulate
+    from ..mesh._spec import P
+    small_n, large_n = 1, 2 ** 20                                  # 4 B and 4 MiB
+
+    def timings():
+        mesh = _mesh.make_mesh((ranks,), ("x",))
+        reduce = _shard_map.shard_map(lambda v: _collectives.psum(v, "x"), mesh,
+                                      in_specs=P("x"), out_specs=P("x"), check_vma=False)
+        return [best(lambda: reduce(torch.ones(n))) for n in (small_n, large_n)]
+    small, large = (max(ts) for ts in zip(*_simulate.simulate(timings, ranks, check=False)))
+    return fit_link(small, large, large_n * 4, ranks)
+
+
 def calibrate(*, matmul_size: int = 1024, ranks: int = 2, repeat: int = 5,
               host_steps=None) -> Hardware:
     """Measures this machine into a :class:`Hardware` profile: matmul throughput
@@ -176,51 +226,19 @@ def calibrate(*, matmul_size: int = 1024, ranks: int = 2, repeat: int = 5,
         functp.estimate(program, 2, hardware=cpu).seconds
     """
     import platform
-    import time
 
     import torch
 
-    from ..ops import _collectives
-    from ..mesh import _mesh
-    from ..mapping import _shard_map
-    from . import _simulate
-    from ..mesh._spec import P
-
     def best(f) -> float:
-        f()                                      # warm up
-        times = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return _best(f, repeat)
 
-    # a step's matmuls are rarely square: a square one, a wide and a tall one of the
-    # same work (FLOPs over the total time)
     m = matmul_size
-    shapes = [(m, m, m), (m // 4, m, 4 * m), (m // 4, 4 * m, m)]
-    flops = {}
-    for dtype in (torch.float32, torch.float64):
-        pairs = [(torch.randn(a, b, dtype=dtype), torch.randn(b, c, dtype=dtype))
-                 for a, b, c in shapes]
-        seconds = sum(best(lambda x=x, y=y: x @ y) for x, y in pairs)
-        flops[str(dtype).removeprefix("torch.")] = sum(2 * a * b * c
-                                                       for a, b, c in shapes) / seconds
+    flops = _matmul_flops(m, best)
     # an eager op writes a fresh output (new pages, touched for the first time): an
     # add of two 64 MiB tensors, not a copy into a buffer already there
     big = torch.empty(16 * 2 ** 20, dtype=torch.float32).fill_(1)
     bandwidth = 3 * big.numel() * 4 / best(lambda: big + big)
-
-    small_n, large_n = 1, 2 ** 20                                  # 4 B and 4 MiB
-
-    def timings():
-        mesh = _mesh.make_mesh((ranks,), ("x",))
-        reduce = _shard_map.shard_map(lambda v: _collectives.psum(v, "x"), mesh,
-                                      in_specs=P("x"), out_specs=P("x"), check_vma=False)
-        return [best(lambda: reduce(torch.ones(n))) for n in (small_n, large_n)]
-    # a collective ends when its slowest rank's does
-    small, large = (max(ts) for ts in zip(*_simulate.simulate(timings, ranks, check=False)))
-    alpha, beta = fit_link(small, large, large_n * 4, ranks)
+    alpha, beta = _gloo_link(ranks, best)
     where = f"functp.calibrate() on {platform.node()}"
     host_call, host_python = _host_costs(host_steps)
     return Hardware(

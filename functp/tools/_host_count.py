@@ -26,6 +26,8 @@ from typing import Any, Iterator
 
 import torch
 
+from ..runtime import _torch_compat
+
 __all__ = ["PyCalls"]
 
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -42,7 +44,7 @@ _QUIET = (_TORCH + "utils" + os.sep + "flop_counter.py",
           _FUNCTP + "runtime" + os.sep + "_comm_log.py",
           # (how torch enters a Python dispatch mode: its dynamo-disabled wrapper and
           # the rule lookup, per operator; a real eager step has no such mode)
-          _TORCH + "_compile.py", _TORCH + "_dynamo" + os.sep,
+          *_torch_compat.mode_entry_files(),
           _TORCH + "_library" + os.sep + "simple_registry.py",
           # (weak-keyed tables of the trackers, their entries removed as tensors die)
           _TORCH + "utils" + os.sep + "weak.py")
