@@ -135,15 +135,19 @@ def test_functp_step_leaves_no_tensor_allocated(step):
     import gc
     cfg = dict(hidden=32, inter=64, heads=4, kv=2, vocab=64, layers=1, B=1, T=8,
                attn="sdpa", tie=False)
-    run = _functp_programs().program(cfg, "cpu", step)
-    run()
-    gc.collect()
-    gc.disable()       # as between two GPU steps: no collection in between
-    try:
-        with _Made() as made:
-            out = run()
-        del out
-        left = made.live_bytes()
-    finally:
-        gc.enable()
+    program = _functp_programs().program
+
+    def body():         # (one simulated rank: no process group left in this process,
+        run = program(cfg, "cpu", step)      # where an example's shutdown would end it)
+        run()
+        gc.collect()
+        gc.disable()       # as between two GPU steps: no collection in between
+        try:
+            with _Made() as made:
+                out = run()
+            del out
+            return made.live_bytes()
+        finally:
+            gc.enable()
+    left, = functp.simulate(body, 1)
     assert left == 0, f"{left} bytes of the step's tensors still allocated after it"
