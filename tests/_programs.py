@@ -281,6 +281,11 @@ def _run_example(script: str, nproc: int | None = None, simulate: bool = False,
     checking that it succeeded and reported no mismatch."""
     path = os.path.join(ROOT, "examples", script)
     if simulate:
+        # an example's shutdown takes an initialized process group for torchrun's and
+        # ends the process (os._exit): the whole pytest run would stop with status 0
+        assert not torch.distributed.is_initialized(), (
+            "a test before this one left a process group initialized in the pytest "
+            "process: run its program under functp.simulate, or destroy the group")
         sys.path.insert(0, os.path.dirname(path))
         spec = importlib.util.spec_from_file_location(f"example_{script[:-3]}", path)
         module = importlib.util.module_from_spec(spec)
