@@ -18,9 +18,7 @@ exchange. Rank 0 prints and writes benchmarks/results/ragged_sizes.json.
 """
 from __future__ import annotations
 
-import cProfile
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -33,6 +31,7 @@ import functp  # noqa: E402
 from functp import P  # noqa: E402
 from functp.ops._ragged import planned_ragged_all_to_all  # noqa: E402
 from _run import main_or_launch, save_and_leave  # noqa: E402
+from calls import count  # noqa: E402  (Python calls per call, as calls.py counts them)
 
 K = 8            # exchanges per body
 ROUNDS = 15
@@ -61,23 +60,13 @@ def _step(mesh, variant: str, rows: int, hidden: int):
     return lambda: f(x)
 
 
-def _calls(fn, reps: int = 5) -> float:
-    fn()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(reps):
-        fn()
-    prof.disable()
-    return pstats.Stats(prof).total_calls / reps
-
-
 def measure(mesh, rows: int, hidden: int) -> dict:
     steps = {v: _step(mesh, v, rows, hidden) for v in VARIANTS}
     res = {}
     for v, fn in steps.items():
         with functp.comm_log() as log:
             fn()
-        res[v] = {"collectives_per_body": log.count(), "calls_per_body": _calls(fn)}
+        res[v] = {"collectives_per_body": log.count(), "calls_per_body": count(fn, 5)}
     times = {v: [] for v in VARIANTS}
     for _ in range(ROUNDS):
         for v, fn in steps.items():

@@ -15,9 +15,9 @@ HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 ROWS = json.load(open(os.path.join(HERE, "gpu_truth_h200.json")))["rows"]
 
 
-def _programs():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_truth_programs", os.path.join(HERE, "gpu_truth_programs.py"))
+def _programs(name: str = "gpu_truth_programs"):
+    """A module of tests/data (the programs the GPU rows measured)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -54,14 +54,6 @@ def test_cuda_program_estimated_on_cpu_only_torch():
     assert "-bound" in str(est)
 
 
-def _functp_programs():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_truth_functp_programs", os.path.join(HERE, "gpu_truth_functp_programs.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 FUNCTP_ROWS = [r for r in json.load(open(os.path.join(HERE, "gpu_truth_h200_functp.json")))["rows"]
                if r["step"] != "plain tape"]
 # One step kind per shape (tape), and all three on the small shape. Bounds: 5% where
@@ -90,7 +82,7 @@ def test_gpu_truth_functp_steps(row):
     against the allocator: the resident bytes within 5% everywhere (functp leaves
     nothing allocated between steps beyond the parameters: the fix of its cycles);
     the step peak and total peak within 5%, or the documented bound above."""
-    program = _functp_programs().program
+    program = _programs("gpu_truth_functp_programs").program
     est = functp.estimate(lambda: program(row["config"], "cuda", row["step"])(), 1)
     assert abs(est.resident_bytes / row["resident_bytes"] - 1) < 0.05
     bound = _LOOSE.get((row["name"], row["step"]))
@@ -135,7 +127,7 @@ def test_functp_step_leaves_no_tensor_allocated(step):
     import gc
     cfg = dict(hidden=32, inter=64, heads=4, kv=2, vocab=64, layers=1, B=1, T=8,
                attn="sdpa", tie=False)
-    program = _functp_programs().program
+    program = _programs("gpu_truth_functp_programs").program
 
     def body():         # (one simulated rank: no process group left in this process,
         run = program(cfg, "cpu", step)      # where an example's shutdown would end it)
