@@ -425,6 +425,9 @@ def checkpoint(fn: Callable | None = None, *, policy: Callable | None = None) ->
             return fn(*args)
         fr = _context.top()
         tracker = fr.tracker if fr is not None else None
+        if tracker is not None and tracker.recorder is not None:
+            # its recompute runs the union rule again, over inputs a replay leaves untagged
+            tracker.recorder.fail("functp.checkpoint is called inside the module")
         rng = _rng_state()
         # (keeping nothing needs no record of the ops, only of the generators used)
         rec = _Record() if keep is not remat_policies.nothing_saveable else None

@@ -83,7 +83,9 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
                     what, g, tuple(a for a in g.axes if a in missing), t))
             t = tr.pvary(t, missing)
             v = v | missing
-        if _waits.forward:       # its result may be waited on at its first use
+        # its result may be waited on at its first use (not while a planned module
+        # replays: no per-op mode there would see that use)
+        if _waits.forward and not tr.replaying:
             _lazy.allow(tr)
         out = op(t, g.key, *args)
         tr.set(out, rule.result(v, g.axis_set))

@@ -26,6 +26,7 @@ from ..mesh._layout import require_divisible, uneven
 from ..mapping._remat import recompute_within, reparametrized
 from ..mapping._sharding import unshard
 from ..mesh._spec import P, normalize_spec
+from . import _replayed
 from ._fsdp_style import FullyShard
 from ._style import Call, Style
 from ._ep import ExpertDispatch
@@ -109,6 +110,11 @@ class Parallelized:
         #: the share of the module's parameter elements the plan splits over ``axis``
         self.split_share = split / max(sum(sizes.values()), 1)
         self._withheld = withheld
+        #: vma decided once per call signature, at the plan's boundaries (the first
+        #: call records the union rule's decisions, later calls replay them: no
+        #: per-op tracking inside the module); False: tracked per op on every call
+        self.replay = True
+        self._records: dict = {}
         # the hooks are registered once, here, and act only while __call__ runs:
         # registering them per call cannot be traced by torch.compile
         self._call = _CallState()
@@ -149,14 +155,19 @@ class Parallelized:
                     f"apply of parallelize({type(self.module).__name__}) was built for "
                     f"{ax!r} of size {self.mesh.axis_size(ax)} but runs in a shard_map "
                     f"where it has size {n}; parallelize with the shard_map's mesh")
+        if self._call.params is not None:
+            raise ShardingError(
+                f"apply of parallelize({type(self.module).__name__}) was called from "
+                f"inside itself; call it once per forward")
+        return _replayed.call(self, params, args, kwargs,
+                              lambda p: self._run(p, args, kwargs))
+
+    def _run(self, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        """The module on ``params`` with the plan's hooks on."""
         call_params = dict(params)
         for name, zero in self._withheld:      # (a module that cannot take None: zeros)
             call_params[name] = torch.zeros_like(params[name]) if zero else None
         state = self._call
-        if state.params is not None:
-            raise ShardingError(
-                f"apply of parallelize({type(self.module).__name__}) was called from "
-                f"inside itself; call it once per forward")
         state.params, state.exits = params, []
         try:
             with recompute_within(self._again(params, call_params)):
@@ -287,6 +298,8 @@ class _CallState:
         self.params: dict | None = None
         self.exits: list | None = None
         self.stacks: dict[str, list[Call]] = {}   # a module called twice: one Call each
+        self.recorder = None    # the call's Recorder, on its first call (_replayed)
+        self.replay = None      # (tracker, Record) while a call replays
 
 
 class _PlanHook:
@@ -304,13 +317,13 @@ class _PlanHook:
                     {s: st.params[c] for s, c in self.pmap.items() if c in st.params}, {},
                     st.exits)
         st.stacks.setdefault(self.name, []).append(call)
-        return self.style.prepare_input(m, args, kwargs, call)
+        return _replayed.pre(st, self, m, args, kwargs, call)
 
     def post(self, m, args, kwargs, output):
         st = self.state
         if st.params is None:
             return None
-        return self.style.prepare_output(m, args, kwargs, output, st.stacks[self.name].pop())
+        return _replayed.post(st, self, m, args, kwargs, output, st.stacks[self.name].pop())
 
 
 def _check_heads(root: nn.Module, name: str, x: torch.Tensor, spec: P, mesh: Mesh,

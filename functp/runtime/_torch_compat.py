@@ -153,6 +153,16 @@ dispatch_stack_len = _need("torch._C._len_torch_dispatch_stack", _WHY_WAITS)
 dispatch_mode_at = _need("torch._C._get_dispatch_stack_at", _WHY_WAITS)
 _need("torch.utils._python_dispatch.TorchDispatchMode._should_skip_dynamo", _WHY_WAITS)
 
+# a planned module's recorded vma decisions replayed (ops/_replay): the union rule's
+# function mode taken off the stack while the module runs, put back at its hooks
+_WHY_REPLAY = "running a planned module without the per-op vma mode (ops/_replay)"
+push_function_mode = _need("torch._C._push_on_torch_function_stack", _WHY_REPLAY)
+pop_function_mode = _need("torch._C._pop_torch_function_stack", _WHY_REPLAY)
+function_stack_len = _need("torch._C._len_torch_function_stack", _WHY_REPLAY)
+function_mode_at = _need("torch._C._get_function_stack_at", _WHY_REPLAY)
+# transformers' outputs (ModelOutput) are registered with torch's pytree, not optree's
+torch_tree_leaves = _need("torch.utils._pytree.tree_leaves", _WHY_REPLAY)
+
 
 class EagerDispatchMode(TorchDispatchMode):
     """A ``TorchDispatchMode`` whose ``__torch_dispatch__`` torch calls as it is,

@@ -1,0 +1,243 @@
+"""A :class:`Parallelized` call recorded once, then replayed: vma decided at the plan's
+boundaries instead of per op (``ops/_replay.py`` says what is recorded and why it is
+exact).
+
+``call`` is ``Parallelized.__call__``'s: per key (grad mode; the vmas of the parameters
+and of the tensor arguments; the other arguments' values), the first call runs under
+the union rule and records; every rank of the body agrees on the record (one small
+all-gather, once per key) before any rank replays it. Later calls replay it, unless
+the check mode is on (then each call is recorded again and must decide as the first
+did) or ``apply.replay`` is False. The plan's hooks call :func:`pre` / :func:`post`.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..mesh._mesh import Mesh
+from ..ops import _context, _lazy
+from ..ops._overlap import _gather_ints
+from ..ops._replay import (Record, Recorder, Recording, call_tensors, output_tensors,
+                           pop_rule, push_rule, rule_on_top)
+from ..ops._vma import EMPTY
+from ..runtime import _compile, _crosscheck, _world
+from ..runtime._errors import ShardingError
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _tracker(apply):
+    """The vma tracker of the body ``apply`` runs in, if its call may be recorded or
+    replayed here (vma tracked, eager, at the body's own rule)."""
+    fr = _context.top()
+    tr = fr.tracker if fr is not None else None
+    if (tr is None or not apply.replay or tr.compiled or tr.replaying
+            or _compile.tracing() or not rule_on_top(tr)):
+        return None
+    if tr.recorder is not None:      # inside another planned module's first call
+        tr.recorder.fail(f"a parallelized {type(apply.module).__name__} is called inside it")
+        return None
+    return tr
+
+
+def _key(tr, params: dict, args: tuple, kwargs: dict) -> tuple:
+    get = tr.get
+    parts = [torch.is_grad_enabled(), tuple(params)]
+    parts += [get(t) if isinstance(t, torch.Tensor) else type(t) for t in params.values()]
+    for v in (*args, *kwargs.values()):
+        parts.append(get(v) if isinstance(v, torch.Tensor)
+                     else v if isinstance(v, _PLAIN) else type(v))
+    parts += list(kwargs)
+    return tuple(parts)
+
+
+def generic(name: str) -> str:
+    """``layers.3.mlp`` -> ``layers.*.mlp``: the modules of one kind."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
+
+
+def call(apply, params: dict, args: tuple, kwargs: dict, run):
+    """``run(params)`` (the module under the plan) recorded, replayed or as it is."""
+    tr = _tracker(apply)
+    if tr is None:
+        return run(params)
+    key = _key(tr, params, args, kwargs)
+    rec = apply._records.get(key)
+    check = _crosscheck.ENABLED
+    if rec is not None and not check:
+        return _replay(apply, tr, rec, params, run) if rec.why is None else run(params)
+    out, new = _record(apply, tr, params, args, kwargs, run)
+    if rec is None:
+        apply._records[key] = new
+    elif rec.why is None and new.why is None:
+        diff = rec.differs(new)
+        if diff is not None:
+            raise ShardingError(
+                f"parallelize({type(apply.module).__name__}): this call decides vma "
+                f"differently from the first call with the same arguments' vmas ({diff}); "
+                f"without the check mode it would replay the first call's decisions and "
+                f"its gradients would be wrong. Set apply.replay = False to decide per op "
+                f"on every call (slower), or keep the module's path the same on every call")
+    return out
+
+
+def _record(apply, tr, params: dict, args: tuple, kwargs: dict, run):
+    """The call under a recording union rule: ``(its output, its Record)``."""
+    recorder = Recorder(tr, params)
+    mode, st = tr.mode, apply._call
+    rule = Recording(tr, recorder)
+    pop_rule()
+    push_rule(rule)
+    tr.mode, tr.recorder, st.recorder = rule, recorder, recorder
+    try:
+        out = run(params)
+    finally:
+        pop_rule()
+        push_rule(mode)
+        tr.mode, tr.recorder, st.recorder = mode, None, None
+    acts = EMPTY.union(*[tr.get(t) for t in call_tensors(args, kwargs)])
+    rec = recorder.finish(out, params, acts)
+    _unseen(apply._hooked, rec)
+    if not _crosscheck.ENABLED:
+        _agree(tr, rec, params)
+    return out, rec
+
+
+def _unseen(hooked: list, rec: Record) -> None:
+    """A planned module the call did not run: it may replay as another module of its
+    kind did (``layers.*.mlp``), if every one of them decided alike; else the record
+    is not replayable (a later call might reach it)."""
+    kinds: dict = {}
+    for hook in rec.args:
+        entry = (rec.args[hook], rec.outs.get(hook), rec.lifts.get(hook))
+        kinds.setdefault(generic(hook), set()).add(repr(entry))
+    for name, *_ in hooked:
+        if name in rec.args:
+            continue
+        twins = [h for h in rec.args if generic(h) == generic(name)]
+        if not twins or len(kinds[generic(name)]) != 1:
+            rec.why = rec.why or (f"planned module {name!r} did not run in the first call, "
+                                  f"and no module of its kind decided for it")
+            return
+        t = twins[0]
+        rec.args[name] = rec.args[t]
+        if t in rec.outs:
+            rec.outs[name] = rec.outs[t]
+        if t in rec.lifts:
+            rec.lifts[name] = rec.lifts[t]
+
+
+def _agree(tr, rec: Record, params: dict) -> None:
+    """Every rank of the body replays the same decisions, or none does: one all-gather
+    of the record's digest over the body's ranks (not under functp.estimate: no peers)."""
+    fr = _context.top()
+    mesh: Mesh = fr.mesh
+    g = mesh.axis_group(tuple(fr.manual))
+    if g.size == 1 or _world.dry_run() is not None:
+        return
+    device = next((t.device for t in params.values() if isinstance(t, torch.Tensor)),
+                  torch.device("cpu"))
+    rows = _gather_ints([rec.why is None, rec.digest() & 0x7FFFFFFF], g.key, device)
+    if not bool((rows == rows[0]).all()):
+        rec.why = rec.why or "the ranks of the body recorded different decisions"
+
+
+def _replay(apply, tr, rec: Record, params: dict, run):
+    """The call with the recorded decisions: parameters aliased at entry, no per-op
+    mode inside the module, the result tagged as recorded."""
+    if _lazy._state.on:
+        _lazy.settle()
+    aliased = {n: tr.pvary(t, rec.params[n]) if rec.params.get(n) else t
+               for n, t in params.items()}
+    st, mode = apply._call, tr.mode
+    pop_rule()
+    tr.replaying, st.replay = True, (tr, rec)
+    try:
+        out = run(aliased)
+    finally:
+        tr.replaying, st.replay = False, None
+        push_rule(mode)
+    outs = output_tensors(out)
+    if len(outs) != len(rec.result):
+        raise _changed(type(apply.module).__name__, "its result", len(rec.result), len(outs))
+    for t, v in zip(outs, rec.result):
+        tr.set(t, v)
+    return out
+
+
+def _changed(kind: str, what: str, then: int, now: int) -> ShardingError:
+    return ShardingError(
+        f"parallelize({kind}): {what} held {then} tensor(s) at the "
+        f"first call with these arguments' vmas and {now} now, so the first call's vma "
+        f"decisions do not apply; set apply.replay = False to decide per op on every call")
+
+
+def _tag(tr, hook: str, ts: list, vmas: tuple | None, what: str) -> None:
+    if vmas is None or len(vmas) != len(ts):
+        raise _changed("a module", f"{what} of planned module {hook!r}",
+                       -1 if vmas is None else len(vmas), len(ts))
+    for t, v in zip(ts, vmas):
+        tr.set(t, v)
+
+
+def pre(st, hook, m, args: tuple, kwargs: dict, call):
+    """A planned module's pre-hook (``st`` the call's state, ``hook`` its _PlanHook):
+    the style's ``prepare_input``, recorded or replayed (its arguments tagged as
+    recorded, under the union rule, then its inputs lifted)."""
+    rp = st.replay
+    if rp is None:
+        rec = st.recorder
+        if rec is None:
+            return hook.style.prepare_input(m, args, kwargs, call)
+        before = call_tensors(args, kwargs)
+        rec.in_hook += 1
+        try:
+            res = hook.style.prepare_input(m, args, kwargs, call)
+        finally:
+            rec.in_hook -= 1
+        rec.entered(hook.name, before, res if res is not None else (args, kwargs))
+        return res
+    tr, record = rp
+    push_rule(tr.mode)
+    try:
+        _tag(tr, hook.name, call_tensors(args, kwargs), record.args.get(hook.name),
+             "the arguments")
+        res = hook.style.prepare_input(m, args, kwargs, call)
+        lifts = record.lifts.get(hook.name)
+        if lifts:
+            a, k = res if res is not None else (args, kwargs)
+            a, k = list(a), dict(k)
+            for pos, axes in lifts.items():
+                if isinstance(pos, int):
+                    a[pos] = tr.pvary(a[pos], axes)
+                else:
+                    k[pos] = tr.pvary(k[pos], axes)
+            res = (tuple(a), k)
+        return res
+    finally:
+        pop_rule()
+
+
+def post(st, hook, m, args: tuple, kwargs: dict, output, call):
+    """A planned module's post-hook: the style's ``prepare_output``, recorded or
+    replayed (its output tagged as recorded, under the union rule)."""
+    rp = st.replay
+    if rp is None:
+        rec = st.recorder
+        if rec is None:
+            return hook.style.prepare_output(m, args, kwargs, output, call)
+        rec.left(hook.name, output)
+        rec.in_hook += 1
+        try:
+            return hook.style.prepare_output(m, args, kwargs, output, call)
+        finally:
+            rec.in_hook -= 1
+    tr, record = rp
+    push_rule(tr.mode)
+    try:
+        _tag(tr, hook.name, output_tensors(output), record.outs.get(hook.name),
+             "the output")
+        return hook.style.prepare_output(m, args, kwargs, output, call)
+    finally:
+        pop_rule()
