@@ -169,7 +169,7 @@ def full_of(x: torch.Tensor, n: Sequence[int], spec: P, mesh: Mesh, ops,
     """The full tensor (global shape ``n``) from every rank's block ``x`` under ``spec``:
     one all-gather per split dimension (none if nothing is split)."""
     if packing(spec):
-        check_packed(path, n, spec, mesh.shape)     # (the same on every rank: n is global)
+        check_packed(path, n, spec, mesh)     # (the same on every rank: n is global)
         xv, nv = view(x, spec), view_shape(n, spec)
         return unview(full_of(xv, nv, view_spec(spec), mesh, ops), spec)
     src = layout(spec, x.ndim, mesh)

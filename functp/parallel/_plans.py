@@ -339,28 +339,12 @@ def _check_heads(root: nn.Module, name: str, x: torch.Tensor, spec: P, mesh: Mes
 
 
 def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str) -> None:
-    packed = dict(spec.packed)
-    if not packed:          # (a packed dimension splits each of its blocks: below)
-        require_divisible(
-            f"parameter {name!r}", x.shape, spec, mesh,
-            f"(a vocabulary padded so, as Megatron's make-vocab-size-divisible-by), or choose "
-            f"heads, experts or hidden sizes divisible by {{k}}, or give that module the "
-            f"'replicated' style; plan rule {desc}")
-        return
-    for d in range(len(spec)):
-        axes = spec.dim_axes(d)
-        if not axes:
-            continue
-        blocks = packed.get(d, 1)
-        n = mesh.axis_size(axes) * blocks
-        if uneven(x.shape[d], n):
-            packed = f" x {blocks} packed blocks" if blocks > 1 else ""
-            raise ShardingError(
-                f"parameter {name!r} (shape {tuple(x.shape)}), plan rule {desc}, "
-                f"spec {spec!r}: dimension {d} of size {x.shape[d]} does not split "
-                f"into {mesh.axis_size(axes)} blocks over {axes}{packed}; make it a "
-                f"multiple of {n} (heads, experts, vocabulary or hidden size divisible by "
-                f"the '{'/'.join(axes)}' size), or give that module the 'replicated' style")
+    # (a packed dimension, a fused gate/up or qkv, splits each of its blocks)
+    fix = ("(each block's heads, experts or hidden size divisible by {n})" if spec.packed else
+           "(a vocabulary padded so, as Megatron's make-vocab-size-divisible-by), or choose "
+           "heads, experts or hidden sizes divisible by {k}")
+    require_divisible(f"parameter {name!r}", x.shape, spec, mesh,
+                      f"{fix}, or give that module the 'replicated' style; plan rule {desc}")
 
 
 def lay_out_plan(module: nn.Module, mesh: Mesh | None, plan: dict[str, Any] | str,
