@@ -19,7 +19,7 @@ from torch.func import functional_call
 
 from ..runtime import _world
 from ..ops._collectives import axis_size
-from ..runtime._errors import ShardingError
+from ..runtime._errors import ShardingError, leaf_text
 from ..runtime._torch_compat import peek_interpreter_stack
 from ..mesh._mesh import Mesh
 from ..mesh._layout import require_divisible, uneven
@@ -330,8 +330,8 @@ def _check_heads(root: nn.Module, name: str, x: torch.Tensor, spec: P, mesh: Mes
         heads, n = x.shape[d] // hd, mesh.axis_size(axes)
         if uneven(heads, n):
             raise ShardingError(
-                f"parameter {name!r} (shape {tuple(x.shape)}), plan rule {desc}, spec "
-                f"{spec!r}: dimension {d} holds {heads} heads of {hd} (head_dim of "
+                f"{leaf_text(f'parameter {name!r}', x.shape, spec)}, plan rule {desc}: "
+                f"dimension {d} holds {heads} heads of {hd} (head_dim of "
                 f"{mname.rpartition('.')[0] or 'the model'!r}), which do not split over "
                 f"{n} ranks of {axes}; use a '{'/'.join(axes)}' size that divides {heads}, "
                 f"or give {mname!r} the 'replicated' style (key/value heads of GQA often "
@@ -492,7 +492,7 @@ class _Layout:
                                   own[short].shape)
             if c in self.specs and self.specs[c] != spec:
                 raise ShardingError(
-                    f"parameter {c!r} (shape {tuple(own[short].shape)}) is tied to "
+                    f"{leaf_text(f'parameter {c!r}', own[short].shape)} is tied to "
                     f"{prefix + short!r}, and the plan lays it out as {self.specs[c]!r} "
                     f"({self.owners[c][0]}) there but {spec!r} ({label}) here; give both "
                     f"modules styles that split the shared weight the same way")
