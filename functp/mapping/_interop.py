@@ -47,7 +47,7 @@ def to_dtensor(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
                 f"public DTensor placement; unshard it (functp.unshard) and distribute the "
                 f"full tensor, or leave it out of the tree")
         if s is not None:
-            spec_to_placements(s, mesh, x.ndim, f"functp.to_dtensor: {path}")
+            spec_to_placements(s, mesh, x.ndim, f"functp.to_dtensor: {leaf_text(path, x.shape)}")
     n_list = shapes_for(items, treespec, mesh, shapes, "functp.to_dtensor")
     out = []
     for (path, x, s), n in zip(items, n_list):

@@ -86,11 +86,10 @@ def exchange_shapes(items, mesh: Mesh, what: str) -> list[tuple[int, ...] | None
                 how = (f"torch.chunk-style blocks over {axes}" if axes
                        else "the same size on every rank (the dimension is not split)")
                 raise ShardingError(
-                    f"{what}: {leaf_text(p, x.shape, spec, mesh)} (this rank's block, at "
-                    f"{mesh.coordinate}) has sizes {by_rank} along dimension {d} on the "
-                    f"mesh's ranks (in mesh order), which are not {how} of any global size "
-                    f"under {spec!r}; blocks must come from functp.shard/reshard/load, or "
-                    f"pass shapes=")
+                    f"{what}: {leaf_text(p, spec=spec, mesh=mesh)} has blocks of sizes "
+                    f"{by_rank} along dimension {d} on the mesh's ranks (in mesh order), "
+                    f"which are not {how} of any global size; blocks must come from "
+                    f"functp.shard/reshard/load, or pass shapes=")
             n.append(total)
         out.append(tuple(n))
     return out
