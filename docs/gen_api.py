@@ -3,8 +3,11 @@
     python docs/gen_api.py          # rewrite docs/api.md
     python docs/gen_api.py --check  # exit 1 if docs/api.md is out of date (CI runs this)
 
-Every name in ``functp.__all__`` gets its signature and its docstring, grouped by the
-module that defines it, in the order of ``__all__``.
+Every name in ``functp.__all__`` gets its signature and its docstring, one section per
+folder of ``functp/`` (the layers of docs/architecture.md, from the ground up), read
+from where the name is defined: a module that moves takes its names to its new
+folder's section. Within a section, names follow ``MODULES``' order, then
+``__all__``'s.
 """
 from __future__ import annotations
 
@@ -17,21 +20,28 @@ import functp
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGET = os.path.join(HERE, "api.md")
 
-SECTIONS = [
-    ("Meshes and specs", ["_mesh", "_spec", "_errors"]),
-    ("Sharding whole values", ["_sharding", "_reshard", "_functional"]),
-    ("shard_map", ["_shard_map"]),
-    ("Collectives", ["_collectives", "_ragged"]),
-    ("Communication log and the cross-rank check", ["_comm_log", "_crosscheck"]),
-    ("One process: simulated ranks, printing, layouts", ["_simulate", "_world", "_show"]),
-    ("Dry runs: what a step costs", ["_estimate", "_host_time", "_rank_meshes", "_hardware"]),
-    ("Training: gradients, norms, accumulation, mixed precision, remat, optimizers",
-     ["_autodiff", "_grads", "_overlap", "_precision", "_remat", "_optim"]),
-    ("Plans and styles", ["_parallelize", "_plans", "_rules", "_verify", "_style", "_tp", "_ep", "_hf",
-                          "_fsdp_style"]),
-    ("DTensor and checkpoints", ["_interop", "_checkpoint"]),
-    ("Pretrained transformers checkpoints", ["_pretrained"]),
+# the folders of functp/, ground first, and what each holds (docs/architecture.md)
+FOLDERS = [
+    ("runtime", "errors, the process world, the communication log, the cross-rank check, "
+                "mixed precision"),
+    ("mesh", "meshes and specs"),
+    ("ops", "collectives"),
+    ("mapping", "shard_map, and moving whole values between layouts"),
+    ("io", "checkpoints"),
+    ("parallel", "plans and styles: a torch.nn model to specs and bodies"),
+    ("training", "a module as a function, gradient norms, optimizer state"),
+    ("tools", "around a program: simulated ranks, dry runs, hardware"),
 ]
+# the reading order of the modules, wherever their folder
+MODULES = ["_errors", "_world", "_comm_log", "_crosscheck", "_precision",
+           "_mesh", "_spec",
+           "_collectives", "_ragged", "_overlap",
+           "_sharding", "_reshard", "_shard_map", "_interop", "_autodiff", "_remat", "_show",
+           "_checkpoint",
+           "_parallelize", "_plans", "_rules", "_verify", "_style", "_tp", "_ep", "_hf",
+           "_fsdp_style", "_pretrained",
+           "_functional", "_grads", "_optim",
+           "_simulate", "_estimate", "_host_time", "_rank_meshes", "_hardware"]
 
 
 class _Raw(str):
@@ -53,23 +63,30 @@ def _signature(obj) -> str:
     return str(sig.replace(parameters=params, return_annotation=ret))
 
 
+def _where(name: str) -> tuple[str, str]:
+    """(folder, module) of the module that defines ``functp.<name>``."""
+    parts = getattr(functp, name).__module__.split(".")
+    return parts[1], parts[-1]
+
+
 def render() -> str:
-    by_module: dict[str, list[str]] = {}
-    for name in functp.__all__:
-        mod = getattr(functp, name).__module__.rsplit(".", 1)[-1]
-        by_module.setdefault(mod, []).append(name)
-    known = {m for _, mods in SECTIONS for m in mods}
-    missing = sorted(set(by_module) - known)
-    if missing:
-        raise SystemExit(f"gen_api.py: add the modules {missing} to SECTIONS")
+    where = {name: _where(name) for name in functp.__all__}
+    folders = [f for f, _ in FOLDERS]
+    loose = sorted({m for f, m in where.values() if f not in folders or m not in MODULES})
+    if loose:
+        raise SystemExit(f"gen_api.py: add the modules {loose} to MODULES (and their "
+                         f"folder to FOLDERS)")
     out = ["# API reference", "",
            "Generated from the docstrings by `python docs/gen_api.py`; "
-           "`tests/test_docs.py` checks that it is current.", ""]
-    for title, mods in SECTIONS:
-        names = [n for m in mods for n in by_module.get(m, [])]
+           "`tests/test_docs.py` checks that it is current. One section per folder of "
+           "`functp/`, from the ground up (docs/architecture.md).", ""]
+    order = {name: k for k, name in enumerate(functp.__all__)}
+    for folder, what in FOLDERS:
+        names = sorted((n for n, (f, _) in where.items() if f == folder),
+                       key=lambda n: (MODULES.index(where[n][1]), order[n]))
         if not names:
             continue
-        out += [f"## {title}", ""]
+        out += [f"## `{folder}/`: {what}", ""]
         for name in names:
             obj = getattr(functp, name)
             kind = "class " if inspect.isclass(obj) else ""

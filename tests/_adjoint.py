@@ -4,10 +4,11 @@ For an op ``f`` linear in ``x``, ``<f(x), y> = <x, fᵀ(y)>`` for every ``x`` an
 where ``fᵀ`` is the op's backward: here through ``torch.func.vjp`` and through tape
 autograd. (For a nonlinear op, ``f`` is its linearization at a point: the jvp.)
 
-The inner product follows the values' vma types (DESIGN.md): a value varying over
-axes ``V`` is one block per coordinate along ``V``, so the ranks' local products
-are summed over ``V`` (``psum``), while along the axes it is invariant over it is
-one value held by every rank and counts once. So ``psum: V[a] -> I[a]`` has
+The inner product follows the values' vma types (docs/architecture.md, "vma types and
+the autodiff contract"): a value varying over axes ``V`` is one block per coordinate
+along ``V``, so the ranks' local products are summed over ``V`` (``psum``), while
+along the axes it is invariant over it is one value held by every rank and counts
+once. So ``psum: V[a] -> I[a]`` has
 ``<psum(x), y> = Σₐ <xᵢ, y>`` and its transpose is ``pvary``; ``pvary: I[a] -> V[a]``
 has ``<pvary(x), y> = <x, Σₐ yᵢ>``, transpose ``psum``. Each test declares the types
 it expects, and the vma check holds it to them: a declared type too small leaves a

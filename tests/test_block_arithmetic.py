@@ -119,7 +119,7 @@ def _cases(seed, count):
             shape = shape[:d] + (2 * math.prod(sizes) * rng.randint(1, 2),) + shape[d + 1:]
         spec = random_spec(rng, names, ndim, (shape, mesh.shape))
         try:
-            _layout.check_packed("x", shape, spec, mesh.shape)
+            _layout.check_packed("x", shape, spec, mesh)
         except ShardingError:
             continue
         yield mesh, shape, spec
@@ -220,7 +220,26 @@ def test_packed_views_and_slices():
     assert torch.equal(_layout.packed_slice(x, 0, 2, 2, 1), x[[2, 3, 6, 7]])
     assert torch.equal(_layout.local_of(x, spec, FakeMesh((2,), ("x",), (1,))), x[[2, 3, 6, 7]])
     with pytest.raises(ShardingError, match="multiple of 8"):
-        _layout.check_packed("w", (6, 3), P("x", packed={0: 2}), {"x": 4})
+        _layout.check_packed("w", (6, 3), P("x", packed={0: 2}), FakeMesh((4,), ("x",)))
+
+
+def test_require_divisible_counts_packed_blocks():
+    # 12 rows over 4 ranks divide, but as 2 packed blocks of 6 they do not: one check
+    # and one message for both (the packed check was its own before)
+    mesh, fix = FakeMesh((4,), ("x",)), "(fix: {k} and {n})"
+    _layout.require_divisible("w", (12, 3), P("x", None), mesh, fix)
+    with pytest.raises(ShardingError) as e:
+        _layout.require_divisible("w", (12, 3), P("x", None, packed={0: 2}), mesh, fix)
+    assert str(e.value) == (
+        "w (shape (12, 3)): P('x', None, packed={0: 2}) splits dimension 0 of size 12 into "
+        "2 packed blocks, each over ('x',) of size 4, which does not divide it; make it a "
+        "multiple of 8 (fix: 8 and 4) (mesh FakeMesh({'x': 4}))"), str(e.value)
+    _layout.require_divisible("w", (16, 3), P("x", None, packed={0: 2}), mesh, fix)
+    # check_packed looks at the packed dimensions only: dimension 1 may be uneven
+    _layout.check_packed("w", (16, 3), P("x", "y", packed={0: 2}), FakeMesh((4, 2), ("x", "y")))
+    with pytest.raises(ShardingError, match="over \\('y',\\) of size 2, which does not divide"):
+        _layout.require_divisible("w", (16, 3), P("x", "y", packed={0: 2}),
+                                  FakeMesh((4, 2), ("x", "y")), fix)
 
 
 # ---------------------------------------------------------------------------------
@@ -244,7 +263,7 @@ def _shard_unshard_body(seed, count):
             shape = shape[:d] + (2 * world,) + shape[d + 1:]
         spec = random_spec(rng, names, ndim, (shape, mesh.shape))
         try:
-            _layout.check_packed("x", shape, spec, mesh.shape)
+            _layout.check_packed("x", shape, spec, mesh)
         except ShardingError:
             continue
         full = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(done))

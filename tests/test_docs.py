@@ -2,13 +2,17 @@
 the page shows; the README's commands name files that exist.
 
 A plain ```python block runs in this process (its programs use ``functp.simulate``);
-the lines after a ``# prints:`` comment in it are compared with what it printed. A
-```python torchrun block is per-rank code: the page's torchrun blocks run, in order,
-on four gloo processes, and each rank's output is compared with its ``# prints:``.
+the lines after a ``# prints:`` comment in it are compared with what it printed, and
+the lines after ``# raises:`` with the exception its last statement raises, as a
+traceback's last line shows it (``ShardingError: ...``). A ```python torchrun block is
+per-rank code: the page's torchrun blocks run, in order, on four gloo processes, and
+each rank's output is compared with its ``# prints:`` / ``# raises:``.
+troubleshooting.md's error blocks are the table of errors, tests/_error_table.py.
 
-Each block is checked one way, and counted so: *compared* (its ``# prints:``),
-*asserts* (it prints nothing and holds ``assert`` statements), or *runs only*, which
-only a setup block may be (imports and ``torch.set_default_dtype``/``manual_seed``).
+Each block is checked one way, and counted so: *compared* (its ``# prints:`` or
+``# raises:``), *asserts* (it prints nothing and holds ``assert`` statements), or *runs
+only*, which only a setup block may be (imports and
+``torch.set_default_dtype``/``manual_seed``).
 A block that prints what the page does not show fails. A ```python-norun block (an
 excerpt of an example, shown without the model and mesh around it) is not run: it must
 stand, line by line and in order, in the example its section links, which
@@ -44,14 +48,32 @@ def snippets(path: str, torchrun: bool | None = None) -> list[tuple[int, str]]:
             if torchrun is None or bool(m.group(1)) == torchrun]
 
 
+def _shown(code: str, marker: str) -> str | None:
+    """The comment lines after ``marker`` (up to the next marker), comment markers
+    removed; None without one."""
+    lines = code.split("\n")
+    if marker not in lines:
+        return None
+    out = []
+    for ln in lines[lines.index(marker) + 1:]:
+        if ln in _MARKERS:
+            break
+        if ln.startswith("#"):
+            out.append(ln[2:] + "\n" if ln.startswith("# ") else "\n")
+    return "".join(out)
+
+
+_MARKERS = ("# prints:", "# raises:")
+
+
 def expected_output(code: str) -> str | None:
     """The text after ``# prints:``, comment markers removed; None without one."""
-    lines = code.split("\n")
-    if "# prints:" not in lines:
-        return None
-    shown = lines[lines.index("# prints:") + 1:]
-    return "".join(ln[2:] + "\n" if ln.startswith("# ") else "\n"
-                   for ln in shown if ln.startswith("#"))
+    return _shown(code, "# prints:")
+
+
+def expected_error(code: str) -> str | None:
+    """The exception shown after ``# raises:`` (``Type: message``); None without one."""
+    return _shown(code, "# raises:")
 
 
 def _page_module() -> dict:
@@ -61,15 +83,19 @@ def _page_module() -> dict:
     return page.__dict__
 
 
-def _exec(path: str, line: int, code: str, env: dict) -> str:
-    out = io.StringIO()
+def _exec(path: str, line: int, code: str, env: dict) -> tuple[str, str | None]:
+    """What a block printed, and what it raised (``Type: message``) where it shows
+    ``# raises:``; any other exception fails."""
+    out, raised = io.StringIO(), None
     with contextlib.redirect_stdout(out):
         try:
             exec(compile(code, f"{os.path.basename(path)}:{line}", "exec"), env)
         except Exception as e:
-            raise AssertionError(f"{os.path.basename(path)}, snippet at line {line} "
-                                 f"failed: {e!r}") from e
-    return out.getvalue()
+            if expected_error(code) is None:
+                raise AssertionError(f"{os.path.basename(path)}, snippet at line {line} "
+                                     f"failed: {e!r}") from e
+            raised = f"{type(e).__name__}: {e}\n"
+    return out.getvalue(), raised
 
 
 _SETUP_CALLS = {"torch.set_default_dtype", "torch.manual_seed"}
@@ -87,11 +113,17 @@ def _is_setup(code: str) -> bool:
     return True
 
 
-def checked(page: str, line: int, code: str, printed: str) -> str:
-    """How a block that printed ``printed`` is checked: ``compared``, ``asserts`` or
-    ``runs only`` (a setup block); raises when it is not checked at all."""
+def checked(page: str, line: int, code: str, printed: str, raised: str | None = None) -> str:
+    """How a block that printed ``printed`` (and raised ``raised``) is checked:
+    ``compared``, ``asserts`` or ``runs only`` (a setup block); raises when it is not
+    checked at all."""
     where = f"{os.path.basename(page)}, snippet at line {line}"
-    want = expected_output(code)
+    want, error = expected_output(code), expected_error(code)
+    if error is not None:
+        assert raised == error, (f"{where} raised:\n{raised or '(nothing)'}\nbut the page "
+                                 f"shows:\n{error}")
+        assert printed == (want or ""), f"{where} printed:\n{printed}but the page shows:\n{want}"
+        return "compared"
     if want is not None:
         assert printed == want, f"{where} printed:\n{printed}but the page shows:\n{want}"
         return "compared"
@@ -103,16 +135,42 @@ def checked(page: str, line: int, code: str, printed: str) -> str:
     return "runs only"
 
 
-def _run_torchrun_blocks(path: str) -> list[tuple[int, str]]:
-    """(line, what this rank printed) of each torchrun block of a page, in order."""
+def _run_torchrun_blocks(path: str) -> list[tuple[int, str, str | None]]:
+    """(line, what this rank printed, what it raised) of each torchrun block of a
+    page, in order."""
     import torch
     env = _page_module()
     dtype = torch.get_default_dtype()       # a page may change it: not for the next page
     try:
-        return [(line, _exec(path, line, code, env))
+        return [(line, *_exec(path, line, code, env))
                 for line, code in snippets(path, torchrun=True)]
     finally:
         torch.set_default_dtype(dtype)
+
+
+def _before(code: str, marker: str) -> str:
+    """A block's code: its lines before ``marker``."""
+    lines = code.split("\n")
+    return "".join(ln + "\n" for ln in lines[:lines.index(marker)])
+
+
+def test_troubleshooting_shows_the_table_of_errors():
+    # each block that shows an error is an entry of tests/_error_table.py, in the
+    # table's order (its code, then its exception and message), and every entry is
+    # shown; tests/test_errors.py runs the entries, test_doc_torchrun_... the blocks
+    import _error_table as table
+    page = os.path.join(DOCS, "troubleshooting.md")
+    blocks = snippets(page, torchrun=True)
+    assert not excerpt_gaps(table.SETUP, blocks[0][1]), "the page's first block is the setup"
+    shown = [(line, _before(code, "# raises:"), expected_error(code))
+             for line, code in blocks if expected_error(code) is not None]
+    for k, e in enumerate(table.ERRORS):
+        assert k < len(shown), f"troubleshooting.md does not show the entry\n{e.code}"
+        line, code, error = shown[k]
+        assert (code, error) == (e.code, e.shown()), (
+            f"troubleshooting.md, block at line {line}:\n{code}# raises:\n{error}\nwhere "
+            f"the table's entry {k} is\n{e.code}# raises:\n{e.shown()}")
+    assert len(shown) == len(table.ERRORS), f"not in the table: {shown[len(table.ERRORS):]}"
 
 
 def _tally(kinds: list[str]) -> dict[str, int]:
@@ -126,7 +184,7 @@ def test_doc_snippets_print_what_the_page_shows(page, record_property):
     env = _page_module()
     dtype = torch.get_default_dtype()
     try:
-        kinds = [checked(page, line, code, _exec(page, line, code, env))
+        kinds = [checked(page, line, code, *_exec(page, line, code, env))
                  for line, code in snippets(page, torchrun=False)]
     finally:
         torch.set_default_dtype(dtype)
@@ -138,9 +196,9 @@ def test_doc_snippets_print_what_the_page_shows(page, record_property):
 def test_doc_torchrun_snippets_print_what_the_page_shows(run, page, record_property):
     blocks = snippets(page, torchrun=True)
     for rank, outputs in enumerate(run(4, _run_torchrun_blocks, page, gloo=True)):
-        assert [line for line, _ in outputs] == [line for line, _ in blocks], rank
-        kinds = [checked(page, line, code, printed)
-                 for (line, code), (_, printed) in zip(blocks, outputs)]
+        assert [out[0] for out in outputs] == [line for line, _ in blocks], rank
+        kinds = [checked(page, line, code, printed, raised)
+                 for (line, code), (_, printed, raised) in zip(blocks, outputs)]
     record_property("blocks", _tally(kinds))
 
 
@@ -155,6 +213,20 @@ def test_a_block_is_checked_one_way():
         checked(page, 1, "print(1)\nassert True", "1\n")
     with pytest.raises(AssertionError, match="but the page shows"):
         checked(page, 1, "print(2)\n# prints:\n# 1", "2\n")
+    shows = "f()\n# raises:\n# ShardingError: no"
+    assert checked(page, 1, shows, "", "ShardingError: no\n") == "compared"
+    for raised in (None, "ShardingError: yes\n", "ValueError: no\n"):
+        with pytest.raises(AssertionError, match="but the page shows"):
+            checked(page, 1, shows, "", raised)
+
+
+def test_a_block_that_shows_an_error_must_raise_it():
+    env = {}
+    code = "print(1)\nraise ValueError('two\\nlines')\n# prints:\n# 1\n# raises:\n# ValueError: two\n# lines"
+    assert _exec("page.md", 1, code, env) == ("1\n", "ValueError: two\nlines\n")
+    assert expected_output(code) == "1\n" and expected_error(code) == "ValueError: two\nlines\n"
+    with pytest.raises(AssertionError, match="failed"):     # (one the page does not show)
+        _exec("page.md", 1, "raise ValueError('x')", env)
 
 
 def test_a_prints_block_is_read_as_shown():
@@ -245,7 +317,7 @@ def test_docstring_examples_print_what_they_show(name):
     obj, doc = getattr(functp, name), _public_docs()[name]
     for code in docstring_examples(doc):
         env = {"torch": torch, "functp": functp, "P": functp.P}
-        printed = _exec(f"functp.{name}", 0, code, env)
+        printed, _ = _exec(f"functp.{name}", 0, code, env)
         want = expected_output(code)
         assert printed == want, f"functp.{name}'s example printed:\n{printed}but shows:\n{want}"
     if ">>> " in doc:

@@ -140,3 +140,31 @@ def test_packed_spec_names_a_split_dimension_and_blocks():
     assert repr(P("tp", None, packed={0: 2})) == "P('tp', None, packed={0: 2})"
     for bad in ({1: 2}, {0: 1}, {3: 2}):
         _raises(lambda: P("tp", None, packed=bad), "packing names a split dimension")
+
+
+def _table_errors() -> list[str]:
+    # every entry of the table, in order, after the setup: what each one raised
+    import _error_table as table
+    env: dict = {}
+    exec(table.SETUP, env)
+    out, debug = [], functp.debug_enabled()      # (an entry turns the check mode on)
+    try:
+        for e in table.ERRORS:
+            try:
+                exec(e.code, env)
+                out.append("(nothing raised)\n")
+            except Exception as x:  # noqa: BLE001 - compared with the table below
+                out.append(f"{type(x).__name__}: {x}\n")
+    finally:
+        functp.set_debug(debug)
+    return out
+
+
+def test_every_error_of_the_table_raises_exactly_its_message_on_every_rank(run):
+    # the errors docs/troubleshooting.md shows (tests/_error_table.py), on four gloo
+    # processes (checkpoints and DTensor need torch.distributed's default group)
+    import _error_table as table
+    want = [e.shown() for e in table.ERRORS]
+    for rank, got in enumerate(run(4, _table_errors, gloo=True)):
+        for e, g, w in zip(table.ERRORS, got, want):
+            assert g == w, f"rank {rank}, the entry\n{e.code}raised\n{g}where the table has\n{w}"

@@ -367,7 +367,7 @@ def _shared_style():
         with functp.comm_log() as box[0]:
             torch.func.grad(step)(params, xs)
     # (after the steps' collectives: both ranks have registered their modules)
-    return [c for _, c in seen], [id(m) for m in _SHARED._order.mods.values()], \
+    return [c for _, c in seen], [id(m) for m in _SHARED._gathers.order.mods.values()], \
         [id(m) for m in model.layers]
 
 

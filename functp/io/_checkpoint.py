@@ -36,7 +36,7 @@ from ..mesh._mesh import Mesh
 from ..mesh._spec import P, mesh_order, spec_to_placements
 from ..runtime import _crosscheck
 from ..runtime import _world
-from ..runtime._errors import CheckpointError, ShardingError, keystr
+from ..runtime._errors import CheckpointError, ShardingError, keystr, leaf_text
 from ..runtime._torch_compat import MetadataWriter, TensorStorageMetadata
 from ._checksums import record_checksums, unmark, verify
 from ._failures import all_ok, dcp_call, need_numpy, peer_loss
@@ -63,10 +63,9 @@ def _check_like(what: str, path: str, where: str, key: str, x: Any, saved, spec,
     lay = layout(spec, len(n), mesh) if mesh is not None and spec is not None else ()
     block = local_shape(n, lay, mesh) if any(lay) else n
     if tuple(x.shape) not in (n, block):
-        mine = (f" (a block of {block} on rank {dist.get_rank()} under {spec!r})"
-                if block != n else "")
+        mine = f", a block of {block} on rank {dist.get_rank()}" if block != n else ""
         raise CheckpointError(
-            f"{what}: {where} has shape {tuple(x.shape)}, but key '{key}' was saved with "
+            f"{what}: {leaf_text(where, x.shape, spec, mesh)}: key '{key}' was saved with "
             f"shape {n}{mine} ({path})\ngive it that shape, or a placeholder such as 0")
     if x.dtype != dtype and not convert:
         raise CheckpointError(

@@ -43,11 +43,11 @@ def to_dtensor(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) -> Any:
     for path, x, s in items:      # before any communication: the same on every rank
         if s is not None and s.packed:
             raise ShardingError(
-                f"functp.to_dtensor: {path} is laid out by {s!r}, whose packed blocks "
-                f"have no public DTensor placement; unshard it (functp.unshard) and "
-                f"distribute the full tensor, or leave it out of the tree")
+                f"functp.to_dtensor: {leaf_text(path, x.shape, s)}: packed blocks have no "
+                f"public DTensor placement; unshard it (functp.unshard) and distribute the "
+                f"full tensor, or leave it out of the tree")
         if s is not None:
-            spec_to_placements(s, mesh, x.ndim, f"functp.to_dtensor: {path}")
+            spec_to_placements(s, mesh, x.ndim, f"functp.to_dtensor: {leaf_text(path, x.shape)}")
     n_list = shapes_for(items, treespec, mesh, shapes, "functp.to_dtensor")
     out = []
     for (path, x, s), n in zip(items, n_list):
@@ -107,9 +107,9 @@ def dtensor_to_local(x: DTensor, mesh: Mesh, spec: Any, path: str) -> torch.Tens
     dm = x.device_mesh
     if dm is not mesh.device_mesh and dm != mesh.device_mesh:
         raise ShardingError(
-            f"{where}: got a DTensor (shape {tuple(x.shape)}) on {dm}, but the shard_map "
-            f"runs on {mesh} (DeviceMesh {mesh.device_mesh}); redistribute it onto that "
-            f"mesh first, or pass its local block (x.to_local()) with a matching spec")
+            f"{leaf_text(where, x.shape)}: got a DTensor on {dm}, but the shard_map runs "
+            f"on {mesh} (DeviceMesh {mesh.device_mesh}); redistribute it onto that mesh "
+            f"first, or pass its local block (x.to_local()) with a matching spec")
     spec = normalize_spec(spec, mesh.axis_names, where, x.shape)
     check_even_dtensor(where, x.shape, spec, mesh)
     lay = layout(spec, x.ndim, mesh)

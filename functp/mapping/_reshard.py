@@ -23,10 +23,10 @@ import torch
 from ..ops import _collectives as coll
 from ..ops import _context
 from ..ops import _primitives as prim
-from ..runtime._errors import ShardingError
+from ..runtime._errors import ShardingError, leaf_text
 from ..mesh._layout import (Layout, block, check_packed, even_global_shape, is_even,
                       layout, local_of, local_shape, mark_uneven, packing, pad_dim, piece_sizes,
-                      unview, view, view_shape, view_spec)
+                      require_divisible, unview, view, view_shape, view_spec)
 from ..mesh._mesh import Mesh
 from ._reshard_plan import communicates, plan
 from ._reshard_shapes import checked_shapes, exchange_shapes
@@ -169,7 +169,7 @@ def full_of(x: torch.Tensor, n: Sequence[int], spec: P, mesh: Mesh, ops,
     """The full tensor (global shape ``n``) from every rank's block ``x`` under ``spec``:
     one all-gather per split dimension (none if nothing is split)."""
     if packing(spec):
-        check_packed(path, n, spec, mesh.shape)     # (the same on every rank: n is global)
+        check_packed(path, n, spec, mesh)     # (the same on every rank: n is global)
         xv, nv = view(x, spec), view_shape(n, spec)
         return unview(full_of(xv, nv, view_spec(spec), mesh, ops), spec)
     src = layout(spec, x.ndim, mesh)
@@ -289,8 +289,8 @@ def _plan_leaf(path: str, x, s: P | None, d, mesh: Mesh, inside: bool, what: str
     if packing(s) or packing(d):
         if inside:
             raise ShardingError(
-                f"{what} inside shard_map: {path} moves from {s!r} to {d!r}, and "
-                f"packed layouts are resharded outside shard_map only")
+                f"{what} inside shard_map: {leaf_text(path, x.shape)} moves from {s!r} to "
+                f"{d!r}, and packed layouts are resharded outside shard_map only")
         if packing(s) != packing(d) or src != dst:
             return _Job(s, d, src, dst, _PACKED)
     return _Job(s, d, src, dst, plan(src, dst))
@@ -313,12 +313,10 @@ def _check_even_inside(items, jobs, n_list, mesh: Mesh, what: str) -> None:
     for (path, x, _), j, n in zip(items, jobs, n_list):
         if j is not None and not (is_even(n, j.src, mesh) and is_even(n, j.dst, mesh)):
             bad = j.src_spec if not is_even(n, j.src, mesh) else j.dst_spec
-            raise ShardingError(
-                f"{what} inside shard_map: {path} (block {tuple(x.shape)}, global "
-                f"shape {tuple(n)}) does not split evenly under {bad!r} on {mesh}; "
-                f"shard_map works on even blocks only: pad the value first with "
-                f"functp.pad_to_multiple (and functp.unpad the result), or reshard "
-                f"outside shard_map")
+            require_divisible(
+                f"{what} inside shard_map: {path}", n, bad, mesh,
+                "first with functp.pad_to_multiple (and functp.unpad the result), or "
+                "reshard outside shard_map: shard_map works on even blocks only")
 
 
 def _move(path: str, x: torch.Tensor, j: _Job, n, mesh: Mesh, ops, inside: bool

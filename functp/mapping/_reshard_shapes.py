@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..ops import _primitives as prim
-from ..runtime._errors import ShardingError
+from ..runtime._errors import ShardingError, leaf_text
 from ..mesh._layout import layout, local_shape, mesh_coordinates, size_from_blocks
 from ..mesh._mesh import Mesh
 from ..mesh._spec import P
@@ -43,8 +43,8 @@ def given_shapes(treespec, shapes, items, what: str) -> list[tuple[int, ...] | N
         ok = isinstance(s, (tuple, list)) and all(isinstance(i, int) and i >= 0 for i in s)
         if not ok or len(s) != x.ndim:
             raise ShardingError(
-                f"{what}: shapes= gives {s!r} for {path} (a block of shape "
-                f"{tuple(x.shape)}); give its global shape, a tuple of {x.ndim} sizes")
+                f"{what}: shapes= gives {s!r} for {leaf_text(path, x.shape)}, a block; give "
+                f"its global shape, a tuple of {x.ndim} sizes")
         out.append(tuple(int(i) for i in s))
     return out
 
@@ -57,9 +57,9 @@ def check_block(path: str, x: torch.Tensor, spec: P, n: Sequence[int], mesh: Mes
     want = local_shape(n, layout(spec, x.ndim), mesh)
     if tuple(x.shape) != want:
         raise ShardingError(
-            f"{what}: {path} has a block of shape {tuple(x.shape)}, but its global shape "
-            f"{tuple(n)} under {spec!r} gives this rank (coordinate {mesh.coordinate} on "
-            f"{mesh}) a block of shape {want}; pass the global shape the blocks come from")
+            f"{what}: {leaf_text(path, x.shape, spec, mesh)} is this rank's block "
+            f"(coordinate {mesh.coordinate}), but the global shape {tuple(n)} given for it "
+            f"makes this rank's block {want}; pass the global shape the blocks come from")
 
 
 def exchange_shapes(items, mesh: Mesh, what: str) -> list[tuple[int, ...] | None]:
@@ -86,10 +86,10 @@ def exchange_shapes(items, mesh: Mesh, what: str) -> list[tuple[int, ...] | None
                 how = (f"torch.chunk-style blocks over {axes}" if axes
                        else "the same size on every rank (the dimension is not split)")
                 raise ShardingError(
-                    f"{what}: {p} (shape {tuple(x.shape)} on rank {mesh.coordinate}) has "
-                    f"sizes {by_rank} along dimension {d} on the ranks of {mesh} (in mesh "
-                    f"order), which are not {how} of any global size under {spec!r}; "
-                    f"blocks must come from functp.shard/reshard/load, or pass shapes=")
+                    f"{what}: {leaf_text(p, spec=spec, mesh=mesh)} has blocks of sizes "
+                    f"{by_rank} along dimension {d} on the mesh's ranks (in mesh order), "
+                    f"which are not {how} of any global size; blocks must come from "
+                    f"functp.shard/reshard/load, or pass shapes=")
             n.append(total)
         out.append(tuple(n))
     return out

@@ -440,7 +440,7 @@ def _take_block(body: _Body, path: str, x: torch.Tensor, spec: P) -> torch.Tenso
     """This rank's block of ``x``, whole along our axes (a packed dimension: this
     rank's slice of each of its blocks, through its packed view)."""
     if spec.packed:
-        _layout.check_packed(f"in_specs for {path}", x.shape, spec, body.mesh.shape)
+        _layout.check_packed(f"in_specs for {path}", x.shape, spec, body.mesh)
         view = _layout.view_spec(spec)
         return _layout.unview(_take_block(body, path, _layout.view(x, spec), view), spec)
     dims = []

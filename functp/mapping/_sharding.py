@@ -18,7 +18,7 @@ from ..ops import _context
 from ..runtime import _crosscheck
 from ..runtime import _fingerprint
 from ..runtime import _world
-from ..runtime._errors import ShardingError
+from ..runtime._errors import ShardingError, leaf_text
 from ..mesh._mesh import Mesh
 from ..mesh._layout import block, layout, local_of, mark_uneven, pad_dim, padded_shape
 from ._reshard import _RawOps, full_of, run_plan
@@ -139,8 +139,8 @@ def unpad(tree: Any, shapes: Any, *, mesh: Mesh | None = None, specs: Any = None
             if n is not None:
                 if any(a > b for a, b in zip(n, x.shape)):
                     raise ShardingError(
-                        f"functp.unpad: {p} has shape {tuple(x.shape)}, smaller than the "
-                        f"shape {tuple(n)} to keep; pass the shapes from before padding")
+                        f"functp.unpad: {leaf_text(p, x.shape)} is smaller than the shape "
+                        f"{tuple(n)} to keep; pass the shapes from before padding")
                 for d, s in enumerate(n):
                     x = x.narrow(d, 0, s)
             out.append(x)

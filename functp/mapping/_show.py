@@ -8,7 +8,6 @@ import optree
 import torch
 
 from ..runtime import _world
-from ..runtime._errors import ShardingError
 from ..mesh._mesh import Mesh
 from ..mesh._layout import block, layout
 from ..mesh._spec import normalize_spec
@@ -109,11 +108,7 @@ def visualize_sharding(x: torch.Tensor | Sequence[int], spec: Any, mesh: Mesh) -
     else:
         shape = tuple(int(n) for n in x)
         head = f"shape {list(shape)}"
-    spec = normalize_spec(spec, mesh.axis_names, "visualize_sharding")
-    if len(spec) > len(shape):
-        raise ShardingError(
-            f"visualize_sharding: {spec!r} names {len(spec)} dimensions but the tensor has "
-            f"{len(shape)} (shape {list(shape)}); give a spec with at most {len(shape)} entries")
+    spec = normalize_spec(spec, mesh.axis_names, "visualize_sharding", shape)
     lay = layout(spec, len(shape))
     holders: dict[tuple, list[int]] = {}
     for r, pos in sorted(mesh._positions.items()):

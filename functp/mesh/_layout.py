@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..runtime._errors import ShardingError, leaf_text
 from ._mesh import Mesh
-from ._spec import P
+from ._spec import P, normalize_spec
 # the placement converters live in _spec; callers not yet moved import them from here
 # (parallel/_style.py: axis_placement; tests/test_layout.py: all four)
 from ._spec import axis_placement, mesh_order, placements_to_spec, spec_to_placements  # noqa: F401
@@ -157,20 +157,30 @@ def strides(shape: Sequence[int]) -> tuple[int, ...]:
 # divisibility, with the errors users see
 
 
-def require_divisible(where: str, shape: Sequence[int], spec: P, mesh: Mesh, fix: str) -> None:
-    """Raises unless ``spec`` splits every dimension of ``shape`` into equal blocks on
-    ``mesh``: the one message for a size that does not divide, naming the leaf
-    (``where``, ``shape``), the dimension, its axes, the multiple to pad to and then
-    ``fix`` (what else to do; ``{k}`` in it stands for that multiple)."""
-    d = uneven_dim(shape, layout(spec, len(shape)), mesh.shape)
-    if d is None:
-        return
-    axes = spec.dim_axes(d)
-    k = mesh.axis_size(axes)
-    raise ShardingError(
-        f"{leaf_text(where, shape)}: {spec!r} splits dimension {d} of size {shape[d]} over "
-        f"{axes} of size {k}, which does not divide it; pad it to a multiple of {k} "
-        f"{fix.format(k=k)} (mesh {mesh})")
+def require_divisible(where: str, shape: Sequence[int], spec: P, mesh: Mesh, fix: str,
+                      dims: Sequence[int] | None = None) -> None:
+    """Raises unless ``spec`` splits every dimension of ``shape`` (or those in ``dims``)
+    into equal blocks on ``mesh``: the one message for a size that does not divide,
+    naming the leaf (``where``, ``shape``), the spec, the dimension, its axes, the
+    multiple it must be, the mesh, and ``fix`` (what else to do; ``{k}`` in it stands
+    for that multiple, ``{n}`` for the axes' size). A packed dimension (``P(...,
+    packed={dim: b})``) holds ``b`` blocks that each split over the axes: its size
+    must be a multiple of ``b`` times their size."""
+    packed = dict(packing(spec))
+    for d in range(len(shape)) if dims is None else dims:
+        axes = spec.dim_axes(d)
+        n = mesh.axis_size(axes) if axes else 1
+        k = n * packed.get(d, 1)
+        if not uneven(shape[d], k):
+            continue
+        if d in packed:
+            how = (f"into {packed[d]} packed blocks, each over {axes} of size {n}, which "
+                   f"does not divide it; make it a multiple of {k}")
+        else:
+            how = f"over {axes} of size {n}, which does not divide it; pad it to a multiple of {k}"
+        raise ShardingError(
+            f"{leaf_text(where, shape)}: {spec!r} splits dimension {d} of size {shape[d]} "
+            f"{how} {fix.format(k=k, n=n)} (mesh {mesh})")
 
 
 def check_even_dtensor(where: str, shape: Sequence[int], spec: P, mesh: Mesh) -> None:
@@ -245,15 +255,14 @@ def packed_slice(x: torch.Tensor, dim: int, blocks: int, n: int, i: int) -> torc
     return v.narrow(dim + 1, *chunk(v.shape[dim + 1], n, i)).flatten(dim, dim + 1)
 
 
-def check_packed(path: str, shape: Sequence[int], spec: P, sizes: Mapping[str, int]) -> None:
-    """A packed dimension must hold whole, evenly split blocks."""
-    for d, k in packing(spec):
-        n = axes_size(sizes, spec.dim_axes(d))
-        if d >= len(shape) or uneven(shape[d], k * n):
-            raise ShardingError(
-                f"{leaf_text(path, shape, spec)}: dimension {d} must hold "
-                f"{k} blocks that each split evenly over {n} ranks; its size must be a "
-                f"multiple of {k * n}")
+def check_packed(where: str, shape: Sequence[int], spec: P, mesh: Mesh) -> None:
+    """A packed dimension must hold whole, evenly split blocks (:func:`require_divisible`
+    on the packed dimensions; the others may be uneven, cut like ``torch.chunk``)."""
+    if len(spec) > len(shape):          # (a packed dimension the tensor does not have)
+        normalize_spec(spec, mesh.axis_names, where, shape)
+    require_divisible(where, shape, spec, mesh,
+                      "(each packed block a multiple of {n}: functp.pad_to_multiple pads "
+                      "the whole dimension, not each block)", [d for d, _ in packing(spec)])
 
 
 # ---------------------------------------------------------------------------------
@@ -277,7 +286,7 @@ def block_ranges(shape: Sequence[int], spec: P, mesh: Mesh, path: str = "value"
     1 ``[[(2, 2), (6, 2)], [(0, 3)]]``."""
     packed = dict(packing(spec))
     if packed:
-        check_packed(path, shape, spec, mesh.shape)
+        check_packed(path, shape, spec, mesh)
     out = []
     for d, n in enumerate(shape):
         axes = layout(spec, len(shape))[d]
@@ -291,7 +300,7 @@ def local_of(x: torch.Tensor, spec: P, mesh: Mesh, path: str = "value") -> torch
     """This rank's block (a view) of the full tensor ``x`` under ``spec``; a packed
     dimension gives this rank's slice of each of its blocks."""
     if packing(spec):
-        check_packed(path, x.shape, spec, mesh.shape)
+        check_packed(path, x.shape, spec, mesh)
         return unview(local_of(view(x, spec), view_spec(spec), mesh, path), spec)
     for d, off, size in block_slices(x.shape, layout(spec, x.ndim), mesh.shape,
                                      mesh.coordinate):

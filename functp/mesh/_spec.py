@@ -100,10 +100,11 @@ def is_spec(x: Any) -> bool:
 
 
 def format_spec(spec: Any) -> str:
-    if isinstance(spec, P):
-        return repr(spec)
-    if isinstance(spec, (list, tuple)):
-        return "[" + ", ".join(map(str, spec)) + "]"
+    """A spec as a message names it: ``P('tp')``, or placements as they are written
+    (``[Partial(sum), Replicate()]``, not DTensor's short ``[P(sum), R]``, whose ``P``
+    reads as functp's)."""
+    if isinstance(spec, (list, tuple)) and not isinstance(spec, P):
+        return "[" + ", ".join(map(repr, spec)) + "]"
     return repr(spec)
 
 

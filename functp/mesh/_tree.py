@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import optree
 import torch
 
-from ..runtime._errors import ShardingError, keystr
+from ..runtime._errors import ShardingError, keystr, leaf_text
 from ._spec import is_spec, normalize_spec
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def match_specs(specs: Any, tree: Any, specs_name: str, root: str):
     for p, s in zip(spec_paths, spec_leaves):
         if not is_spec(s):
             hint = "use P() for a replicated value" if s is None else "use P(...)"
-            what = f"a tensor of shape {tuple(s.shape)}" if hasattr(s, "shape") else repr(s)
+            what = leaf_text("a tensor", s.shape) if hasattr(s, "shape") else repr(s)
             raise ShardingError(
                 f"{keystr(specs_name, p)} is {what}, which is not a spec; {hint}")
     try:
@@ -71,7 +71,7 @@ def _node(x):
 
 def _describe(x, node) -> str:
     if node is None:
-        return (f"a tensor of shape {tuple(x.shape)}" if hasattr(x, "shape")
+        return (leaf_text("a tensor", x.shape) if hasattr(x, "shape")
                 else f"a {type(x).__name__} leaf")
     kind, entries, _ = node
     if isinstance(x, dict):

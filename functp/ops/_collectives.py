@@ -17,7 +17,7 @@ import torch
 from . import _context
 from . import _lazy
 from . import _ops
-from ..runtime._errors import ShardingError
+from ..runtime._errors import ShardingError, leaf_text
 from ..mesh._layout import uneven
 from ..mesh._mesh import AxisGroup
 
@@ -53,7 +53,7 @@ def _map(fn, x):
 def _dim(d: int, ndim: int, what: str, arg: str, shape) -> int:
     if not -ndim <= d < ndim:
         raise ShardingError(
-            f"functp.{what}: {arg}={d} is out of range for a tensor of shape {tuple(shape)}")
+            f"functp.{what}: {arg}={d} is out of range for {leaf_text('the value', shape)}")
     return d % ndim
 
 
@@ -100,7 +100,7 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
 def _invariant_reduction_message(what: str, g: AxisGroup, missing, t) -> str:
     axes = missing[0] if len(missing) == 1 else missing
     return (
-        f"functp.{what} over {g.axes!r}: the value (shape {tuple(t.shape)}) is invariant "
+        f"functp.{what} over {g.axes!r}: {leaf_text('the value', t.shape)} is invariant "
         f"over mesh axis {axes!r} (every rank along it holds the same value), so "
         f"summing it would multiply it by the axis size. If that product is what you "
         f"mean, write x * functp.axis_size({axes!r}); if each rank's copy really is a "
@@ -407,5 +407,5 @@ def _check_split(t, d, g: AxisGroup, tiled: bool, what: str, arg: str) -> None:
         need = f"a multiple of {g.size}" if tiled else f"exactly {g.size}"
         alt = "" if tiled else " (or pass tiled=True)"
         raise ShardingError(
-            f"functp.{what} over {g.axes} (size {g.size}): {arg}={d} of a tensor of "
-            f"shape {tuple(t.shape)} has size {n}, but it must be {need}{alt}")
+            f"functp.{what} over {g.axes} (size {g.size}): {arg}={d} of "
+            f"{leaf_text('the value', t.shape)} has size {n}, but it must be {need}{alt}")

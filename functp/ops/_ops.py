@@ -16,15 +16,16 @@ One banner section per collective holds all of its rules, found together:
 ``_torch_op._define`` registers each (and says why its Autograd kernel is cheap under
 ``torch.func``).
 
-The forward's docstring draws forward and backward, in DESIGN.md's terms: ``V[a]``
-is a value varying over the mesh axes ``a`` (each rank along them holds its own),
-``I[a]`` one invariant over them (every rank holds the same, and it counts once).
+The forward's docstring draws forward and backward in the types of
+docs/architecture.md ("vma types and the autodiff contract"): ``V[a]`` is a value
+varying over the mesh axes ``a`` (each rank along them holds its own), ``I[a]`` one
+invariant over them (every rank holds the same, and it counts once).
 
 ``group`` arguments are ``AxisGroup.key`` strings (an op schema has no place for a
 Python object); ``_mesh.group_of`` resolves them.
 
-Two transposition regimes exist (DESIGN.md). With ``sum_mode`` a cotangent is each
-rank's contribution and must be summed (psumᵀ = psum); with vma tracking, the
+Two transposition regimes exist (the same section). With ``sum_mode`` a cotangent is
+each rank's contribution and must be summed (psumᵀ = psum); with vma tracking, the
 cotangent of an invariant value is already the full cotangent (psumᵀ = pvary).
 """
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _none(n: int) -> tuple:
 
 
 class VmaRule(NamedTuple):
-    """A collective's vma rule over the mesh axes ``a`` it runs on (DESIGN.md's table).
+    """A collective's vma rule over the mesh axes ``a`` it runs on (the table of
+    docs/architecture.md, "vma types and the autodiff contract").
 
     ``needs_varying``: its input must vary over ``a``; a value invariant over some of
     them is refused (a sum of identical copies is ``|a|`` times the value, which is

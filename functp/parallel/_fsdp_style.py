@@ -9,17 +9,8 @@ all-reduced over them, on the block (1/fsdp of the weight), after the reduce-sca
 as HSDP orders them.
 
 **Prefetch.** A module's pre-hook also launches the gather of the next module's blocks,
-kept until that module's pre-hook uses it (FSDP2's forward prefetch): with forward
-collectives that wait at first use, that gather travels while this module computes.
-"Next" comes from the plan, never from data: the modules this style shards, in the
-order the plan registered them (module tree order). The first call checks that order
-against the one the modules run in; a module whose successor did not run right after
-it never prefetches, so every rank issues the same collectives in the same order. A
-prefetched gather is the very op the module would have issued itself, on the same
-block: values, gradients and the reduce-scatter per parameter are unchanged. It is used
-only under the grad mode (and torch.func level) it was made in: a module run under
-``no_grad`` (a frozen part, a ``functp.checkpoint``'s first run) before one that
-records gathers again there, on every rank alike.
+kept until that module's pre-hook uses it (FSDP2's forward prefetch), in the plan's
+module order checked on the first call: ``_fsdp_prefetch``.
 
 **Free after forward** (transformers' ``free_full_weight``, FSDP2's
 ``reshard_after_forward=True``). Under tape autograd, a module that frees its weights
@@ -33,9 +24,6 @@ kept, as with ``keep_full_weight``.
 """
 from __future__ import annotations
 
-import threading
-from typing import Any
-
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
@@ -47,59 +35,11 @@ from ..mesh._spec import P
 from ..runtime import _compile
 from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import peek_interpreter_stack, top_saved_tensors_hooks
-from ._flat import gather_group
+from ._fsdp_prefetch import Prefetch
 from ._rules import matches_rule
 from ._style import Style
 
 __all__ = ["FullyShard"]
-
-
-class _Order:
-    """The modules a FullyShard shards, in the plan's order, in their gather groups (a
-    group's blocks are gathered by one all-gather per dtype), and which groups have
-    been seen followed by their successor (on their first call: then they prefetch)."""
-
-    def __init__(self) -> None:
-        self.mods: dict[int, nn.Module] = {}        # id -> module, in registration order
-        self.key: dict[int, Any] = {}               # id(module) -> its group's key
-        self.groups: dict[Any, list[nn.Module]] = {}    # key -> members, in plan order
-        self.next: dict[Any, Any] = {}              # key -> the next group's key
-        self.ok: dict[Any, bool] = {}               # key -> prefetches its successor
-
-    def register(self, module: nn.Module, key: Any = None) -> None:
-        """Adds ``module`` (alone in its group unless ``key`` names one), or moves it
-        to group ``key``."""
-        self.mods.setdefault(id(module), module)
-        self.key[id(module)] = id(module) if key is None else key
-        self.rebuild()
-
-    def rebuild(self) -> None:
-        """The groups and their order from ``key`` (the first check starts again)."""
-        self.groups, self.ok = {}, {}
-        for m in self.mods.values():
-            self.groups.setdefault(self.key[id(m)], []).append(m)
-        keys = list(self.groups)
-        self.next = dict(zip(keys, keys[1:] + [None]))
-
-    def saw(self, prev: Any, cur: Any) -> None:
-        """Group ``cur`` first ran right after group ``prev`` (None: nothing did)."""
-        # the first call sets it; a later call out of that order turns it off for good
-        seen, follows = self.ok.get(prev), self.next.get(prev) == cur
-        if seen is None or (seen and not follows):
-            self.ok[prev] = follows
-
-
-class _Run(threading.local):
-    """This thread's plan order (a style shared by simulated ranks, threads that build
-    their own modules, must not interleave their orders: each rank would check its
-    own) and the state of its current ``apply`` call."""
-    order: _Order | None = None
-    active = False
-    prev: Any = None                # the key of the group that first ran last
-    ran: set | None = None          # the key of each group run so far in this call
-    done: set | None = None         # id of each module run so far in this call
-    pending: dict | None = None     # id(module) -> (_grad_context(), {short: (block, gather)})
-    regathers: dict | None = None   # group key -> its _Regather (free_full_weight)
 
 
 class _Regather:
@@ -218,14 +158,6 @@ def _storage(t: torch.Tensor) -> int:
 
 
 _HOW = ("free_full_weight", "keep_full_weight")     # transformers' fsdp_plan styles
-
-
-def _grad_context() -> tuple:
-    """What decides the autograd history a gather gets: grad mode, inference mode and
-    the innermost torch.func level (a prefetched gather is used only under the same)."""
-    top = peek_interpreter_stack()
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-            None if top is None else top.level())
 
 
 def _frees(plan, name: str) -> bool:
@@ -389,9 +321,7 @@ class FullyShard(Style):
                 f"module patterns to {' or '.join(map(repr, _HOW))}; got {bad!r}")
         self.free = dict(free) if isinstance(free, dict) else free
         self._free_at: dict[str, bool] = {}            # module name -> frees its weights
-        self._dims: dict[int, dict[str, int]] = {}     # id(module) -> {parameter: dim}
-        self._shapes: dict[int, dict[str, tuple]] = {}  # id(module) -> {parameter: block}
-        self._run = _Run()
+        self._gathers = Prefetch(self.replicate, self.prefetch)
 
     def dim(self, shape: tuple[int, ...]) -> int | None:
         """The dimension a parameter of ``shape`` is split on, or None (replicated)."""
@@ -411,9 +341,7 @@ class FullyShard(Style):
                 dims[name] = d
                 shapes[name] = tuple(n // self.size if i == d else n
                                      for i, n in enumerate(p.shape))
-        self._dims[id(module)], self._shapes[id(module)] = dims, shapes
-        if dims:
-            self._order.register(module)
+        self._gathers.register(module, dims, shapes)
         return specs
 
     def plan_groups(self, root: nn.Module) -> dict[str, str]:
@@ -428,33 +356,23 @@ class FullyShard(Style):
         deepest unit holding it, else, where each of its parameters is another
         module's (tied), to that module's group, else to the root's (``""``), as
         FSDP2's root ``fully_shard`` takes what is left."""
-        out, of_module = _module_groups(root, self.groups, self.free,
-                                        list(self._order.mods.values()))
+        order = self._gathers.order
+        out, of_module = _module_groups(root, self.groups, self.free, list(order.mods.values()))
         for key, group in of_module.items():
-            self._order.key[key] = (id(root), group)
-        self._order.rebuild()
+            order.key[key] = (id(root), group)
+        order.rebuild()
         return out
-
-    @property
-    def _order(self) -> _Order:
-        run = self._run
-        if run.order is None:
-            run.order = _Order()
-        return run.order
-
-    def _gather(self, blocks: dict, axis) -> dict:
-        """{key: (block, dim)} -> {key: whole weight}: one all-gather per dtype."""
-        return gather_group(blocks, axis, self.replicate) if blocks else {}
 
     def prepare_input(self, module, args, kwargs, call):
         # the module sees each whole weight from here until its forward returns;
         # functional_call puts the caller's tensors back when apply ends
-        dims = self._dims.get(id(module), {})
+        dims = self._gathers.dims.get(id(module), {})
         if not dims:
             return args, kwargs
         eager = not _compile.tracing()     # (compiled: inductor orders the gathers)
         own = {s: (call.params[s], d) for s, d in dims.items() if call.params.get(s) is not None}
-        fulls = self._arrive(module, own, call) if eager else self._gather(own, call.axis)
+        gathers = self._gathers
+        fulls = gathers.arrive(module, own, call) if eager else gathers.gather(own, call.axis)
         restore = call.state.setdefault("restore", {})
         free = self._freer(module, call) if eager else None
         for short, (block, d) in own.items():
@@ -483,11 +401,9 @@ class FullyShard(Style):
                      is _FreeAfterForward)):
             return None
         # one regather per group and apply call, shared by the group's module calls
-        key, regathers = self._order.key.get(id(module), id(module)), self._run.regathers
-        if key not in regathers:
-            regathers[key] = _Regather(
-                _context.current("FullyShard").mesh.axis_group(call.axis))
-        return _FreeAfterForward(regathers[key], call.name)
+        regather = self._gathers.per_call(self._gathers.group_of(module), lambda: _Regather(
+            _context.current("FullyShard").mesh.axis_group(call.axis)))
+        return _FreeAfterForward(regather, call.name)
 
     @staticmethod
     def _stop_freeing(call) -> None:
@@ -495,79 +411,6 @@ class FullyShard(Style):
         if free is not None:
             free.hooks.__exit__(None, None, None)
             free.fulls.clear()          # (the weights go with the forward's last use)
-
-    def _arrive(self, module: nn.Module, own: dict, call) -> dict:
-        """Records that ``module`` runs now (the order check, per group), and returns
-        its whole weights: gathered ahead for it (by its group's first module, or by
-        prefetch), or now, together with those of its group's modules still to run."""
-        run, order = self._run, self._order
-        if not run.active:                 # the first FSDP module of this apply call
-            run.active, run.prev, run.ran, run.done, run.pending = True, None, set(), set(), {}
-            run.regathers = {}
-            call.on_exit(self._end_run)
-        key = order.key.get(id(module), id(module))
-        first = key not in run.ran
-        if first:
-            if run.prev is not None:
-                order.saw(run.prev, key)
-            run.prev = key
-            run.ran.add(key)
-        run.done.add(id(module))
-        made_in, early = run.pending.pop(id(module), (None, {}))
-        # a gather made under another grad mode (or torch.func level) than this module
-        # runs in would lose or add autograd history: gather again here, as every rank
-        # does (the context is the program's, not the data's); so must a block that is
-        # not the one gathered
-        if made_in != _grad_context() or any(early.get(s, (None,))[0] is not b
-                                             for s, (b, _) in own.items()):
-            rest = [m for m in order.groups.get(key, ()) if id(m) not in run.done
-                    and id(m) not in run.pending]
-            early = self._gather_modules(rest, call.axis, own)
-        if first and self.prefetch:
-            self._prefetch(key, call.axis)
-        return {s: full for s, (_, full) in early.items()}
-
-    def _gather_modules(self, mods: list, axis, own: dict | None = None) -> dict:
-        """Gathers the blocks functional_call put in ``mods`` for this call with one
-        all-gather per dtype, keeping each module's in ``pending``; with ``own`` (the
-        blocks of the module running now, kept out of ``pending``), returns its."""
-        blocks = {}
-        for m in mods:
-            for short, d in self._dims[id(m)].items():
-                b = m._parameters.get(short)
-                if b is not None and tuple(b.shape) == self._shapes[id(m)][short]:
-                    blocks[id(m), short] = (b, d)
-        for short, bd in (own or {}).items():
-            blocks[None, short] = bd
-        fulls, made_in, mine = self._gather(blocks, axis), _grad_context(), {}
-        for (mid, short), full in fulls.items():
-            if mid is None:
-                mine[short] = (blocks[mid, short][0], full)
-            else:
-                self._run.pending.setdefault(mid, (made_in, {}))[1][short] = \
-                    (blocks[mid, short][0], full)
-        return mine
-
-    def _prefetch(self, key, axis) -> None:
-        """Launches the gather of the next group's blocks (those functional_call put in
-        its modules for this call), where the order check allows; each module of it
-        uses its gather only if its block is that tensor."""
-        nxt, run = self._order.next.get(key), self._run
-        # (not a group that ran already in this call: out of order, it may not again)
-        if nxt is None or not self._order.ok.get(key) or nxt in run.ran:
-            return
-        self._gather_modules([m for m in self._order.groups[nxt]
-                              if id(m) not in run.pending], axis)
-
-    def _end_run(self) -> None:
-        run = self._run
-        if run.prev is not None:
-            self._order.saw(run.prev, None)
-        # a gather prefetched for a module that did not run is left unused: if no
-        # module of its group used it, no gradient flows through it and its
-        # reduce-scatter never runs, on any rank
-        run.active, run.prev, run.ran, run.done, run.pending = False, None, None, None, None
-        run.regathers = None
 
     def prepare_output(self, module, args, kwargs, output, call):
         self._stop_freeing(call)

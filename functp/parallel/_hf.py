@@ -13,7 +13,7 @@ from torch import nn
 
 from ..runtime import _world
 from ..ops._collectives import axis_size, psum, pvary
-from ..runtime._errors import ShardingError
+from ..runtime._errors import ShardingError, leaf_text
 from ..mesh._mesh import Mesh
 from ..mesh._layout import uneven
 from ..mesh._spec import P
@@ -443,7 +443,7 @@ def _check_expert_shards(module: nn.Module, ep_plan: dict, c: dict) -> None:
         for short, p in module.get_submodule(name).named_parameters(recurse=False):
             if p.shape[0] % shards:
                 raise ShardingError(
-                    f"distributed_config: {name}.{short} (shape {tuple(p.shape)}) holds "
+                    f"distributed_config: {leaf_text(f'{name}.{short}', p.shape)} holds "
                     f"{p.shape[0]} experts, which do not split into ep_size x efsdp_size = "
                     f"{c['ep_size']} x {_efsdp(c)} = {shards} shards (efsdp_size = fsdp_size "
                     f"x tp_size / ep_size = {c['fsdp_size']} x {c['tp_size']} / "

@@ -19,7 +19,7 @@ from torch.func import functional_call
 
 from ..runtime import _world
 from ..ops._collectives import axis_size
-from ..runtime._errors import ShardingError
+from ..runtime._errors import ShardingError, leaf_text
 from ..runtime._torch_compat import peek_interpreter_stack
 from ..mesh._mesh import Mesh
 from ..mesh._layout import require_divisible, uneven
@@ -343,8 +343,8 @@ def _check_heads(root: nn.Module, name: str, x: torch.Tensor, spec: P, mesh: Mes
         heads, n = x.shape[d] // hd, mesh.axis_size(axes)
         if uneven(heads, n):
             raise ShardingError(
-                f"parameter {name!r} (shape {tuple(x.shape)}), plan rule {desc}, spec "
-                f"{spec!r}: dimension {d} holds {heads} heads of {hd} (head_dim of "
+                f"{leaf_text(f'parameter {name!r}', x.shape, spec)}, plan rule {desc}: "
+                f"dimension {d} holds {heads} heads of {hd} (head_dim of "
                 f"{mname.rpartition('.')[0] or 'the model'!r}), which do not split over "
                 f"{n} ranks of {axes}; use a '{'/'.join(axes)}' size that divides {heads}, "
                 f"or give {mname!r} the 'replicated' style (key/value heads of GQA often "
@@ -352,28 +352,12 @@ def _check_heads(root: nn.Module, name: str, x: torch.Tensor, spec: P, mesh: Mes
 
 
 def _check_divisible(name: str, x: torch.Tensor, spec: P, mesh: Mesh, desc: str) -> None:
-    packed = dict(spec.packed)
-    if not packed:          # (a packed dimension splits each of its blocks: below)
-        require_divisible(
-            f"parameter {name!r}", x.shape, spec, mesh,
-            f"(a vocabulary padded so, as Megatron's make-vocab-size-divisible-by), or choose "
-            f"heads, experts or hidden sizes divisible by {{k}}, or give that module the "
-            f"'replicated' style; plan rule {desc}")
-        return
-    for d in range(len(spec)):
-        axes = spec.dim_axes(d)
-        if not axes:
-            continue
-        blocks = packed.get(d, 1)
-        n = mesh.axis_size(axes) * blocks
-        if uneven(x.shape[d], n):
-            packed = f" x {blocks} packed blocks" if blocks > 1 else ""
-            raise ShardingError(
-                f"parameter {name!r} (shape {tuple(x.shape)}), plan rule {desc}, "
-                f"spec {spec!r}: dimension {d} of size {x.shape[d]} does not split "
-                f"into {mesh.axis_size(axes)} blocks over {axes}{packed}; make it a "
-                f"multiple of {n} (heads, experts, vocabulary or hidden size divisible by "
-                f"the '{'/'.join(axes)}' size), or give that module the 'replicated' style")
+    # (a packed dimension, a fused gate/up or qkv, splits each of its blocks)
+    fix = ("(each block's heads, experts or hidden size divisible by {n})" if spec.packed else
+           "(a vocabulary padded so, as Megatron's make-vocab-size-divisible-by), or choose "
+           "heads, experts or hidden sizes divisible by {k}")
+    require_divisible(f"parameter {name!r}", x.shape, spec, mesh,
+                      f"{fix}, or give that module the 'replicated' style; plan rule {desc}")
 
 
 def lay_out_plan(module: nn.Module, mesh: Mesh | None, plan: dict[str, Any] | str,
@@ -521,7 +505,7 @@ class _Layout:
                                   own[short].shape)
             if c in self.specs and self.specs[c] != spec:
                 raise ShardingError(
-                    f"parameter {c!r} (shape {tuple(own[short].shape)}) is tied to "
+                    f"{leaf_text(f'parameter {c!r}', own[short].shape)} is tied to "
                     f"{prefix + short!r}, and the plan lays it out as {self.specs[c]!r} "
                     f"({self.owners[c][0]}) there but {spec!r} ({label}) here; give both "
                     f"modules styles that split the shared weight the same way")

@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from ..ops._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
                            axis_size, psum, psum_scatter, pvary)
 from ..ops._context import current
-from ..runtime._errors import ShardingError
+from ..runtime._errors import ShardingError, leaf_text
 from ..mesh._mesh import Mesh
 from ..mesh._layout import axis_placement, chunk, require_divisible, uneven
 from ..mapping._sharding import local_block
@@ -167,7 +167,7 @@ def relayout(x: Any, src: Placement | None, dst: Placement | None, axis: str, *,
         if isinstance(dst, Shard):
             return psum_scatter(x, axis, scatter_dimension=dst.dim % x.ndim, tiled=True)
     raise ShardingError(
-        f"cannot move an activation of shape {tuple(x.shape)} from layout {src} to "
+        f"cannot move {leaf_text('an activation', x.shape)} from layout {src} to "
         f"{dst} over '{axis}'; supported: Shard->Replicate/Shard, Replicate->Shard, "
         f"Partial->Replicate/Shard")
 

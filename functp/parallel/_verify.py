@@ -13,7 +13,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..ops._collectives import all_gather_invariant, axis_size, pmean
-from ..runtime._errors import ShardingError
+from ..runtime._errors import ShardingError, leaf_text
 from ..mesh._mesh import Mesh
 from ..mapping._shard_map import shard_map
 from ..mesh._spec import P
@@ -198,7 +198,7 @@ def _compare_grads(module, full, apply, local, specs, args, kwargs, rtol):
         if err > rtol:
             raise ShardingError(
                 f"verify_plan: every module's output matches, but the gradient of "
-                f"parameter {name!r} (spec {specs[name]!r}, rule "
+                f"{leaf_text(f'parameter {name!r}', ref.shape, specs[name])} (rule "
                 f"{apply.styles[name]}) differs by {err:.1e} relative (allowed {rtol:.0e})")
     return worst, len(ref_grads)
 

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from . import _crosscheck
-from ._errors import ShardingError
+from ._errors import ShardingError, leaf_text
 from ._torch_compat import DisableFuncTorch, unwrap_functorch
 
 _RTOL = 1e-5
@@ -120,7 +120,7 @@ def check_full(mesh, paths: list[str], leaves: list, what: str) -> None:
     table = _exchange(mesh, leaves, idx, f"{what}: comparing full tensors")
     everywhere = lambda i: set(mesh.axis_names)  # noqa: E731
     _refuse_first_difference(mesh, table, idx, everywhere, lambda i, ranks, _, sums: (
-        f"{what}: {paths[i]} (shape {tuple(leaves[i].shape)}) differs across ranks {ranks} "
+        f"{what}: {leaf_text(paths[i], leaves[i].shape)} differs across ranks {ranks} "
         f"(sums {sums}), but {what} takes each rank's block of one full tensor that every "
         f"rank holds. Make it the same everywhere (call torch.manual_seed with one seed on "
         f"every rank before drawing it), or pass src_rank=0 to use rank 0's. "
@@ -138,7 +138,7 @@ def check_inputs(mesh, manual: tuple[str, ...], name: str, paths: list[str], lea
         return
     _refuse_first_difference(mesh, table, idx, _replicated(manual, specs),
                              lambda i, ranks, axes, sums: (
-        f"in_specs for {paths[i]} (shape {tuple(leaves[i].shape)}) of shard_map({name}): "
+        f"{leaf_text(f'in_specs for {paths[i]}', leaves[i].shape)} of shard_map({name}): "
         f"{specs[i]!r} says it is replicated over {tuple(axes)}, but ranks {ranks} hold "
         f"different values (sums {sums}). Pass the same tensor on every rank along "
         f"{tuple(axes)} (one seed before drawing it, or functp.shard(..., src_rank=0)), or "
@@ -156,7 +156,7 @@ def _warn_if_alike(mesh, table, k: int, manual, name: str, path: str, x, spec) -
                 _same(table[j, k], table[members[0], k]) for j in members):
             _warned.add((name, path))
             warnings.warn(
-                f"in_specs for {path} (shape {tuple(x.shape)}) of shard_map({name}): "
+                f"{leaf_text(f'in_specs for {path}', x.shape)} of shard_map({name}): "
                 f"{spec!r} splits it over {tuple(a for a in manual if a in split)}, but "
                 f"every rank along them holds the same block. Did you pass the full "
                 f"tensor? shard_map takes each rank's own block: functp.shard(full, "
@@ -176,7 +176,7 @@ def check_outputs(mesh, manual: tuple[str, ...], name: str, paths: list[str], le
                 "that differs per rank, such as axis_index, or data from outside the body)")
     _refuse_first_difference(mesh, table, idx, _replicated(manual, specs),
                              lambda i, ranks, axes, sums: (
-        f"{paths[i]} of shard_map({name}) (shape {tuple(leaves[i].shape)}) differs across "
+        f"{leaf_text(f'{paths[i]} of shard_map({name})', leaves[i].shape)} differs across "
         f"ranks {ranks} (sums {sums}), but out_specs {specs[i]!r} says it is replicated over "
         f"{tuple(axes)}; {how}. Reduce it with functp.psum/pmean(..., {axes[0]!r}), or name "
         f"{axes[0]!r} in its out_spec. [FUNCTP_DEBUG check]"))

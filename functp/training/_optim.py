@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..runtime._errors import ShardingError
+from ..runtime._errors import ShardingError, leaf_text
 from ..mesh._spec import P
 
 __all__ = ["optimizer_specs", "init_optimizer_state", "set_grads"]
@@ -54,9 +54,9 @@ def optimizer_specs(optimizer: torch.optim.Optimizer, params: dict[str, torch.Te
             name = by_id.get(id(p))
             if name is None:
                 raise ShardingError(
-                    f"optimizer_specs: the optimizer holds a tensor of shape "
-                    f"{tuple(p.shape)} that is not one of params' values; pass the dict "
-                    f"of blocks the optimizer was built over")
+                    f"optimizer_specs: the optimizer holds {leaf_text('a tensor', p.shape)} "
+                    f"that is not one of params' values; pass the dict of blocks the "
+                    f"optimizer was built over")
             st = optimizer.state.get(p)
             if st:     # state_dict() leaves out a parameter without state: so do its specs
                 state[index] = {k: _state_spec(name, k, v, p, specs[name])
@@ -77,8 +77,8 @@ def _state_spec(name: str, key: str, value: Any, param: torch.Tensor, spec: Any)
 
     def refuse(why: str) -> ShardingError:
         return ShardingError(
-            f"optimizer_specs: state {key!r} of parameter {name!r} has shape "
-            f"{tuple(value.shape)}, its block {tuple(param.shape)} with spec {spec!r}: "
+            f"optimizer_specs: {leaf_text(f'state {key!r}', value.shape)} of "
+            f"{leaf_text(f'the block of parameter {name!r}', param.shape, spec)}: "
             f"{why}; shard {name!r} only on dimensions the optimizer keeps (Adafactor "
             f"reduces the last two of a matrix and keeps the leading ones), or keep it "
             f"replicated (P())")
@@ -192,6 +192,8 @@ def set_grads(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -
                 f"tensor; params and grads must be flat dicts of tensors with the same "
                 f"keys (differentiate the loss with respect to the flat params dict)")
         if g.shape != p.shape:
-            raise ShardingError(f"set_grads: gradient for {name!r} has shape "
-                                f"{tuple(g.shape)}, the block {tuple(p.shape)}")
+            raise ShardingError(
+                f"set_grads: {leaf_text(f'the gradient for {name!r}', g.shape)} does not "
+                f"fit {leaf_text(f'parameter {name!r}', p.shape)}; give each parameter the "
+                f"gradient of its block")
         p.grad = g.detach().to(p.dtype)
