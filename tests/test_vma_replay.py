@@ -77,15 +77,21 @@ def _replayed_steps(model_type: str, shape, names, how: str, calls: int = 3, **f
     return errors, whys, logs
 
 
-# Llama: the plain case; Gemma-3: its norms scale by (1 + weight), a value computed from
-# a parameter alone that meets split activations (replayed as the parameter's alias);
-# Qwen3-MoE: experts under TP written into a buffer in place.
-@pytest.mark.parametrize("how", STEPS)
-@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3_moe"])
-@pytest.mark.parametrize("shape,names", [((2,), ("tp",)), ((2, 2), ("dp", "tp"))],
-                         ids=["tp2", "dp2xtp2"])
-def test_replayed_steps_are_exact_and_issue_the_recorded_collectives(run, model_type, shape,
-                                                                      names, how):
+# Llama: the plain case, every way of taking gradients; Gemma-3: its norms scale by
+# (1 + weight), a value computed from a parameter alone that meets split activations
+# (replayed as the parameter's alias); Qwen3-MoE: experts under TP, their tokens taken
+# from the experts' input and written into a buffer in place.
+_CASES = [("llama", "tp2", how) for how in STEPS] + [
+    ("llama", "dp2xtp2", "func.grad"), ("gemma3_text", "tp2", "tape"),
+    ("qwen3_moe", "dp2xtp2", "func.grad")]
+_MESHES = {"tp2": ((2,), ("tp",)), "dp2xtp2": ((2, 2), ("dp", "tp"))}
+
+
+@pytest.mark.parametrize("model_type,mesh_name,how", _CASES,
+                         ids=["-".join(c) for c in _CASES])
+def test_replayed_steps_are_exact_and_issue_the_recorded_collectives(run, model_type,
+                                                                      mesh_name, how):
+    shape, names = _MESHES[mesh_name]
     n = 2 if len(shape) == 1 else 4
     errors, whys, logs = run(n, _replayed_steps, model_type, shape, names, how)[0]
     assert whys == [None], f"{model_type} was not replayed: {whys}"
@@ -108,8 +114,7 @@ def test_replayed_steps_are_exact_and_issue_the_recorded_collectives(run, model_
 
 def test_replayed_on_8_ranks(run):
     # dp4 x tp2: the gradient all-reduce over 4 ranks comes from the replayed aliases
-    errors, whys, logs = run(8, _replayed_steps, "llama", (4, 2), ("dp", "tp"), "tape",
-                             calls=2)[0]
+    errors, whys, logs = run(8, _replayed_steps, "llama", (4, 2), ("dp", "tp"), "tape", 2)[0]
     assert whys == [None] and max(errors) <= 1e-10, (whys, errors)
     assert logs[1][0] == logs[1][1]
 
@@ -161,31 +166,28 @@ class _Scaled(torch.nn.Module):
         return self.fc(x), aux
 
 
-def _changed_path(check: bool):
-    functp.set_debug(check)
+def _changed_path():
+    mesh = functp.make_mesh((2,), ("dp",))
+    model = _Scaled()
+    apply, params, specs = functp.parallelize(model, mesh, {"fc": "replicated"}, axis="dp")
+
+    def loss(p, x):
+        y, aux = apply(p, x)
+        return functp.pmean(y.sum(), "dp") + aux
+    step = functp.shard_map(loss, mesh, in_specs=(specs, P("dp")), out_specs=P())
+    x = functp.shard(torch.arange(16.0, dtype=torch.float64).reshape(4, 4), mesh, P("dp"))
+    torch.func.grad(step)(params, x)
+    model.use_scale = True
     try:
-        mesh = functp.make_mesh((2,), ("dp",))
-        model = _Scaled()
-        apply, params, specs = functp.parallelize(model, mesh, {"fc": "replicated"},
-                                                  axis="dp")
-
-        def loss(p, x):
-            y, aux = apply(p, x)
-            return functp.pmean(y.sum(), "dp") + aux
-        step = functp.shard_map(loss, mesh, in_specs=(specs, P("dp")), out_specs=P())
-        x = functp.shard(torch.arange(16.0, dtype=torch.float64).reshape(4, 4), mesh, P("dp"))
-        torch.func.grad(step)(params, x)
-        model.use_scale = True
-        try:
-            return torch.func.grad(step)(params, x)["scale"].tolist()
-        except ShardingError as e:
-            return str(e)
-    finally:
-        functp.set_debug(False)
+        return torch.func.grad(step)(params, x)["scale"].tolist()
+    except ShardingError as e:
+        return str(e)
 
 
-def test_the_check_mode_refuses_a_call_that_decides_otherwise_than_the_first(run):
-    msgs = run(2, _changed_path, True)
+def test_the_check_mode_refuses_a_call_that_decides_otherwise_than_the_first():
+    # (the check mode on for the whole run: set_debug inside one simulated rank
+    # would race the others' agreement on it)
+    msgs = functp.simulate(_changed_path, 2, check=True)
     assert all(isinstance(m, str) and "decides vma differently" in m and "'scale'" in m
                for m in msgs), msgs
 

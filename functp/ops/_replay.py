@@ -99,6 +99,10 @@ class Record:
         self.outs: dict[str, tuple] = {}
         self.result: tuple = ()
         self.why: str | None = None
+        # what a replay applies (set by its caller, who knows the groups): the
+        # parameters to alias and the inputs to lift over more than one rank
+        self.alias: list = []
+        self.lift: dict = {}
 
     def digest(self) -> int:
         """The same on every rank that recorded the same decisions."""

@@ -77,6 +77,12 @@ class Parallelized:
     ``apply.unshard(blocks)`` (parameters or their gradients) turns blocks back into
     canonical full tensors: packed weights come back as ``[gate; up]``, not as the
     per-rank interleaving that a plain :func:`functp.unshard` would give.
+
+    With vma tracked (``check_vma=True``), the first call with given arguments' vmas
+    records the union rule's decisions and later calls replay them at the plan's
+    boundaries, without tracking each op inside the module (``docs/fast.md``);
+    ``apply.replay = False`` tracks every op of every call instead, and
+    ``apply.replay_status()`` says which call signatures replay.
     """
 
     def __init__(self, module: nn.Module, mesh: Mesh, axis: Any, specs: dict[str, P],
@@ -141,6 +147,18 @@ class Parallelized:
                 f"released: they live in the blocks that parallelize/from_pretrained "
                 f"returned; call apply(params, ...) inside a shard_map body, or keep a "
                 f"full model for reference checks")
+
+    def replay_status(self) -> list[str]:
+        """How the calls so far decide vma, one line per call signature (grad mode and
+        the arguments' vmas): ``"replayed"`` where later calls replay the first call's
+        decisions at the plan's boundaries, else ``"decided per op: "`` and why.
+
+        Example::
+
+            apply.replay_status()     # ['replayed'] after one step of a plain TP model
+        """
+        return ["replayed" if r.why is None else f"decided per op: {r.why}"
+                for r in self._records.values()]
 
     def _style(self, name: str) -> Style:
         return self._owners[name][1] if name in self._owners else _REPLICATED

@@ -99,6 +99,12 @@ def _record(apply, tr, params: dict, args: tuple, kwargs: dict, run):
     acts = EMPTY.union(*[tr.get(t) for t in call_tensors(args, kwargs)])
     rec = recorder.finish(out, params, acts)
     _unseen(apply._hooked, rec)
+    # what a replay does: over a single rank a pvary is the identity for gradients,
+    # and inside the module (outside its hooks) no vma is read
+    rec.alias = [(n, a) for n, a in rec.params.items() if a and tr.group(a).size > 1]
+    rec.lift = {h: {p: a for p, a in ls.items() if tr.group(a).size > 1}
+                for h, ls in rec.lifts.items()}
+    rec.lift = {h: ls for h, ls in rec.lift.items() if ls}
     if not _crosscheck.ENABLED:
         _agree(tr, rec, params)
     return out, rec
@@ -148,8 +154,9 @@ def _replay(apply, tr, rec: Record, params: dict, run):
     mode inside the module, the result tagged as recorded."""
     if _lazy._state.on:
         _lazy.settle()
-    aliased = {n: tr.pvary(t, rec.params[n]) if rec.params.get(n) else t
-               for n, t in params.items()}
+    aliased = dict(params)
+    for n, axes in rec.alias:
+        aliased[n] = tr.pvary(params[n], axes)
     st, mode = apply._call, tr.mode
     pop_rule()
     tr.replaying, st.replay = True, (tr, rec)
@@ -204,7 +211,7 @@ def pre(st, hook, m, args: tuple, kwargs: dict, call):
         _tag(tr, hook.name, call_tensors(args, kwargs), record.args.get(hook.name),
              "the arguments")
         res = hook.style.prepare_input(m, args, kwargs, call)
-        lifts = record.lifts.get(hook.name)
+        lifts = record.lift.get(hook.name)
         if lifts:
             a, k = res if res is not None else (args, kwargs)
             a, k = list(a), dict(k)
