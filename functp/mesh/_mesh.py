@@ -62,9 +62,17 @@ class AxisGroup:
         # meshes over the same ranks with other axis orders share c10d groups, and a
         # key of name and axes alone let the later mesh's member order replace the
         # earlier's in _GROUPS (its all_gather then came back in the wrong order).
+        # The check group is read too (the check mode's rows carry its mesh's axes and
+        # this rank's coordinates): a 4-d mesh whose 'ep' groups were a 2-d mesh's
+        # replaced the 2-d mesh's check group, and its ragged exchange then sent rows
+        # of another length than its peers' in one all-gather (gloo aborted, issue 41).
         order = "" if self.order is None else ",".join(map(str, self.order))
+        c = self.check
+        mesh = "" if c is None else f"|{c.group_name}|{c.mesh}|{','.join(c.axis_names)}|" \
+                                    f"{','.join(map(str, c.coordinate))}"
         object.__setattr__(self, "key", f"{self.group_name}|{','.join(self.axes)}|"
-                                        f"{self.size}|{self.index}|{order}|{self.instance}")
+                                        f"{self.size}|{self.index}|{order}|{self.instance}"
+                                        f"{mesh}")
         object.__setattr__(self, "axis_set", frozenset(self.axes))
 
     def group_rank(self, i: int) -> int:
