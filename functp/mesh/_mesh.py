@@ -34,6 +34,7 @@ class CheckGroup:
     mesh: str                    # the mesh, as printed in errors
     axis_names: tuple[str, ...] = ()    # the mesh's axes, and this rank's place on them:
     coordinate: tuple[int, ...] = ()    # which ranks share a group over some of them
+    axis_sizes: tuple[int, ...] = ()    # (the check mode sends a rank's place as one int)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,8 @@ class Mesh:
         self.check = CheckGroup(
             whole_name, math.prod(self.axis_sizes), whole_ranks,
             torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda"
-            else torch.device(self.device_type), repr(self), self.axis_names, tuple(coord))
+            else torch.device(self.device_type), repr(self), self.axis_names, tuple(coord),
+            self.axis_sizes)
         # every ordered tuple of axes resolved now, so that a step (compiled or not)
         # only looks groups up: resolving needs host-side work and group queries. A
         # set of axes maps to its tuple in mesh order (what vma's pvary asks for).
