@@ -28,6 +28,7 @@ Nothing is checked while ``torch.compile`` traces.
 from __future__ import annotations
 
 import linecache
+import math
 import os
 import re
 import sys
@@ -164,14 +165,14 @@ def check(check, head: str, details: tuple[str, ...] = (), block: str = "",
     # The row has the same length on every mesh: where ranks exchange with two meshes'
     # check groups over one process group (a rank that chose another mesh), the rows
     # pair and the ranks disagree; rows of two lengths ended the process in gloo.
-    place, layout = _place(check)
-    row = torch.tensor([mask, seq, _crc(head + "\n" + body), _crc(block), place, layout],
+    placed = _place(check)
+    row = torch.tensor([mask, seq, _crc(head + "\n" + body), _crc(block), *placed[:2]],
                        dtype=torch.int64, device=check.device)
     what = f"{head} {block}".rstrip()
     while True:
         table = _gather(row, check, f"{what} (check #{seq}) at {site}").view(check.size, -1)
         table = table.cpu()
-        go, me = _verdict(table, check)
+        go, me = _verdict(table, check, placed)
         if go is None:
             break
         if go[me]:
@@ -185,18 +186,23 @@ def check(check, head: str, details: tuple[str, ...] = (), block: str = "",
     raise agreed(ShardingError(_disagreement(texts, check, meshes)))
 
 
-_PLACES: dict = {}      # check group -> (this rank's place in its mesh, the mesh's crc)
+# check group -> this rank's place in its mesh, the mesh's crc, and the mesh's strides
+# and sizes (what turns a place back into coordinates)
+_PLACES: dict = {}
 
 
-def _place(check) -> tuple[int, int]:
+def _place(check) -> tuple:
     """This rank's position in its mesh (row-major over the mesh's axes; its coordinates
-    follow from the mesh's shape) and a crc of the mesh's axes and sizes."""
+    follow from the mesh's shape), a crc of the mesh's axes and sizes, and the mesh's
+    strides and sizes as tensors (made once per mesh: the check runs per collective)."""
     got = _PLACES.get(check)
     if got is None:
-        place = 0
-        for c, n in zip(check.coordinate, check.axis_sizes):
-            place = place * n + c
-        got = _PLACES[check] = (place, _crc(f"{check.axis_names} {check.axis_sizes}"))
+        sizes = check.axis_sizes
+        place = sum(c * math.prod(sizes[i + 1:]) for i, c in enumerate(check.coordinate))
+        strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+        got = _PLACES[check] = (place, _crc(f"{check.axis_names} {check.axis_sizes}"),
+                                torch.tensor(strides, dtype=torch.int64),
+                                torch.tensor(check.axis_sizes, dtype=torch.int64))
     return got
 
 
@@ -206,24 +212,21 @@ def _mask(check, axes: tuple[str, ...] | None) -> int:
     return sum(1 << i for i, a in enumerate(names) if axes is None or a in axes)
 
 
-def _verdict(table: torch.Tensor, check):
+def _verdict(table: torch.Tensor, check, placed: tuple):
     """From every rank's row (its group's axes as bits, sequence number, what it runs,
     its block, its place in its mesh and the mesh's crc), the same answer on every
     rank: which ranks go on (all of their group is at the same collective), and this
     rank's row; None when ranks disagree (a peer of the same group is at another of its
     collectives, or on another mesh) or no rank can go on (each waits for a peer that
-    is elsewhere)."""
+    is elsewhere). ``placed``: :func:`_place` of ``check``."""
     masks, fps, places, layouts = table[:, 0], table[:, :4], table[:, 4], table[:, 5]
     if bool((layouts != layouts[0]).any()):
         return None, 0
     if not check.axis_names:             # (a check group without coordinates: one group)
         return (None if bool((fps != fps[0]).any()) else torch.ones(len(fps)).bool()), 0
-    me = int((places == _place(check)[0]).nonzero()[0, 0])
-    coords, left = [], places
-    for n in reversed(check.axis_sizes):         # each rank's coordinates, from its place
-        coords.append(left % n)
-        left = left // n
-    coords = torch.stack(coords[::-1], 1)
+    place, _, strides, sizes = placed
+    me = int((places == place).nonzero()[0, 0])
+    coords = places[:, None].div(strides, rounding_mode="floor") % sizes   # from the places
     bits = ((masks[:, None] >> torch.arange(coords.shape[1])) & 1).bool()
     # peers[r, m]: m is in r's group (the same place on every axis outside it)
     peers = ((coords[:, None, :] == coords[None, :, :]) | bits[:, None, :]).all(-1)
