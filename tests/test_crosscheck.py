@@ -295,3 +295,25 @@ def test_qwen3_moe_under_tp_and_dp_runs_exact_with_the_check_on():
     for r, (outcome, detail) in enumerate(functp.simulate(_qwen3_moe_16_experts, 4, check=True)):
         assert outcome == "ran", f"rank {r}: {detail}"
         assert detail[0] < 1e-10, f"rank {r}: {detail}"
+
+
+# -- every mesh's collectives check over that mesh (issue 41) -----------------------------
+
+def _own_check_groups():
+    """On one simulated rank: for a 2-d mesh and then a 4-d mesh whose 'dp' and 'ep'
+    process groups are the same (simulate makes one group per member set), whether every
+    axis tuple's group, looked up by the key its ops carry (as a backward does), still
+    has its own mesh's check group."""
+    import itertools
+    from functp.mesh._mesh import group_of
+    meshes = [functp.make_mesh((2, 2), ("dp", "ep")),
+              functp.make_mesh((1, 2, 2, 1), ("pp", "dp", "ep", "tp"))]
+    return [[axes for k in range(1, len(m.axis_names) + 1)
+             for axes in itertools.permutations(m.axis_names, k)
+             if group_of(m.axis_group(axes).key).check != m.check] for m in meshes]
+
+
+def test_a_mesh_over_the_same_groups_does_not_take_over_another_meshs_check_group():
+    # before: the 2-d mesh's ('dp',), ('ep',) groups checked with the 4-d mesh's check
+    # group (its axes and coordinates: rows of another length in the same exchange)
+    assert functp.simulate(_own_check_groups, 4, check=False) == [[[], []]] * 4

@@ -7,8 +7,12 @@ sender, the receiver, the rows planned and sent, and the fix; in both check mode
 ``ragged_offsets`` plan made are not exchanged again (counted with comm_log).
 
 One row short runs simulated; one row over runs in gloo processes (on the old code it
-aborts the process that runs it)."""
+aborts the process that runs it). One dp row short on a 2-d mesh, after a 4-d mesh over
+the same process groups, runs in a child process: the check mode's exchange aborted
+there (each mesh's collectives took another mesh's check group)."""
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -21,19 +25,26 @@ H = 2
 
 def _mesh(kind: str):
     n = functp.process_count()
+    if kind == "4d":        # (its 'dp' and 'ep' groups have the same members as 2d's)
+        return functp.make_mesh((1, 2, n // 2, 1), ("pp", "dp", "ep", "tp"))
     return (functp.make_mesh((n,), ("ep",)) if kind == "1d"
             else functp.make_mesh((2, n // 2), ("dp", "ep")))
 
 
-def _mismatch(kind: str, delta: int, how: str, form: str, only_dp0: bool = False):
+def _mismatch(kind: str, delta: int, how: str, form: str, only_dp0: bool = False,
+              held: int | None = None):
     """Peer 0 sends ``2 + delta`` rows to peer 1 along 'ep', which plans 2; every other
-    pair agrees (one row each way). Returns each rank's error text, or its output."""
+    pair agrees (one row each way); ``held``: that dp row waits 0.3 s before its
+    exchange (gloo processes: the other row is inside its exchanges by then). Returns
+    each rank's error text, or its output."""
     mesh = _mesh(kind)
     n = mesh.shape["ep"]
     me = mesh.axis_index("ep")
     off = only_dp0 and mesh.axis_index("dp") != 0
 
     def body(x, b):
+        if held is not None and mesh.axis_index("dp") == held:
+            time.sleep(0.3)
         send = [1] * n
         recv = [1] * n
         if me == 0 and not off:
@@ -113,16 +124,140 @@ def test_one_row_over_is_the_same_error_on_every_rank_not_an_abort(run, world, k
     _assert_same_error_everywhere(msgs, 1)
 
 
-@pytest.mark.skip(reason="passes alone, but once aborted the whole pytest process in the full "
-                         "suite (Fatal Python error: Aborted; dp row 0 in the check mode's "
-                         "raised() exchange, dp row 1 in its ragged collective check): left "
-                         "open on issue 41 until the pairing of those two exchanges is traced")
+def _assert_told_across_dp(msgs):
+    assert all(isinstance(m, str) and _want(-1)[0] in m for m in msgs), msgs
+    assert msgs[0] == msgs[1] and msgs[2] == msgs[3], msgs
+
+
 def test_one_group_short_on_a_2d_mesh_reaches_every_rank_in_the_check_mode():
     # only dp row 0 mismatches: its ep ranks raise the agreed error; the check mode
     # tells dp row 1 (at its next exchange) instead of leaving it waiting
-    msgs = functp.simulate(_mismatch, 4, "2d", -1, "value", "lists", True, check=True)
-    assert all(isinstance(m, str) and _want(-1)[0] in m for m in msgs), msgs
-    assert msgs[0] == msgs[1], msgs
+    _assert_told_across_dp(functp.simulate(_mismatch, 4, "2d", -1, "value", "lists", True,
+                                           check=True))
+
+
+@pytest.mark.parametrize("held", [0, 1], ids=["dp0_late", "dp1_late"])
+@pytest.mark.parametrize("how", ["value", "grad"])
+def test_one_group_short_with_a_dp_row_held_back_in_processes(run, how, held):
+    # dp1_late: dp row 0 is already in the exchange that tells the mesh it raised when
+    # dp row 1 starts its size check; dp0_late: dp row 1 is in its exchange's check
+    # first. Each process group pairs its collectives in the order they were issued, so
+    # the order the rows arrive in changes nothing
+    _assert_told_across_dp(run(4, _in_processes, True, "2d", -1, how, "lists", True, held,
+                               gloo=True))
+
+
+# -- a second mesh over the same process groups (the abort of the test above) -------------
+# In the full suite the test above aborted the pytest process after tests/test_hf_moe.py:
+# a 4-d mesh ('dp_replicate', 'efsdp', 'ep', 'tp') made on the same simulated ranks shares
+# the 2-d mesh's 'ep' process groups (simulate makes one group per member set), and its
+# registration replaced the 2-d mesh's under the same group key. The ragged exchange then
+# ran its check-mode fingerprint with the 4-d mesh's check group (8 ints a rank) while
+# the ranks that had raised used their mesh's (6 ints), in the same all-gather over the
+# whole mesh: gloo's "op.preamble.length <= op.nbytes. 32 vs 24" ended the process.
+
+def _both_meshes():
+    """Makes the 2-d mesh, then the 4-d one over the same groups (registered last)."""
+    _mesh("2d")
+    _mesh("4d")
+    return True
+
+
+def _rows_moved(kind: str):
+    """A correct exchange along 'ep' (one row to each peer, the caller's own lists, so
+    its sizes are checked): True where every row landed where it should."""
+    mesh = _mesh(kind)
+    me, n = mesh.axis_index("ep"), mesh.shape["ep"]
+    other = mesh.axis_index(tuple(a for a in mesh.axis_names if a != "ep"))
+
+    def body(x, b):
+        return functp.ragged_all_to_all(x, b, list(range(n)), [1] * n, [me] * n, [1] * n, "ep",
+                                        recv_offsets=list(range(n)))
+
+    spec = P(tuple(mesh.axis_names))
+    x = (10 * me + 100 * other + torch.arange(float(n))).reshape(n, 1)    # row j: for peer j
+    out = functp.shard_map(body, mesh, in_specs=(spec, spec), out_specs=spec)(
+        x, torch.full((n, 1), -7.0))
+    # row s came from peer s: its row for this rank
+    return out.flatten().tolist() == [10 * s + 100 * other + me for s in range(n)]
+
+
+def _mesh_by_dp_row():
+    """dp row 0 runs a body over the 2-d mesh, dp row 1 the same body over the 4-d mesh
+    (a choice of mesh that depends on the rank): each rank's error text, or output."""
+    m2, m4 = _mesh("2d"), _mesh("4d")
+    mesh = m2 if m2.axis_index("dp") == 0 else m4
+    f = functp.shard_map(lambda x: functp.psum(x, "ep"), mesh, in_specs=P("ep"), out_specs=P())
+    try:
+        return f(torch.ones(2)).tolist()
+    except ShardingError as e:
+        return str(e)
+
+
+_CASES = [(check, how, only_dp0) for check in (True, False) for how in ("value", "tape", "grad")
+          for only_dp0 in (True, False)]
+
+
+def _after_a_second_mesh() -> dict:
+    """Run in a child process (on the old code it aborted): each case of _CASES on the
+    2-d mesh after the 4-d mesh was made, each rank's error text or output; then a
+    correct exchange on each mesh, check mode on."""
+    assert functp.simulate(_both_meshes, 4, check=False) == [True] * 4
+    out = {"cases": [functp.simulate(_mismatch, 4, "2d", -1, how, "lists", only_dp0,
+                                     check=check) for check, how, only_dp0 in _CASES]}
+    out["moved"] = [functp.simulate(_rows_moved, 4, kind, check=True) for kind in ("2d", "4d")]
+    out["by_row"] = functp.simulate(_mesh_by_dp_row, 4, check=True)
+    out["moved"] += [functp.simulate(_rows_moved, 4, "2d", check=True)]
+    return out
+
+
+def _in_a_child(fn_name: str, timeout: float = 240.0):
+    """``fn_name()`` of this module in a fresh Python process (its own simulated ranks);
+    its JSON result, or the exit status and output of a child that crashed or hung."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    here = pathlib.Path(__file__).resolve().parent
+    code = (f"import json, sys; sys.path.insert(0, {str(here)!r}); import {pathlib.Path(__file__).stem} "
+            f"as t; print('RESULT ' + json.dumps(t.{fn_name}()))")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    try:
+        out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], cwd=here.parent,
+                             capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the child hung ({timeout:g} s): {(e.stderr or b'')[-3000:]!r}")
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    # (a backend's abort says why in stderr's first lines; Python's traceback is last)
+    assert out.returncode == 0 and lines, (
+        f"the child ended with status {out.returncode}\n{out.stdout[-2000:]}\n"
+        f"{out.stderr[:1000]}\n...\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_a_second_mesh_over_the_same_groups_keeps_the_check_agreed_not_an_abort():
+    # before: the child aborted (the first case: one dp row short, check mode on)
+    res = _in_a_child("_after_a_second_mesh")
+    for (check, how, only_dp0), msgs in zip(_CASES, res["cases"]):
+        case = f"check={check} how={how} only_dp0={only_dp0}: {msgs}"
+        if not only_dp0:              # both dp rows short: every rank raises the same
+            _assert_same_error_everywhere(msgs, -1)
+        elif check:                   # dp row 1 is told at its next exchange
+            assert all(isinstance(m, str) and _want(-1)[0] in m for m in msgs), case
+            assert msgs[0] == msgs[1] and msgs[2] == msgs[3], case
+        else:                         # without it, dp row 1's own exchange is correct
+            assert msgs[0] == msgs[1] and isinstance(msgs[0], str), case
+            assert _want(-1)[0] in msgs[0], case
+            assert all(isinstance(m, list) for m in msgs[2:]), case
+    assert res["moved"] == [[True] * 4] * 3, res["moved"]      # the meshes keep working
+    # ranks that chose different meshes: the check's rows pair (the same length on any
+    # mesh) and every rank raises the same error naming both meshes
+    msgs = res["by_row"]
+    assert all(isinstance(m, str) for m in msgs) and len(set(msgs)) == 1, msgs
+    for w in ("ranks disagree on which mesh they run on", "on Mesh(dp=2, ep=2; cpu)",
+              "on Mesh(pp=1, dp=2, ep=2, tp=1; cpu)", "shard_map(<lambda>) entry"):
+        assert w in msgs[0], msgs[0]
 
 
 def _planned(change: str):

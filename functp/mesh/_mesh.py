@@ -34,6 +34,7 @@ class CheckGroup:
     mesh: str                    # the mesh, as printed in errors
     axis_names: tuple[str, ...] = ()    # the mesh's axes, and this rank's place on them:
     coordinate: tuple[int, ...] = ()    # which ranks share a group over some of them
+    axis_sizes: tuple[int, ...] = ()    # (the check mode sends a rank's place as one int)
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,17 @@ class AxisGroup:
         # meshes over the same ranks with other axis orders share c10d groups, and a
         # key of name and axes alone let the later mesh's member order replace the
         # earlier's in _GROUPS (its all_gather then came back in the wrong order).
+        # The check group is read too (the check mode's rows carry its mesh's axes and
+        # this rank's coordinates): a 4-d mesh whose 'ep' groups were a 2-d mesh's
+        # replaced the 2-d mesh's check group, and its ragged exchange then sent rows
+        # of another length than its peers' in one all-gather (gloo aborted, issue 41).
         order = "" if self.order is None else ",".join(map(str, self.order))
+        c = self.check
+        mesh = "" if c is None else f"|{c.group_name}|{c.mesh}|{','.join(c.axis_names)}|" \
+                                    f"{','.join(map(str, c.coordinate))}"
         object.__setattr__(self, "key", f"{self.group_name}|{','.join(self.axes)}|"
-                                        f"{self.size}|{self.index}|{order}|{self.instance}")
+                                        f"{self.size}|{self.index}|{order}|{self.instance}"
+                                        f"{mesh}")
         object.__setattr__(self, "axis_set", frozenset(self.axes))
 
     def group_rank(self, i: int) -> int:
@@ -139,7 +148,8 @@ class Mesh:
         self.check = CheckGroup(
             whole_name, math.prod(self.axis_sizes), whole_ranks,
             torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda"
-            else torch.device(self.device_type), repr(self), self.axis_names, tuple(coord))
+            else torch.device(self.device_type), repr(self), self.axis_names, tuple(coord),
+            self.axis_sizes)
         # every ordered tuple of axes resolved now, so that a step (compiled or not)
         # only looks groups up: resolving needs host-side work and group queries. A
         # set of axes maps to its tuple in mesh order (what vma's pvary asks for).

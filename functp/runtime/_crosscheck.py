@@ -7,7 +7,9 @@ backend or come back as garbage. In the check mode every collective (forward and
 backward) and every ``shard_map`` boundary first exchanges a fingerprint over the
 whole mesh: the axes of its process group (a boundary's: all), a sequence number in
 that group, a hash of what runs (collective, axes, direction; a boundary's leaves), a
-hash of the block (dtype and shape) and the rank's coordinates. Each rank is compared
+hash of the block (dtype and shape), the rank's place in the mesh and a hash of the
+mesh (six ints on any mesh: an exchange whose ranks checked over two meshes pairs, and
+they disagree, rather than aborting in the backend). Each rank is compared
 with the peers of its own group only: groups may run different numbers of
 collectives (a MoE's tensor-parallel ones follow its data-parallel shard's routing),
 and a rank whose group is done waits, exchanging again, while others finish theirs.
@@ -26,6 +28,7 @@ Nothing is checked while ``torch.compile`` traces.
 from __future__ import annotations
 
 import linecache
+import math
 import os
 import re
 import sys
@@ -159,12 +162,17 @@ def check(check, head: str, details: tuple[str, ...] = (), block: str = "",
     body = "\n".join(details)
     # (the call site is printed, never compared: the same collective reached from two
     # source lines, as in both branches of an if, is the same collective)
-    row = torch.tensor([mask, seq, _crc(head + "\n" + body), _crc(block), *check.coordinate],
+    # The row has the same length on every mesh: where ranks exchange with two meshes'
+    # check groups over one process group (a rank that chose another mesh), the rows
+    # pair and the ranks disagree; rows of two lengths ended the process in gloo.
+    placed = _place(check)
+    row = torch.tensor([mask, seq, _crc(head + "\n" + body), _crc(block), *placed[:2]],
                        dtype=torch.int64, device=check.device)
     what = f"{head} {block}".rstrip()
     while True:
         table = _gather(row, check, f"{what} (check #{seq}) at {site}").view(check.size, -1)
-        go, me = _verdict(table.cpu(), check)
+        table = table.cpu()
+        go, me = _verdict(table, check, placed)
         if go is None:
             break
         if go[me]:
@@ -172,8 +180,30 @@ def check(check, head: str, details: tuple[str, ...] = (), block: str = "",
     # every rank raises in this exchange, some at a group's collective, some at the
     # mesh's: they count afresh, together, so that the mesh stays usable
     forget(f"{check.group_name}|")
-    texts = _texts(f"#{seq} {what}\n      at {site}\n{body}", check)
-    raise agreed(ShardingError(_disagreement(texts, check)))
+    meshes = bool((table[:, 5] != table[0, 5]).any())
+    texts = _texts(f"#{seq} {what}\n      at {site}\n{body}"
+                   + (f"\non {check.mesh}" if meshes else ""), check)
+    raise agreed(ShardingError(_disagreement(texts, check, meshes)))
+
+
+# check group -> this rank's place in its mesh, the mesh's crc, and the mesh's strides
+# and sizes (what turns a place back into coordinates)
+_PLACES: dict = {}
+
+
+def _place(check) -> tuple:
+    """This rank's position in its mesh (row-major over the mesh's axes; its coordinates
+    follow from the mesh's shape), a crc of the mesh's axes and sizes, and the mesh's
+    strides and sizes as tensors (made once per mesh: the check runs per collective)."""
+    got = _PLACES.get(check)
+    if got is None:
+        sizes = check.axis_sizes
+        place = sum(c * math.prod(sizes[i + 1:]) for i, c in enumerate(check.coordinate))
+        strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+        got = _PLACES[check] = (place, _crc(f"{check.axis_names} {check.axis_sizes}"),
+                                torch.tensor(strides, dtype=torch.int64),
+                                torch.tensor(check.axis_sizes, dtype=torch.int64))
+    return got
 
 
 def _mask(check, axes: tuple[str, ...] | None) -> int:
@@ -182,16 +212,21 @@ def _mask(check, axes: tuple[str, ...] | None) -> int:
     return sum(1 << i for i, a in enumerate(names) if axes is None or a in axes)
 
 
-def _verdict(table: torch.Tensor, check):
+def _verdict(table: torch.Tensor, check, placed: tuple):
     """From every rank's row (its group's axes as bits, sequence number, what it runs,
-    its block, its coordinates), the same answer on every rank: which ranks go on
-    (all of their group is at the same collective), and this rank's row; None when
-    ranks disagree (a peer of the same group is at another of its collectives) or no
-    rank can go on (each waits for a peer that is elsewhere)."""
-    masks, fps, coords = table[:, 0], table[:, :4], table[:, 4:]
-    if coords.shape[1] == 0:             # (a check group without coordinates: one group)
+    its block, its place in its mesh and the mesh's crc), the same answer on every
+    rank: which ranks go on (all of their group is at the same collective), and this
+    rank's row; None when ranks disagree (a peer of the same group is at another of its
+    collectives, or on another mesh) or no rank can go on (each waits for a peer that
+    is elsewhere). ``placed``: :func:`_place` of ``check``."""
+    masks, fps, places, layouts = table[:, 0], table[:, :4], table[:, 4], table[:, 5]
+    if bool((layouts != layouts[0]).any()):
+        return None, 0
+    if not check.axis_names:             # (a check group without coordinates: one group)
         return (None if bool((fps != fps[0]).any()) else torch.ones(len(fps)).bool()), 0
-    me = int((coords == torch.tensor(check.coordinate)).all(-1).nonzero()[0, 0])
+    place, _, strides, sizes = placed
+    me = int((places == place).nonzero()[0, 0])
+    coords = places[:, None].div(strides, rounding_mode="floor") % sizes   # from the places
     bits = ((masks[:, None] >> torch.arange(coords.shape[1])) & 1).bool()
     # peers[r, m]: m is in r's group (the same place on every axis outside it)
     peers = ((coords[:, None, :] == coords[None, :, :]) | bits[:, None, :]).all(-1)
@@ -214,25 +249,30 @@ def _texts(text: str, check) -> list[str]:
     return [bytes(r[:k].tolist()).decode(errors="replace") for r, k in zip(rows.cpu(), sizes)]
 
 
-def _disagreement(texts: list[str], check) -> str:
+def _disagreement(texts: list[str], check, meshes: bool = False) -> str:
     """Each distinct description once, with the ranks that gave it; of detail lines
-    (one per leaf) only those not every rank has."""
+    (one per leaf) only those not every rank has. ``meshes``: the ranks checked over
+    different meshes (each description names its own)."""
     lines = [t.split("\n") for t in texts]
     raisers = [r for r, ls in zip(check.ranks, lines) if _RAISED_RE.match(ls[0])]
-    if raisers:
+    if raisers and not meshes:
         return _raised_elsewhere(raisers, lines, check)
     common = set(lines[0][2:]).intersection(*(set(ls[2:]) for ls in lines[1:]))
     seen: dict[str, list[int]] = {}
     for r, ls in zip(check.ranks, lines):
         own = [x for x in ls[2:] if x not in common][:4]
         seen.setdefault("\n".join(ls[:2] + ["    " + x for x in own]), []).append(r)
-    parts = [f"ranks disagree on {check.mesh} [FUNCTP_DEBUG check]: every rank must reach "
+    # (the same text on every rank: with two meshes, neither is named as the mesh)
+    on = "which mesh they run on" if meshes else check.mesh
+    parts = [f"ranks disagree on {on} [FUNCTP_DEBUG check]: every rank must reach "
              f"the same collectives and shard_map boundaries in the same order, with the "
-             f"same block shapes and dtypes:"]
+             f"same block shapes and dtypes{', over the same mesh' if meshes else ''}:"]
     for text, ranks in seen.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
         parts.append(f"  {who}: {text}")
-    parts.append("a rank that skipped or added a collective (a branch on the rank or on "
+    parts.append("ranks that chose their mesh by rank or by data diverged here: make one "
+                 "mesh and use it on every rank" if meshes else
+                 "a rank that skipped or added a collective (a branch on the rank or on "
                  "data, an exception caught inside a body) or passed other block shapes "
                  "or dtypes diverged here or just before")
     return "\n".join(parts)
@@ -376,6 +416,12 @@ def failed(op: str, g, e: BaseException) -> ShardingError:
 
 def forget(prefix: str) -> None:
     """Drops the sequence numbers of check groups whose names start with ``prefix``
-    (those of a finished simulation)."""
+    (those of a finished simulation; its meshes' places too, where the prefix is a
+    group's name's start).
+
+    **Arguments:** ``prefix`` – the start of c10d group names (a check group's own
+    ``name|`` for its counters alone). **Returns:** None."""
     for name in [n for n in _seq if n.startswith(prefix)]:
         del _seq[name]
+    for c in [c for c in _PLACES if c.group_name.startswith(prefix)]:
+        del _PLACES[c]

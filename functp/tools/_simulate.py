@@ -153,8 +153,13 @@ def _wait_for_ranks(run: _world.Run, threads: list, finished: list, errors: dict
     rank (which does not run Python then: left behind)."""
     for t in threads:
         t.start()
-    while any(t.is_alive() for t in threads):
-        threads[[t.is_alive() for t in threads].index(True)].join(0.05)
+    while True:
+        # (one look at the threads: one that ends between two looks is not alive in
+        # the second, which left nothing to join)
+        alive = [t for t in threads if t.is_alive()]
+        if not alive:
+            break
+        alive[0].join(0.05)
         _unblock_orphans(run, finished, orphaned)
         if _stop_stuck(run, finished, errors, timeout):
             break
