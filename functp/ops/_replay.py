@@ -286,69 +286,72 @@ class Recorder:
         result = tuple([self.serial(t) for t in output_tensors(out)])
         rec.result = tuple([self.vma[i] for i in result])
         if rec.why is None:
-            self._check(result)
+            _rerun(self, result)
+        if rec.why is None:
+            _boundary_vmas(self)
         return rec
 
-    def _check(self, result: tuple) -> None:
-        """The trace run again with the record's decisions (see the class docstring)."""
-        rec, vma = self.rec, self.vma
-        hv: dict[int, frozenset] = {}
-        for names_i, names in self.names.items():
-            hv[names_i] = vma[names_i] | rec.params.get(names[0], EMPTY)
-        lifted: dict[int, list] = {}      # serial -> axes added while its module runs
-        get = lambda i: hv.get(i, vma[i])
+def _rerun(r: Recorder, result: tuple) -> None:
+    """The trace run again with the record's decisions (see :class:`Recorder`): fails
+    the record where a replay would need a pvary outside a hook, or would give a value
+    crossing a boundary another vma than the call did."""
+    rec, vma = r.rec, r.vma
+    hv: dict[int, frozenset] = {}       # serial -> its vma in a replay
+    for i, names in r.names.items():
+        hv[i] = vma[i] | rec.params.get(names[0], EMPTY)
+    lifted: dict[int, list] = {}        # serial -> (hook, axes) added while it runs
 
-        def seen(i: int, running: tuple) -> frozenset:
-            v = get(i)
-            for hook, axes in lifted.get(i, ()):
-                if hook in running:
-                    v = v | axes
-            return v
+    def seen(i: int, running: tuple) -> frozenset:
+        v = hv.get(i, vma[i])
+        for hook, axes in lifted.get(i, ()):
+            if hook in running:
+                v = v | axes
+        return v
 
-        def boundary(ser: tuple, running: tuple, what: str) -> bool:
-            for i in ser:
-                if seen(i, running) != vma[i]:
-                    self.fail(f"{what} would vary over {sorted(seen(i, running))} in a "
-                              f"replay, not {sorted(vma[i])}")
-                    return False
-            return True
+    def boundary(ser: tuple, running: tuple, what: str) -> bool:
+        for i in ser:
+            if seen(i, running) != vma[i]:
+                r.fail(f"{what} would vary over {sorted(seen(i, running))} in a replay, "
+                       f"not {sorted(vma[i])}")
+                return False
+        return True
 
-        for e in self.trace:
-            if e[0] == "op":
-                _, ins, outs, in_hook, running = e
-                vs = [seen(i, running) for i in ins]
-                u = EMPTY.union(*vs)
-                if not in_hook:
-                    for i, v in zip(ins, vs):
-                        if self.grad[i] and v != u:
-                            self.fail(f"an op inside the module would need a pvary of a "
-                                      f"value varying over {sorted(v)} to {sorted(u)} in a "
-                                      f"replay (the module's own code, no boundary)")
-                            return
-                for o in outs:
-                    hv[o] = u
-                if in_hook and not boundary(outs, running, "a value a hook computes"):
-                    return
-            elif e[0] == "args":
-                if not boundary(e[2], e[3], f"an argument of {e[1]!r}"):
-                    return
-            elif e[0] == "enter":
-                for pos, i in e[2]:
-                    axes = rec.lifts.get(e[1], {}).get(pos)
-                    if axes:
-                        lifted.setdefault(i, []).append((e[1], axes))
-            elif not boundary(e[2], e[3] + (e[1],), f"the output of {e[1]!r}"):
+    for e in r.trace:
+        if e[0] == "op":
+            _, ins, outs, in_hook, running = e
+            vs = [seen(i, running) for i in ins]
+            u = EMPTY.union(*vs)
+            if not in_hook and any(r.grad[i] and v != u for i, v in zip(ins, vs)):
+                r.fail(f"an op inside the module would need a pvary to {sorted(u)} in a "
+                       f"replay (the module's own code, no boundary)")
                 return
-        boundary(result, (), "the module's result")
-        if rec.why is None:
-            for kind, table in (("args", rec.args), ("outs", rec.outs)):
-                for e in self.trace:
-                    if e[0] == ("args" if kind == "args" else "left"):
-                        vs = tuple([vma[i] for i in e[2]])
-                        prev = table.setdefault(e[1], vs)
-                        if prev != vs:
-                            self.fail(f"planned module {e[1]!r} is called with other vmas "
-                                      f"at another call")
+            for o in outs:
+                hv[o] = u
+            if in_hook and not boundary(outs, running, "a value a hook computes"):
+                return
+        elif e[0] == "args":
+            if not boundary(e[2], e[3], f"an argument of {e[1]!r}"):
+                return
+        elif e[0] == "enter":
+            for pos, i in e[2]:
+                axes = rec.lifts.get(e[1], {}).get(pos)
+                if axes:
+                    lifted.setdefault(i, []).append((e[1], axes))
+        elif not boundary(e[2], e[3] + (e[1],), f"the output of {e[1]!r}"):
+            return
+    boundary(result, (), "the module's result")
+
+
+def _boundary_vmas(r: Recorder) -> None:
+    """The vmas a replay gives each hook's arguments and output (the call's, the same
+    at every call of one hook)."""
+    for kind, table in (("args", r.rec.args), ("left", r.rec.outs)):
+        for e in r.trace:
+            if e[0] == kind:
+                vs = tuple([r.vma[i] for i in e[2]])
+                if table.setdefault(e[1], vs) != vs:
+                    r.fail(f"planned module {e[1]!r} is called with other vmas at "
+                           f"another call")
 
 
 class Recording(UnionRule):

@@ -88,16 +88,68 @@ def _replace(x, new: dict[int, torch.Tensor]):
     return x
 
 
-class UnionRule(TorchFunctionMode):
+class _CustomFunctions:
+    """A union rule's part for custom autograd Functions in eager mode, where
+    ``Function.apply`` is invisible to modes: a no-grad op that mixes vmas may be a
+    Function's forward; its inputs are kept, and the Function's backward node hooked
+    once its output is seen (:class:`FunctionHooks`)."""
+
+    tr: Tracker
+
+    def __init__(self) -> None:
+        self._nograd_mixed = False    # a no-grad op mixed vmas (a custom Function?)
+        self.hooks: FunctionHooks | None = None     # made at the first such op
+
+    def nograd_mixed(self, ts: list, vmas: list) -> None:
+        """A no-grad op whose inputs ``ts`` (with ``vmas``) vary over different axes:
+        no gradient flows through it, but it may be a custom Function's forward,
+        whose inputs do get gradients."""
+        need = [(t, v) for t, v in zip(ts, vmas) if t.requires_grad]
+        if need:
+            if self.hooks is None:
+                self.hooks = FunctionHooks(self.tr)
+            self._nograd_mixed = True
+            self.hooks.inputs.extend(need)
+
+    def hook_functions(self, ts) -> None:
+        """For each of ``ts`` made by a custom Function (eager mode) whose inputs vary
+        over fewer axes than their union: psum those inputs' gradients, as the
+        implicit pvarys would have."""
+        self.hooks.hook_outputs(ts)
+        self.discard_nograd()
+
+    def discard_nograd(self) -> None:
+        """Forgets the mixed no-grad ops seen so far (hooked, or known not to be a
+        custom Function's forward: functp.checkpoint's first run)."""
+        self._nograd_mixed = False
+        if self.hooks is not None:
+            self.hooks.inputs.clear()
+
+    def finish(self, out) -> None:
+        """At the body's end: hooks for a custom Function whose output is returned."""
+        if self._nograd_mixed:
+            self.hook_functions([t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)])
+
+
+def _tag(tr: Tracker, out, union: frozenset) -> None:
+    """``out`` (a tensor, or a list or tuple of them) varies over ``union``."""
+    if isinstance(out, torch.Tensor):
+        tr.set(out, union)
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                tr.set(o, union)
+
+
+class UnionRule(_CustomFunctions, TorchFunctionMode):
     """Applies the union rule to every torch call, with ``tracker``'s tags; its
     ``with`` block is the body's run (``tracker.mode`` is this rule)."""
 
     def __init__(self, tracker: Tracker):
-        super().__init__()
+        TorchFunctionMode.__init__(self)
+        _CustomFunctions.__init__(self)
         self.tr = tracker
         tracker.mode = self
-        self._nograd_mixed = False    # a no-grad op mixed vmas (a custom Function?)
-        self.hooks: FunctionHooks | None = None     # made at the first such op
         self._eager = False
 
     # A torch.compile'd function the body calls runs eagerly, so that this rule sees
@@ -132,14 +184,7 @@ class UnionRule(TorchFunctionMode):
         if not union or all(v is union or v == union for v in vmas):
             return args, kwargs, union
         if not torch.is_grad_enabled():
-            # no gradient flows through this op, so no pvary is needed; but this may
-            # be the forward of a custom Function, whose inputs do get gradients
-            need = [(t, v) for t, v in zip(ts, vmas) if t.requires_grad]
-            if need:
-                if self.hooks is None:
-                    self.hooks = FunctionHooks(self.tr)
-                self._nograd_mixed = True
-                self.hooks.inputs.extend(need)
+            self.nograd_mixed(ts, vmas)
             return args, kwargs, union
         if inplace and isinstance(args[0], torch.Tensor):
             self.tr.pvary_inplace(args[0], union)
@@ -148,14 +193,6 @@ class UnionRule(TorchFunctionMode):
         args = tuple(_replace(a, new) for a in args)
         kwargs = {k: _replace(a, new) for k, a in kwargs.items()}
         return args, kwargs, union
-
-    def _tag(self, out, union: frozenset) -> None:
-        if isinstance(out, torch.Tensor):
-            self.tr.set(out, union)
-        elif isinstance(out, (list, tuple)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self.tr.set(o, union)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tr = self.tr
@@ -220,7 +257,7 @@ class UnionRule(TorchFunctionMode):
             if out._base is not None and tr.aliases is not None:
                 tr.aliases.follow_view(out, func, args, kwargs, _is_inplace)
         elif union:
-            self._tag(out, union)        # a tuple of tensors, or a tensor class not seen yet
+            _tag(self.tr, out, union)        # a tuple of tensors, or a tensor class not seen yet
         return out
 
     def _mixed(self, func, args):
@@ -236,7 +273,7 @@ class UnionRule(TorchFunctionMode):
         args = [a if v is None or v == union else tr.pvary(a, union)
                 for a, v in zip(args, vmas)]
         out = func(*args)
-        self._tag(out, union)
+        _tag(self.tr, out, union)
         if tr.aliases is not None and isinstance(out, torch.Tensor) and out._base is not None:
             tr.aliases.follow_view(out, func, args, None, _is_inplace)
         return out
@@ -254,11 +291,11 @@ class UnionRule(TorchFunctionMode):
         if tr.aliases is not None and isinstance(out, torch.Tensor) and out._base is not None:
             tr.aliases.follow_view(out, func, args, kwargs, _is_inplace)
         if union or inplace:
-            self._tag(out, union)
+            _tag(self.tr, out, union)
             if inplace and isinstance(args[0], torch.Tensor) and args[0]._base is not None:
                 tr.set(args[0]._base, tr.get(args[0]._base) | union)
         if kwargs and "out" in kwargs:
-            self._tag(kwargs["out"], union)
+            _tag(self.tr, kwargs["out"], union)
         return out
 
     def _autograd_grad(self, func, args, kwargs):
@@ -271,26 +308,6 @@ class UnionRule(TorchFunctionMode):
             if isinstance(g, torch.Tensor):
                 self.tr.set(g, self.tr.get(x))
         return out
-
-    # -- custom autograd Functions in eager mode (FunctionHooks) ------------------------
-    def hook_functions(self, ts) -> None:
-        """For each of ``ts`` made by a custom Function (eager mode) whose inputs vary
-        over fewer axes than their union: psum those inputs' gradients, as the
-        implicit pvarys would have."""
-        self.hooks.hook_outputs(ts)
-        self.discard_nograd()
-
-    def discard_nograd(self) -> None:
-        """Forgets the mixed no-grad ops seen so far (hooked, or known not to be a
-        custom Function's forward: functp.checkpoint's first run)."""
-        self._nograd_mixed = False
-        if self.hooks is not None:
-            self.hooks.inputs.clear()
-
-    def finish(self, out) -> None:
-        """At the body's end: hooks for a custom Function whose output is returned."""
-        if self._nograd_mixed:
-            self.hook_functions([t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)])
 
 
 class FunctionHooks:

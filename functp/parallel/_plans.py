@@ -77,12 +77,8 @@ class Parallelized:
     ``apply.unshard(blocks)`` (parameters or their gradients) turns blocks back into
     canonical full tensors: packed weights come back as ``[gate; up]``, not as the
     per-rank interleaving that a plain :func:`functp.unshard` would give.
-
-    With vma tracked (``check_vma=True``), the first call with given arguments' vmas
-    records the union rule's decisions and later calls replay them at the plan's
-    boundaries, without tracking each op inside the module (``docs/fast.md``);
-    ``apply.replay = False`` tracks every op of every call instead, and
-    ``apply.replay_status()`` says which call signatures replay.
+    ``apply.replay``: vma decided once per call signature and replayed at the plan's
+    boundaries (``docs/fast.md``; False: every op tracked on every call).
     """
 
     def __init__(self, module: nn.Module, mesh: Mesh, axis: Any, specs: dict[str, P],
@@ -116,9 +112,7 @@ class Parallelized:
         #: the share of the module's parameter elements the plan splits over ``axis``
         self.split_share = split / max(sum(sizes.values()), 1)
         self._withheld = withheld
-        #: vma decided once per call signature, at the plan's boundaries (the first
-        #: call records the union rule's decisions, later calls replay them: no
-        #: per-op tracking inside the module); False: tracked per op on every call
+        #: the first call records the union rule's decisions, later calls replay them
         self.replay = True
         self._records: dict = {}
         # the hooks are registered once, here, and act only while __call__ runs:
