@@ -143,7 +143,8 @@ def _h200():
     rates = json.load(open(os.path.join(HERE, "gpu_truth_h200.json")))
     flops = rates["measured_bf16_matmul_tflops"] * 1e12
     return dataclasses.replace(
-        functp.tools._hardware.HARDWARE["h100-sxm"], flops={"bfloat16": flops},
+        functp.tools._hardware.HARDWARE["h100-sxm"],
+        flops={"float32": flops / 2, "bfloat16": flops},
         memory_bandwidth=rates["measured_copy_bytes_per_s_read_plus_write"] / 2)
 
 
