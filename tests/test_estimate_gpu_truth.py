@@ -56,42 +56,27 @@ def test_cuda_program_estimated_on_cpu_only_torch():
 
 FUNCTP_ROWS = [r for r in json.load(open(os.path.join(HERE, "gpu_truth_h200_functp.json")))["rows"]
                if r["step"] != "plain tape"]
-# One step kind per shape (tape), and all three on the small shape. Bounds: 5% where
-# the estimate holds; looser, with the reason, where it does not yet:
-# - the 8B-shaped SDPA rows: the estimate's step peak is 1.49x (tape) and 1.26x
-#   (func.grad) the measured one, while the same program without functp estimates
-#   within 2%: under functp's union rule the CPU fakes' SDPA counts more than CUDA's
-#   flash kernel holds (not yet found; issue 40);
-# - func.grad of the 8B shape (eager): 1.18x; the measurement was taken on main with
-#   the size-1 pvarys removed (no pvary node over a 1-rank axis), which this estimate
-#   of the same program does not yet reflect everywhere.
-# - the 8B-shaped eager rows' step peak: 1.06x (tape), the plain program's within 5%:
-#   the union rule's pvary'd copies counted on the fakes that the GPU run does not make.
-_LOOSE = {("8b-L2 1x2048 sdpa", "functp tape"): 1.55,
-          ("8b-L2 1x2048 eager", "functp tape"): 1.10,
-          ("8b-L2 1x2048 sdpa", "functp func.grad"): 1.30,
-          ("8b-L2 1x2048 eager", "functp func.grad"): 1.22}
+# One step kind per shape (tape), and all three on the 187M shape and on the 8B-shaped
+# rows that used to be over-estimated: the 8B SDPA tape step's step peak was 1.49x the
+# measured one (func.grad 1.26x, eager func.grad 1.18x) while the estimate ran functp
+# code older than the GPU's: a pvary node over the 1-rank axes kept a backward
+# temporary alive; since 00156dc (no pvary op over axes of size 1, the code the GPU ran)
+# every row is within 5% (the largest, 8B SDPA tape, 1.6%).
 _CHOSEN = [r for r in FUNCTP_ROWS
-           if r["step"] == "functp tape" or r["name"].startswith("mid")
-           or (r["name"], r["step"]) in _LOOSE]
+           if r["step"] == "functp tape" or r["name"].startswith(("mid", "8b"))]
 
 
 @pytest.mark.parametrize("row", _CHOSEN, ids=[f"{r['name']}-{r['step']}" for r in _CHOSEN])
 def test_gpu_truth_functp_steps(row):
     """functp's own steps (tape, value_and_grad, torch.func.grad over a 1x1 mesh)
-    against the allocator: the resident bytes within 5% everywhere (functp leaves
-    nothing allocated between steps beyond the parameters: the fix of its cycles);
-    the step peak and total peak within 5%, or the documented bound above."""
+    against the allocator: resident bytes, the step's peak above them and the total
+    peak within 5% of the H200's."""
     program = _programs("gpu_truth_functp_programs").program
     est = functp.estimate(lambda: program(row["config"], "cuda", row["step"])(), 1)
     assert abs(est.resident_bytes / row["resident_bytes"] - 1) < 0.05
-    bound = _LOOSE.get((row["name"], row["step"]))
     step = est.step_peak_bytes / row["step_peak_above_resident_bytes"]
     total = est.peak_bytes / row["peak_total_bytes"]
-    if bound is None:
-        assert abs(step - 1) < 0.05 and abs(total - 1) < 0.05, (step, total)
-    else:          # over-estimates, never under
-        assert 0.95 < step < bound and 0.95 < total < bound, (step, total)
+    assert abs(step - 1) < 0.05 and abs(total - 1) < 0.05, (step, total)
 
 
 class _Made(torch.utils._python_dispatch.TorchDispatchMode):
@@ -143,3 +128,51 @@ def test_functp_step_leaves_no_tensor_allocated(step):
             gc.enable()
     left, = functp.simulate(body, 1)
     assert left == 0, f"{left} bytes of the step's tensors still allocated after it"
+
+
+# -- host time: the 187M model's steps timed on the H200 (tests/data/gpu_step_h200.json) --
+
+H200_RUNS = json.load(open(os.path.join(HERE, "gpu_step_h200.json")))["runs"]
+_TODAY = [run for run in H200_RUNS if run["name"].startswith("after")]   # today's code
+_187M = "h1024 L8 4x512"
+
+
+def _h200():
+    """h100-sxm, its host costs as built in, with the H200's measured rates."""
+    import dataclasses
+    rates = json.load(open(os.path.join(HERE, "gpu_truth_h200.json")))
+    flops = rates["measured_bf16_matmul_tflops"] * 1e12
+    return dataclasses.replace(
+        functp.tools._hardware.HARDWARE["h100-sxm"],
+        flops={"float32": flops / 2, "bfloat16": flops},
+        memory_bandwidth=rates["measured_copy_bytes_per_s_read_plus_write"] / 2)
+
+
+def _measured(variant: str) -> list[float]:
+    return [next(r["ms"] for r in run["rows"] if r["config"] == _187M
+                 and r["variant"] == variant) for run in _TODAY]
+
+
+@pytest.mark.parametrize("variant", ["functp tape", "functp value_and_grad",
+                                     "functp func.grad"])
+def test_187m_functp_steps_host_time_within_30_percent_of_the_h200(variant):
+    """Issue 40's 187M row: functp's steps of the transformers Llama (hidden 1024, 8
+    layers, 4 x 512, bf16), estimated here from their counts (a later step: warmup=1)
+    at the GPU profile's host costs, against the H200 runs of the same code. GPU host
+    timings vary between runs (the plain tape step took 32.40 and 21.31 ms in the two
+    recorded stages), so: the predicted step within 30% of the runs' mean, and its
+    ratio to the predicted plain tape step within 30% of each run's own ratio."""
+    pytest.importorskip("transformers")
+    progs = _programs("gpu_step_programs")
+    hw = _h200()
+
+    def predict(v):
+        est = functp.estimate(lambda: progs.program(progs.CONFIGS[_187M], "cuda", v), 1,
+                              hardware=hw, warmup=1)
+        assert est.seconds.bound == "host"
+        return est.seconds.overlapped * 1e3
+    ms, plain = predict(variant), predict("plain tape")
+    mean = sum(_measured(variant)) / len(_TODAY)
+    assert abs(ms / mean - 1) < 0.30, (ms, _measured(variant))
+    for t, p in zip(_measured(variant), _measured("plain tape")):
+        assert abs((ms / plain) / (t / p) - 1) < 0.30, (ms / plain, t / p)

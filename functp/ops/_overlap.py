@@ -50,14 +50,16 @@ from . import _primitives as prim
 from ..mesh._mesh import group_of
 from ..runtime import _compile, _world
 from ..runtime._errors import ShardingError
-from ..runtime._torch_compat import (DisableFuncTorch, TransformGrad, c10d_functional as _c10d,
-                                     layer_stack_depth, peek_interpreter_stack,
-                                     will_engine_execute_node)
+from ..runtime._torch_compat import (DisableFuncTorch, FakeTensor, TransformGrad,
+                                     c10d_functional as _c10d, layer_stack_depth,
+                                     peek_interpreter_stack, will_engine_execute_node)
 
 __all__ = ["set_overlap"]
 
 SINK = "_functp_sink"          # an entry output's __dict__ key: (its Sink, its index)
-_TENSORS = (torch.Tensor, torch.nn.Parameter)     # the inputs that may get a sink
+# the inputs that may get a sink (a fake one: functp.estimate's tape step, as its real
+# run; torch.compile's fakes are turned away by _compile.tracing())
+_TENSORS = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 _READY = "_functp_ready"       # a grad_ready output's: made once per alias
 _VMA = "_functp_vma"           # a tensor's vma tag, (run, axes) (``_vma``, which imports this)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import linecache
 import os
 import sys
 import weakref
@@ -46,7 +45,6 @@ from ..runtime._torch_compat import (DataDependentOutputException, DynamicOutput
 __all__ = ["estimate", "Estimate", "RankEstimate", "StepTime"]
 
 _ids = itertools.count()
-_PKG = _world.PACKAGE_DIR
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 # operators that move or relabel data but compute nothing: not "uncounted"
 _NO_COMPUTE = {"aten.detach", "aten.clone", "aten.copy_", "aten._to_copy", "aten.copy",
@@ -162,6 +160,19 @@ class _Tracker(MemTracker):
                 at = self.comm_at_peak.setdefault(winfo.device, {})
                 at[winfo.reftype] = at.get(winfo.reftype, 0) + winfo.mem_consumed
         return out
+
+    def restart(self) -> int:
+        """The peak from now on (as MemTracker starts it when entered: what is held
+        now); returns the bytes held now (a step's resident bytes, on a GPU
+        ``torch.cuda.memory_allocated()`` before it)."""
+        self._peak_mem_snap = self.get_tracker_snapshot()
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+        self._peaks = dict(self._peak_mem)
+        self.comm_at_peak = {}
+        for _, winfo in self._comm.values():
+            at = self.comm_at_peak.setdefault(winfo.device, {})
+            at[winfo.reftype] = at.get(winfo.reftype, 0) + winfo.mem_consumed
+        return max(self._peak_mem.values(), default=0)
 
     def _note_comm(self, func, args, out) -> None:
         """Files the buffers of a collective as communication: its outputs, the
@@ -375,7 +386,7 @@ class Estimate:
 def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
              hardware: str | Hardware | None = None, ranks: str | Sequence[int] = "auto",
              reads: dict | None = None, routing: str | Sequence[int] = "uniform",
-             **kwargs: Any) -> Estimate:
+             warmup: int = 0, **kwargs: Any) -> Estimate:
     """Runs ``fn(*args, **kwargs)`` as rank 0 (and ``ranks``) of ``nprocs`` on fake
     tensors, and reports what each traced rank's step issues and computes.
 
@@ -387,24 +398,28 @@ def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
     fakes of themselves.
 
     Which ranks to trace: ranks whose programs differ only in which block they hold
-    issue the same collectives and FLOPs, so one rank stands for all of them. With
-    ``ranks="auto"`` (the default) the estimate finds the ranks that differ: it
-    traces rank 0, then position 1 and the last position along each axis of the
-    first mesh the program makes, and crosses the axes where those differ (pipeline
-    stages, the last rank's smaller uneven block, shifts that leave the ends out);
-    positions between the second and the last are taken to be alike. That is
-    ``1 + 2 * len(mesh axes)`` traces at most when no axis differs. Give ``ranks=``
-    to trace exactly those ranks instead.
+    issue the same collectives and FLOPs, so one rank stands for all. With
+    ``ranks="auto"`` rank 0 is traced, then position 1 and the last along each axis
+    of the program's first mesh, crossing the axes where those differ (pipeline
+    stages, a smaller last block); ``ranks=`` traces exactly those ranks. Values
+    read on the host (``.item()``, ``.tolist()``, ``if`` on a tensor, masks, a
+    router's ``topk``) follow the rules of ``tools/_host_reads.py``, each listed
+    in the printout with its call site and rule.
 
-    Values read on the host (``.item()``, ``.tolist()``, ``if`` on a tensor, masks,
-    a router's ``topk``) follow the rules of ``functp/tools/_host_reads.py``, each
-    read listed in the printout with its call site and rule.
+    A first step does work later steps do not (caches filled on a first call:
+    functp's per-body plans are a third of a small functp step's Python calls;
+    optimizer state made). With ``warmup=k`` the program sets up and *returns* its
+    step, a function of no arguments, called ``k`` times and once more: everything
+    reported is that last call's, ``resident_bytes`` all held when it starts
+    (``torch.cuda.memory_allocated()`` between steps). With ``warmup=0`` the
+    program is the step, counted from its first computing operator.
 
     **Arguments:** ``fn`` – the per-rank program; ``nprocs`` – the number of ranks
     it is written for; ``hardware`` – a profile name (``"h100-sxm"``, ``"a100"``)
     or a ``Hardware``, to predict the step time; ``ranks`` – ``"auto"`` or the
     ranks to trace; ``reads`` – ``{call site substring: value}``; ``routing`` –
-    ``"uniform"`` or each expert's (token, choice) pairs; ``*args``/``**kwargs`` – to ``fn``.
+    ``"uniform"`` or each expert's (token, choice) pairs; ``warmup`` – 0, or the calls
+    of the step ``fn`` returns before the one measured; ``*args``/``**kwargs`` – to ``fn``.
 
     **Returns:** an :class:`Estimate`: ``est.comm`` (a ``comm_log``), ``est.flops``,
     ``est.peak_bytes`` and ``est.memory`` (its breakdown), ``est.seconds`` (a
@@ -427,18 +442,14 @@ def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
         est.flops                # 2 * 8 * 1024 * 1024 = 16777216
         est.peak_bytes           # 20971520: the 4096 x 1024 block and its kin
         print(est)               # a table per rank, with the predicted step time
+        functp.estimate(lambda: (lambda: program()), 4, warmup=1)   # a later step
     """
-    ranks = _check_call(nprocs, ranks, reads, routing)
+    ranks = _check_call(nprocs, ranks, reads, routing, warmup)
     hw = hardware_profile(hardware) if hardware is not None else None
     est = Estimate(nprocs, hardware=hw)
 
     def trace(r):
-        # Python's collector frees reference cycles (and tensors they hold) when
-        # its allocation counters say so: each trace starts them from zero, so that
-        # the same program gives the same peak. The caller's objects are frozen
-        # meanwhile, which makes those collections cheap.
-        gc.collect()
-        return _trace(fn, nprocs, r, args, kwargs, hw, (reads, routing))
+        return _fresh_trace(fn, nprocs, r, args, kwargs, hw, (reads, routing), warmup)
     gc.collect()
     gc.freeze()
     try:
@@ -454,9 +465,21 @@ def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
     return est
 
 
-def _check_call(nprocs, ranks, reads=None, routing="uniform"):
+def _fresh_trace(*args) -> tuple:
+    """``_trace(*args)`` after a collection. Python's collector frees reference
+    cycles (and tensors they hold) when its allocation counters say so: each trace
+    starts them from zero, so that the same program gives the same peak (the
+    caller's objects are frozen meanwhile, which makes those collections cheap)."""
+    gc.collect()
+    return _trace(*args)
+
+
+def _check_call(nprocs, ranks, reads=None, routing="uniform", warmup=0):
     """``estimate``'s arguments checked: ``"auto"`` or the sorted ranks to trace."""
     _host_reads.Values(reads, routing)      # (raises on a bad routing=)
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ShardingError(f"functp.estimate: warmup must be an int >= 0 (the step's "
+                            f"calls before the one measured), got {warmup!r}")
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ShardingError(f"functp.estimate: nprocs must be a positive int, got {nprocs!r}")
     if not (isinstance(ranks, str) and ranks == "auto"):
@@ -528,9 +551,10 @@ def _distinct_ranks(trace, nprocs: int) -> tuple[dict, dict[int, list[int]]]:
 
 
 def _trace(fn, nprocs: int, rank: int, args, kwargs,
-           hw: Hardware | None, rules: tuple = (None, "uniform")
+           hw: Hardware | None, rules: tuple = (None, "uniform"), warmup: int = 0
            ) -> tuple[RankEstimate, _DryRank]:
-    """Runs ``fn`` once as ``rank``, on fake tensors, under torch's counters."""
+    """Runs ``fn`` once as ``rank`` (and the step it returns ``warmup + 1`` times),
+    on fake tensors, under torch's counters."""
     prefix = f"functp_dry{next(_ids)}_"
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     devices = _fake_devices.Devices()
@@ -554,20 +578,29 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
                     host.watch(ops.calls, log.events)
                     values.on_sync = host.sync
                 try:
-                    with host.python if host is not None else contextlib.nullcontext():
-                        result = fn(*fargs, **fkwargs)
+                    result, mark = _run(
+                        fn, fargs, fkwargs, host, warmup,
+                        lambda: _Mark(ops, log, flops, mem, values, host))
                 except (DataDependentOutputException, DynamicOutputShapeException) as e:
-                    raise _host_read(e, rank) from None
+                    raise _host_reads.refused(e, rank) from None
                 except RuntimeError as e:
                     if "_apply(): Couldn't swap" not in str(e):
                         raise
-                    raise _conversion(e, rank) from None
+                    raise _fake_devices.refused(e, rank) from None
     finally:
         _world.set_dry_run(None)
         _crosscheck.set_debug(previous)
         _mesh.forget_groups(prefix)
         _world.restore_state(caller)      # the program's draws are not the caller's
-    by_op = {str(op): int(n) for op, n in flops.get_flop_counts().get("Global", {}).items()}
+    counts = flops.get_flop_counts().get("Global", {})
+    calls, uncounted = ops.calls, ops.uncounted
+    if mark is not None:              # the measured step's own, from its start
+        counts = {op: n - mark.flops.get(op, 0) for op, n in counts.items()}
+        calls = calls[mark.calls:]
+        log.events[:mark.events] = []
+        uncounted = {k: n - mark.uncounted.get(k, 0) for k, n in uncounted.items()
+                     if n > mark.uncounted.get(k, 0)}
+    by_op = {str(op): int(n) for op, n in counts.items() if n}
     peak = mem.get_tracker_snapshot("peak")
     dev, snap = next(iter(peak.items()), (None, {}))
     # the collectives' buffers, out of the categories MemTracker filed them under
@@ -579,43 +612,48 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
     seconds = None
     if hw is not None:
         seconds = host.time(hw, ops.calls, log.events, dry.members)
-    resident = sum(breakdown.get(k, 0) for k in ("Parameter", "Buffer", "Optstate"))
-    return RankEstimate(rank, log, int(flops.get_total_flops()), by_op, ops.uncounted,
+    resident = (mark.resident if mark is not None else
+                sum(breakdown.get(k, 0) for k in ("Parameter", "Buffer", "Optstate")))
+    return RankEstimate(rank, log, sum(by_op.values()), by_op, uncounted,
                         int(snap.get("Total", 0)), breakdown, seconds, values.reads,
-                        ops.calls, result, resident, devices.assumed()), dry
+                        calls, result, resident, devices.assumed()), dry
 
 
-def _conversion(e: BaseException, rank: int) -> ShardingError:
-    """The error for ``module.to(dtype or device)`` of a module built in the program:
-    torch swaps fake parameters for converted ones, and refuses when its fake-tensor
-    cache holds a weak reference to one (every fake parameter)."""
-    return ShardingError(
-        f"functp.estimate (rank {rank}): {e} — a module built inside the estimated "
-        f"program cannot be converted with .to(dtype)/.to(device)/.double()/.half() "
-        f"under fake tensors (torch cannot swap fake parameters). Build it in that "
-        f"dtype and on that device instead: torch.set_default_dtype(torch.bfloat16) "
-        f"and `with torch.device('cuda'):` around its construction (transformers: "
-        f"Model(config) inside them, or from_pretrained(..., dtype=torch.bfloat16)), "
-        f"and restore the default dtype after")
+def _run(fn, fargs, fkwargs, host, warmup: int, mark):
+    """``fn(*fargs, **fkwargs)``, and with ``warmup`` the step it returns, called
+    ``warmup`` times then once more after ``mark()``: ``(result, the mark or None)``.
+    The host's Python calls are counted inside the calls only (not the estimate's
+    own code between them)."""
+    count = host.python if host is not None else contextlib.nullcontext()
+    with count:
+        result = fn(*fargs, **fkwargs)
+    if not warmup:
+        return result, None
+    if not callable(result):
+        raise ShardingError(
+            f"functp.estimate(..., warmup={warmup}): the program must return its step, "
+            f"a function of no arguments (called {warmup} time(s), then once more, "
+            f"measured); it returned {type(result).__name__}")
+    for _ in range(warmup):
+        with count:
+            result()
+    gc.collect()            # (what a cycle of the last step held, freed as it would be)
+    at = mark()
+    with count:
+        out = result()
+    return out, at
 
 
-def _host_read(e: BaseException, rank: int) -> ShardingError:
-    """The error for a program that needs a tensor's value on the host, naming the
-    line of the user's code that asked for it."""
-    where, tb = "", e.__traceback__
-    while tb is not None:        # the innermost frame outside functp and torch
-        name = tb.tb_frame.f_code.co_filename
-        if not (name.startswith(_PKG) or name.startswith(_TORCH) or name.startswith("<frozen")):
-            src = linecache.getline(name, tb.tb_lineno).strip()
-            where = (f" at {os.path.basename(name)}:{tb.tb_lineno} in "
-                     f"{tb.tb_frame.f_code.co_name}: {src}")
-        tb = tb.tb_next
-    what = ("calls an operator whose output shape depends on the values (nonzero, "
-            "masked indexing, unique)" if isinstance(e, DynamicOutputShapeException) else
-            "reads a tensor's value on the host (.item(), .tolist(), bool(), int(), an "
-            "if on a tensor)")
-    return ShardingError(
-        f"functp.estimate (rank {rank}): the program {what}{where}; a dry run "
-        f"has shapes but no values ({e.func if hasattr(e, 'func') else e}). Make it "
-        f"depend on shapes only, or pass what it reads in as Python numbers (e.g. "
-        f"split sizes, token counts per rank) as arguments of the program")
+class _Mark:
+    """The counters where the measured step starts (``warmup=``): the operators,
+    collectives, FLOPs and reads so far; the memory peak restarted there, the bytes
+    held then its resident bytes; the host's count starts there."""
+
+    def __init__(self, ops, log, flops, mem, values, host) -> None:
+        self.calls, self.events = len(ops.calls), len(log.events)
+        self.flops = dict(flops.get_flop_counts().get("Global", {}))
+        self.uncounted = dict(ops.uncounted)
+        values.forget_reads()
+        self.resident = mem.restart()
+        if host is not None:
+            host.start_here()

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Devices", "runnable"]
+from ..runtime._errors import ShardingError
+
+__all__ = ["Devices", "runnable", "refused"]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 _CPU = torch.device("cpu")
@@ -108,3 +110,17 @@ class Devices(TorchFunctionMode):
         return (f"{'/'.join(sorted(self.asked))} program traced on CPU fakes (this torch "
                 f"has no {'/'.join(sorted(self.asked))}); scaled_dot_product_attention "
                 f"as {kernels or 'not called'}")
+
+
+def refused(e: BaseException, rank: int) -> ShardingError:
+    """The error for ``module.to(dtype or device)`` of a module built in the program:
+    torch swaps fake parameters for converted ones, and refuses when its fake-tensor
+    cache holds a weak reference to one (every fake parameter)."""
+    return ShardingError(
+        f"functp.estimate (rank {rank}): {e} — a module built inside the estimated "
+        f"program cannot be converted with .to(dtype)/.to(device)/.double()/.half() "
+        f"under fake tensors (torch cannot swap fake parameters). Build it in that "
+        f"dtype and on that device instead: torch.set_default_dtype(torch.bfloat16) "
+        f"and `with torch.device('cuda'):` around its construction (transformers: "
+        f"Model(config) inside them, or from_pretrained(..., dtype=torch.bfloat16)), "
+        f"and restore the default dtype after")

@@ -57,17 +57,18 @@ _A100_DS = "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB), nvidia.com/en-us/
 
 # seconds the host of a GPU spends per operator call and per Python call of an eager
 # step: solved from the two plain PyTorch steps of a transformers Llama (hidden 1024,
-# 8 layers, 4 x 512 tokens, bf16) measured on an H200 (torch 2.11), both host-bound:
-# the tape step, 26.22 ms (tests/data/gpu_truth_h200.json), and torch.func.grad of
-# functional_call, 1.48 x 26.22 ms (issue 39's table), for the operator and Python
-# calls functp.estimate counts in those programs (2010 and 7066; 1770 and 14719:
-# benchmarks/estimate_host.py prints the solve). functp's own steps are not used.
-_GPU_HOST_CALL = 6.54e-6
-_GPU_HOST_PYTHON = 1.85e-6
+# 8 layers, 4 x 512 tokens, bf16) timed on an H200 host (torch 2.11), both host-bound:
+# the tape step and torch.func.grad of functional_call, each the mean of the five
+# recorded runs (26.32 and 39.27 ms: tests/data/gpu_step_h200.json), for the operator
+# and Python calls functp.estimate(..., warmup=1) counts in a later step of those
+# programs (2010 and 5887; 1770 and 13462: benchmarks/estimate_host.py prints the
+# solve). functp's own steps are not used.
+_GPU_HOST_CALL = 7.40e-6
+_GPU_HOST_PYTHON = 1.944e-6
 _GPU_HOST_SOURCE = ("solved from two host-bound plain steps of a 187M transformers Llama "
-                    "on an H200 host (torch 2.11): tape 26.22 ms "
-                    "(tests/data/gpu_truth_h200.json), torch.func.grad 38.8 ms (issue 39), "
-                    "and their operator and Python calls as functp.estimate counts them")
+                    "on an H200 host (torch 2.11): tape 26.32 ms, torch.func.grad 39.27 ms "
+                    "(means of five runs, tests/data/gpu_step_h200.json), and their "
+                    "operator and Python calls as functp.estimate(..., warmup=1) counts them")
 
 
 def _datasheet(sheet: str, hbm: str, nvlink: str, nic: str, memory: str) -> dict:

@@ -44,7 +44,7 @@ from ..runtime._torch_compat import (DataDependentOutputException, DynamicOutput
                                      FakeTensor, TorchDispatchMode, c10d_functional,
                                      disable_current_modes, unwrap_functorch)
 
-__all__ = ["HostRead", "Values", "ToList"]
+__all__ = ["HostRead", "Values", "ToList", "refused"]
 
 LIMIT = 1 << 16          # elements: larger tensors are not computed for real beside fakes
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
@@ -135,6 +135,10 @@ class Values(TorchDispatchMode):
     @property
     def reads(self) -> list[HostRead]:
         return list(self._reads.values())
+
+    def forget_reads(self) -> None:
+        """Reads from now on only (a measured step after its warm-up calls)."""
+        self._reads = {}
 
     def note(self, op: str, how: str, value: Any) -> None:
         key = (op, _site(), how)
@@ -340,3 +344,27 @@ class ToList(TorchFunctionMode):
             if isinstance(t, FakeTensor):
                 return self.values.read("Tensor.tolist", t, lambda r: r.tolist())
         return func(*args, **(kwargs or {}))
+
+
+def refused(e: BaseException, rank: int) -> ShardingError:
+    """The error for a program that needs a tensor's value on the host where no rule
+    can answer (a data-dependent shape torch refuses), naming the line of the user's
+    code that asked for it."""
+    where, tb = "", e.__traceback__
+    while tb is not None:        # the innermost frame outside functp and torch
+        name = tb.tb_frame.f_code.co_filename
+        if not (name.startswith(PACKAGE_DIR) or name.startswith(_TORCH)
+                or name.startswith("<frozen")):
+            src = linecache.getline(name, tb.tb_lineno).strip()
+            where = (f" at {os.path.basename(name)}:{tb.tb_lineno} in "
+                     f"{tb.tb_frame.f_code.co_name}: {src}")
+        tb = tb.tb_next
+    what = ("calls an operator whose output shape depends on the values (nonzero, "
+            "masked indexing, unique)" if isinstance(e, DynamicOutputShapeException) else
+            "reads a tensor's value on the host (.item(), .tolist(), bool(), int(), an "
+            "if on a tensor)")
+    return ShardingError(
+        f"functp.estimate (rank {rank}): the program {what}{where}; a dry run "
+        f"has shapes but no values ({e.func if hasattr(e, 'func') else e}). Make it "
+        f"depend on shapes only, or pass what it reads in as Python numbers (e.g. "
+        f"split sizes, token counts per rank) as arguments of the program")

@@ -69,6 +69,7 @@ class _Host:
         self.python.ops = self
         self.start: tuple | None = None
         self.cuts: list[tuple] = []
+        self.whole = True         # the device's time from the program's first operator
         self._calls: list = []
         self._events: list = []
 
@@ -90,6 +91,10 @@ class _Host:
         if at is not None:               # from where the step's outermost call began
             self.start = (index, events, at[1], at[0])
 
+    def start_here(self) -> None:
+        """The step starts now, device and host (a step called after its warm-up)."""
+        self.start, self.whole = self.now(), False
+
     def sync(self) -> None:
         self.cuts.append(self.now())
 
@@ -101,7 +106,7 @@ class _Host:
         start = self.start or (0, 0, 0, 0)
         # the device's time from the first record (as before the host was counted),
         # the host's from the step's start
-        marks = [(0, 0, start[2], start[3])]
+        marks = [(0, 0, start[2], start[3]) if self.whole else start]
         for c in self.cuts + [end]:       # (reads before the step are its setup's)
             if c[0] > start[0] and c != marks[-1]:
                 marks.append(c)
