@@ -225,3 +225,35 @@ def test_what_cannot_be_replayed_keeps_the_union_rule_and_stays_exact(run, kind)
         assert len(whys) == 1 and "functp.checkpoint" in whys[0], whys
     else:
         assert whys == [], whys      # never recorded
+
+
+def _forward_then_grad():
+    """A step's forward alone first (parameters needing no gradient: the union rule's
+    pvarys of them are no decisions), then its gradient: each call signature records
+    its own decisions (FSDP's tests take steps so)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _build("llama")
+    mesh = functp.make_mesh((2, 2), ("dp", "tp"))
+    apply, params, specs = functp.parallelize(model, mesh, "auto")
+    ref_apply, full = functp.functionalize(model)
+    ids, tgt = _batch(0)
+    step = functp.shard_map(
+        lambda p, i, t: functp.pmean(_lm_loss(apply(p, input_ids=i, use_cache=False).logits,
+                                              t), "dp"),
+        mesh, in_specs=(specs, P("dp"), P("dp")), out_specs=P())
+    batch = functp.shard((ids, tgt), mesh, P("dp"))
+    step(params, *batch)
+    ref, ref_loss = torch.func.grad_and_value(
+        lambda p: _lm_loss(ref_apply(p, input_ids=ids, use_cache=False).logits, tgt))(full)
+    errors = []
+    for _ in range(2):
+        grads, loss = torch.func.grad_and_value(step)(params, *batch)
+        errors.append(_max_error(apply.unshard(grads), ref, loss, ref_loss)[0])
+    return errors, apply.replay_status()
+
+
+def test_a_forward_without_gradients_records_apart_from_a_gradient_step(run):
+    errors, status = run(4, _forward_then_grad)[0]
+    assert max(errors) <= 1e-10, errors          # (one record replayed for the other:
+    assert status == ["replayed", "replayed"], status     # no gradient all-reduce, 1.18)

@@ -42,11 +42,15 @@ def _tracker(apply):
 
 
 def _key(tr, params: dict, args: tuple, kwargs: dict) -> tuple:
+    """What the union rule's decisions depend on: grad mode, which tensors need a
+    gradient (a pvary of one that needs none is no decision), the vmas, the other
+    arguments' values."""
     get = tr.get
     parts = [torch.is_grad_enabled(), tuple(params)]
-    parts += [get(t) if isinstance(t, torch.Tensor) else type(t) for t in params.values()]
+    parts += [(get(t), t.requires_grad) if isinstance(t, torch.Tensor) else type(t)
+              for t in params.values()]
     for v in (*args, *kwargs.values()):
-        parts.append(get(v) if isinstance(v, torch.Tensor)
+        parts.append((get(v), v.requires_grad) if isinstance(v, torch.Tensor)
                      else v if isinstance(v, _PLAIN) else type(v))
     parts += list(kwargs)
     return tuple(parts)

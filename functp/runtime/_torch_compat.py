@@ -353,6 +353,12 @@ def stance() -> tuple[Any, Any, Any]:
     return tuple(resolve(p, why) for p, why in SYMBOLS if p in _STANCE)
 
 
+def compile_check_code():
+    """The code of torch's "is torch.compile tracing?" check, which a module's slow-path
+    call runs: functp.estimate's host count passes over it (``tools/_host_count``)."""
+    return torch.compiler.is_compiling.__code__
+
+
 def mode_entry_files() -> tuple[str, ...]:
     """The files of torch's own Python through which every operator enters a Python
     dispatch mode (its Dynamo-disabled wrapper): an estimate's host count leaves them

@@ -19,7 +19,7 @@ counted, with everything they call. Two more detours exist only because somethin
 is measured, and are passed through (``_through``) without being counted:
 
 - a module's call takes torch's slow path (``Module._call_impl``'s ``inner`` and its
-  ``is_compiling()`` check) when any module hook is registered: the trackers' global
+  check whether torch.compile traces) when any module hook is registered: the trackers' global
   hooks send every module there. Where the module would have taken the fast path
   without them (no hooks of its own, no global hook but the trackers'), the detour
   is not counted; its ``forward`` is.
@@ -66,7 +66,7 @@ _GRAPH = _TORCH + "autograd" + os.sep + "graph.py"
 # torch's code on the two detours the measuring takes (see the module's docstring)
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 _INNER = next(c for c in _CALL_IMPL.co_consts if getattr(c, "co_name", None) == "inner")
-_IS_COMPILING = torch.compiler.is_compiling.__code__
+_IS_COMPILING = _torch_compat.compile_check_code()
 _HANDLE = torch.overrides.handle_torch_function.__code__
 _SPECIAL = {_INNER: 4, _IS_COMPILING: 5, _HANDLE: 6}
 _CHECKS = {torch._C._has_torch_function, torch._C._has_torch_function_unary,
