@@ -186,6 +186,13 @@ def relayout(x: Any, src: Placement | None, dst: Placement | None, axis: str, *,
     """
     if not isinstance(x, torch.Tensor) or src is None or dst is None or src == dst:
         return x
+    moves = (isinstance(dst, Shard) and isinstance(src, (Shard, Replicate, Partial))
+             or isinstance(dst, Replicate) and isinstance(src, (Shard, Partial)))
+    if moves and current("relayout").tracker is None and axis_size(axis) == 1:
+        # without vma tracking (sum semantics) every move over one rank is the
+        # identity, forward and backward: no collective op, no autograd node (as
+        # Megatron's reductions return their input at a tensor-parallel size of 1)
+        return x
     if isinstance(src, Shard):
         d = src.dim % x.ndim
         if isinstance(dst, Replicate):
