@@ -19,6 +19,7 @@ from functp import P, ShardingError
 from functp.parallel._tp import Colwise, Partial, Replicate, Rowwise
 from functp.mapping._remat import ParamSwap
 from _oracle import assert_tree_close
+from test_fast_eager import _graph_ops
 
 
 def _calls(fn, *names: tuple[str, str]) -> dict:
@@ -34,19 +35,6 @@ def _calls(fn, *names: tuple[str, str]) -> dict:
             if name == fname and file.endswith(suffix):
                 got[(suffix, fname)] += n
     return got
-
-
-def _graph_ops(t: torch.Tensor) -> list[str]:
-    """The names of the autograd nodes behind ``t``."""
-    seen, todo, names = set(), [t.grad_fn], []
-    while todo:
-        n = todo.pop()
-        if n is None or n in seen:
-            continue
-        seen.add(n)
-        names.append(type(n).__name__)
-        todo.extend(f for f, _ in n.next_functions)
-    return names
 
 
 def _hooked(model: nn.Module) -> tuple[set, set]:
