@@ -143,8 +143,7 @@ class Style:
                     else None)
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
-                           if not k.startswith("_"))
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"
 
 
