@@ -11,7 +11,11 @@ benchmarks/results/calls.json:
   around ``torch.distributed.all_reduce`` (tape autograd);
 - per step: the 2-layer tensor-parallel MLP of ``_models.py`` (small size) under
   ``torch.func.grad`` and tape autograd, against the same model without collectives
-  (one process, the unsharded parameters) and the hand-written Megatron step.
+  (one process, the unsharded parameters) and the hand-written Megatron step;
+- per parallelized step (with transformers installed): the host-bound Llama of
+  ``gpu_step.py`` (8 layers, hidden 64, 8 tokens) through ``parallelize(model, mesh,
+  "auto")`` over tp=2, tape and ``torch.func.grad``, with and without vma tracking,
+  against the plain module's tape step (one process, full parameters).
 """
 from __future__ import annotations
 
@@ -148,11 +152,37 @@ def per_step(mesh) -> dict[str, float]:
     }
 
 
+def per_parallelized_step(mesh) -> dict[str, float]:
+    """Calls per step of a transformers Llama under ``parallelize(..., "auto")``: what
+    functp's plan costs on top of the module (hooks, parameter swap, boundary)."""
+    try:
+        import gpu_step
+    except ImportError:       # (no transformers: the row is left out)
+        return {}
+    model, ids = gpu_step.build(gpu_step.CONFIGS["host-bound h64 L8 1x8"], "cpu",
+                                torch.float32)
+    plain = [p for p in model.parameters()]
+    out = {"plain module, tape": count(lambda: torch.autograd.grad(
+        gpu_step.lm_loss(model(ids, use_cache=False).logits, ids), plain), 5)}
+    apply, params, specs = functp.parallelize(model, mesh, "auto")
+    leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+    for check_vma in (True, False):
+        step = functp.shard_map(
+            lambda p, i: gpu_step.lm_loss(apply(p, i, use_cache=False).logits, i), mesh,
+            in_specs=(specs, P()), out_specs=P(), check_vma=check_vma)
+        tag = "" if check_vma else ", check_vma=False"
+        out[f"functp tape{tag}"] = count(
+            lambda: torch.autograd.grad(step(leaves, ids), list(leaves.values())), 5)
+        out[f"functp torch.func.grad{tag}"] = count(
+            lambda: torch.func.grad(step)(params, ids), 5)
+    return out
+
+
 def main() -> None:
     torch.set_num_threads(1)
     mesh = functp.make_mesh((dist.get_world_size() if dist.is_initialized() else 2,), ("tp",))
     res = {"torch": torch.__version__, "ranks": mesh.size, "per_psum": per_psum(mesh),
-           "per_step": per_step(mesh)}
+           "per_step": per_step(mesh), "per_parallelized_step": per_parallelized_step(mesh)}
     if dist.get_rank() == 0:
         pp, ps = res["per_psum"], res["per_step"]
         hand = pp["hand-written Function, tape"]
@@ -163,6 +193,13 @@ def main() -> None:
         print("Python calls per TP MLP step (2 layers, small)")
         for k, v in ps.items():
             print(f"  {k:45s} {v:8.1f}   {v / base:5.2f}x unsharded torch.func.grad")
+        pp = res["per_parallelized_step"]
+        if pp:
+            print("Python calls per step of parallelize(Llama, 'auto') over tp=2 "
+                  "(8 layers, hidden 64, 8 tokens)")
+            for k, v in pp.items():
+                print(f"  {k:45s} {v:8.1f}   {v / pp['plain module, tape']:5.2f}x "
+                      f"the plain module's tape step")
     save_and_leave("calls", res)
 
 

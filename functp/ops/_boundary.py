@@ -17,6 +17,11 @@ it per input tree, so that a step only applies it.
 ``unreduced`` axes: a floating input replicated over them enters as if it varied
 over them, with no alias (vma) or no pvary (sum rules) over them — the identity
 forward of a pvary without its transpose, so each rank keeps its own cotangent.
+
+Axes of size 1 cost nothing here: a pvary over one is the identity both ways (the
+sum over one rank), so the sum rules leave such axes out of their pvarys, and a body
+whose axes all have size 1 gets no gradient-overlap entry (no collective of it can
+be in flight).
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ class VmaRules:
 
     def __init__(self, mesh: Mesh, axes: tuple[str, ...], unreduced: frozenset = EMPTY):
         self.mesh, self.axes, self.unreduced = mesh, axes, frozenset(unreduced)
+        self.overlap = _overlaps(mesh, axes)
 
     def plan(self, specs: list, floating: list[bool], base: list | None = None):
         """``(vmas, groups, aliased)``: each input's vma; ``(group key, axes,
@@ -65,7 +71,8 @@ class VmaRules:
 
     def enter(self, tracker: Tracker, local: list, plan) -> None:
         _dedupe(local)
-        _overlap.enter(local)        # gradient collectives waited on at the entry
+        if self.overlap:
+            _overlap.enter(local)    # gradient collectives waited on at the entry
         tracker.enter(local, *plan)
 
     def cast(self, tracker: Tracker, local: list, dtype: torch.dtype) -> None:
@@ -94,22 +101,31 @@ class SumRules:
 
     def __init__(self, mesh: Mesh, axes: tuple[str, ...], unreduced: frozenset = EMPTY):
         self.mesh, self.axes, self.unreduced = mesh, axes, frozenset(unreduced)
+        self.overlap = _overlaps(mesh, axes)
 
     def plan(self, specs: list, floating: list[bool], base: list | None = None):
-        """``[(group key, [inputs])]``: the floating inputs replicated over the same
-        axes, pvary'd together (one bucketed gradient all-reduce per group)."""
+        """``(groups, entered)``: ``[(group key, [inputs])]``, the floating inputs
+        replicated over the same axes (of size > 1: over one rank a pvary is the
+        identity both ways), pvary'd together (one bucketed gradient all-reduce per
+        group); and the inputs that pass through the gradient-overlap entry: the
+        others (a pvary'd input's entry would be left behind by its pvary)."""
         buckets: dict[tuple[str, ...], list[int]] = {}
         for i, spec in enumerate(specs):
             if spec is not None and floating[i]:
-                missing = tuple(a for a in self.axes
-                                if a not in spec.axes and a not in self.unreduced)
+                missing = tuple(a for a in self.axes if a not in spec.axes
+                                and a not in self.unreduced and self.mesh.shape[a] > 1)
                 if missing:
                     buckets.setdefault(missing, []).append(i)
-        return [(self.mesh.axis_group(axes).key, idx) for axes, idx in buckets.items()]
+        pvaried = {i for idx in buckets.values() for i in idx}
+        entered = [i for i, s in enumerate(specs) if s is not None and i not in pvaried]
+        return ([(self.mesh.axis_group(axes).key, idx) for axes, idx in buckets.items()],
+                entered if self.overlap else [])
 
     def enter(self, tracker: None, local: list, plan) -> None:
-        _overlap.enter(local)        # gradient collectives waited on at the entry
-        for key, idx in plan:
+        groups, entered = plan
+        if entered:              # gradient collectives waited on at the entry
+            _overlap.enter(local, entered)
+        for key, idx in groups:
             for i, y in zip(idx, _ops.pvary([local[i] for i in idx], key, True)):
                 local[i] = y
 
@@ -125,6 +141,12 @@ class SumRules:
         if n > 1 and inexact(y):
             y = _ops.scale_grad(y, 1.0 / n)
         return y
+
+
+def _overlaps(mesh: Mesh, axes: tuple[str, ...]) -> bool:
+    """Whether a body over ``axes`` may have collectives to overlap: some axis has
+    more than one rank (over one rank every collective is local, and nothing waits)."""
+    return any(mesh.shape[a] > 1 for a in axes)
 
 
 def _dedupe(local: list) -> None:

@@ -497,17 +497,19 @@ grad_ready = _ops._define(
     vmap=lambda info, dims, x, token: (grad_ready(x, token), dims[0]))
 
 
-def enter(local: list) -> None:
-    """At a top-level body's entry: its floating inputs that need gradients replaced by
-    the entry op's outputs, each tagged with its :class:`Sink` and index. A body whose
-    gradients all fit in the first bucket is left as it is: that bucket would leave
-    with the last of them anyway, and a small step keeps its per-step cost."""
+def enter(local: list, among: list | None = None) -> None:
+    """At a top-level body's entry: its floating inputs that need gradients (those at
+    the indices ``among``, or all) replaced by the entry op's outputs, each tagged with
+    its :class:`Sink` and index. A body whose gradients all fit in the first bucket is
+    left as it is: that bucket would leave with the last of them anyway, and a small
+    step keeps its per-step cost."""
     # (written with few calls: every step of every body passes here, and most are
     # turned away by the size, in two calls)
     cfg = _rank.values or _settings
     if not cfg["enabled"]:
         return
-    idx = [i for i, x in enumerate(local) if x.__class__ in _TENSORS and x.requires_grad
+    idx = [i for i in (range(len(local)) if among is None else among)
+           if (x := local[i]).__class__ in _TENSORS and x.requires_grad
            and (x.dtype.is_floating_point or x.dtype.is_complex)]
     size = 0
     for i in idx:            # (a loop, not sum(...): no call on this per-body path)

@@ -19,7 +19,7 @@ from ..mesh._layout import uneven
 from ..mesh._spec import P
 from ._ep import ExpertDispatch
 from ._rules import match_plan, matches_rule
-from ._style import STYLES, Style, register_style
+from ._style import STYLES, Acts, Style, _own_hooks, register_style
 from ._tp import _local_attributes
 
 __all__ = ["LocalSizes", "TensorParallelExperts", "ParameterRules", "SumOutput",
@@ -64,6 +64,11 @@ class TensorParallelExperts(Style):
                 f"modules); write a functp.Style for this module")
         return {"gate_up_proj": P(None, axis, None, packed={1: 2}),   # [gate; up] rows
                 "down_proj": P(None, None, axis)}
+
+    def acts(self, module, axis):
+        if not _own_hooks(self, TensorParallelExperts):
+            return super().acts(module, axis)
+        return Acts(None, self.prepare_output, call=False)
 
     def prepare_output(self, module, args, kwargs, output, call):
         return psum(output, call.axis)      # each rank holds a part of every expert's sum

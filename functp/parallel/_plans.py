@@ -9,13 +9,13 @@ model's own plans (``_hf``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from ..runtime import _world
 from ..ops._collectives import axis_size
@@ -23,12 +23,13 @@ from ..runtime._errors import ShardingError, leaf_text
 from ..runtime._torch_compat import peek_interpreter_stack
 from ..mesh._mesh import Mesh
 from ..mesh._layout import require_divisible, uneven
-from ..mapping._remat import recompute_within, reparametrized
+from ..mapping._remat import ParamSwap
 from ..mapping._sharding import unshard
 from ..mesh._spec import P, normalize_spec
 from . import _replayed
 from ._fsdp_style import FullyShard
-from ._style import Call, Style
+from ._hooks import CallState, PlanHook
+from ._style import Style
 from ._ep import ExpertDispatch
 from ._rules import _param_specs, _tied_styles, match_plan, matches_rule
 from ._hf import (_auto_ep_plan, _auto_plan, _check_expert_shards, _efsdp, _mesh_for_config,
@@ -83,11 +84,14 @@ class Parallelized:
 
     def __init__(self, module: nn.Module, mesh: Mesh, axis: Any, specs: dict[str, P],
                  owners: dict[str, tuple[str, Style]], hooked: list, withheld: list[str],
-                 axes: dict[str, Any] | None = None):
+                 axes: dict[str, Any] | None = None, planned: list | None = None):
         self.module, self.mesh, self.axis = module, mesh, axis
         self.specs = specs
         #: the plan axis (or axis tuple) of each covered parameter
         self.axes = dict(axes or {n: axis for n in owners})
+        # (each checked against the shard_map's mesh on every call)
+        self._plan_axes = tuple(a for a in dict.fromkeys([axis, *self.axes.values()])
+                                if a is not None)
         # an expert dispatch or a fully sharded module splits its parameters over an
         # axis whose ranks hold their own tokens: those stay batch axes
         batchlike = (ExpertDispatch, FullyShard)
@@ -116,21 +120,39 @@ class Parallelized:
         self.replay = True
         self._records: dict = {}
         # the hooks are registered once, here, and act only while __call__ runs:
-        # registering them per call cannot be traced by torch.compile
-        self._call = _CallState()
-        #: the module's split parameters were released (made meta): only ``apply``
-        #: runs it; calling the module itself raises (see :func:`functp.from_pretrained`)
-        self.released = False
-        module.register_forward_pre_hook(self._refuse_released)
-        for name, mod, style, pmap, ax in hooked:
-            hook = _PlanHook(name, style, pmap, ax, self._call)
-            mod.register_forward_pre_hook(hook.pre, with_kwargs=True)
-            mod.register_forward_hook(hook.post, with_kwargs=True)
+        # registering them per call cannot be traced by torch.compile. Each planned
+        # module gets a PlanHook, which registers a module hook only where its style
+        # acts (Style.acts) or an action is added (add_pre)
+        self._call = CallState()
+        self._released = False
+        self._refusing = False
+        #: name -> the :class:`PlanHook` of each module a plan rule covers: where
+        #: its boundary work during ``apply`` happens
+        self.plan_hooks: dict[str, PlanHook] = {}
+        for name, mod, style, pmap, ax in (hooked if planned is None else planned):
+            self.plan_hooks.setdefault(name, PlanHook(name, mod, style, pmap, ax, self._call))
+        # the parameters' places in the module, found once (functional_call's work)
+        self._swap = ParamSwap(module)
 
     def __repr__(self) -> str:
         return (f"Parallelized({type(self.module).__name__} over '{self.axis}' of {self.mesh}, "
                 f"{len(self.specs)} parameters, {len(self._hooked)} hooked modules, "
                 f"{self.split_share:.0%} of parameter elements split)")
+
+    @property
+    def released(self) -> bool:
+        """The module's split parameters were released (made meta): only ``apply`` runs
+        it; calling the module itself raises (see :func:`functp.from_pretrained`)."""
+        return self._released
+
+    @released.setter
+    def released(self, value: bool) -> None:
+        self._released = bool(value)
+        if self._released and not self._refusing:
+            # (registered only now: a module hook, even one doing nothing, takes every
+            # call of the module through torch's slower hook path)
+            self.module.register_forward_pre_hook(self._refuse_released)
+            self._refusing = True
 
     def _refuse_released(self, module: nn.Module, args: Any) -> None:
         """Calling the module itself once its weights were released would run on
@@ -158,9 +180,7 @@ class Parallelized:
         return self._owners[name][1] if name in self._owners else _REPLICATED
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        for ax in dict.fromkeys([self.axis, *self.axes.values()]):
-            if ax is None:
-                continue
+        for ax in self._plan_axes:
             n = axis_size(ax)       # raises a clear error outside a shard_map body
             if n != self.mesh.axis_size(ax):
                 raise ShardingError(
@@ -182,9 +202,9 @@ class Parallelized:
         state = self._call
         state.params, state.exits = params, []
         try:
-            with recompute_within(self._again(params, call_params)):
-                return functional_call(self.module, call_params, args, kwargs,
-                                       tie_weights=True, strict=False)
+            # (the parameters swapped in where they were found at the first call)
+            return self._swap.call(call_params, args, kwargs,
+                                   functools.partial(self._again, params, call_params))
         except ShardingError:
             raise
         except (RuntimeError, ValueError, IndexError) as e:
@@ -195,25 +215,23 @@ class Parallelized:
             for fn in reversed(exits):
                 fn()
 
-    def _again(self, params: dict, call_params: dict):
+    @contextlib.contextmanager
+    def _again(self, params: dict, call_params: dict, swap):
         """For a ``functp.checkpoint`` inside the module, whose recompute runs in the
         backward, after this call returned: the call's parameters swapped in again
         (each through the recompute's ``swap``) and the hooks on while it runs."""
-        @contextlib.contextmanager
-        def enter(swap):
-            state = self._call
-            was = state.params, state.exits, state.stacks
-            state.params, state.exits, state.stacks = (
-                {k: swap(v) for k, v in params.items()}, [], {})
-            try:
-                with reparametrized(self.module, call_params, swap):
-                    yield
-            finally:
-                exits = state.exits
-                state.params, state.exits, state.stacks = was
-                for fn in reversed(exits):
-                    fn()
-        return enter
+        state = self._call
+        was = state.params, state.exits, state.stacks
+        state.params, state.exits, state.stacks = (
+            {k: swap(v) for k, v in params.items()}, [], {})
+        try:
+            with self._swap.swapped({k: swap(v) for k, v in call_params.items()}):
+                yield
+        finally:
+            exits = state.exits
+            state.params, state.exits, state.stacks = was
+            for fn in reversed(exits):
+                fn()
 
     def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical full tensors (keyed by parameter name) -> this rank's blocks."""
@@ -300,42 +318,6 @@ _REPLICATED = Replicated()
 
 def _axes_of(ax: Any) -> tuple:
     return ax if isinstance(ax, tuple) else () if ax is None else (ax,)
-
-
-class _CallState:
-    """What the plan's hooks need during one ``apply`` call (``params`` is None
-    outside one, and the hooks then do nothing)."""
-
-    def __init__(self) -> None:
-        self.params: dict | None = None
-        self.exits: list | None = None
-        self.stacks: dict[str, list[Call]] = {}   # a module called twice: one Call each
-        self.recorder = None    # the call's Recorder, on its first call (_replayed)
-        self.replay = None      # (tracker, Record) while a call replays
-
-
-class _PlanHook:
-    """A plan style's forward pre/post hooks on one module."""
-
-    def __init__(self, name: str, style: Style, pmap: dict[str, str], axis: str,
-                 state: _CallState):
-        self.name, self.style, self.pmap, self.axis, self.state = name, style, pmap, axis, state
-
-    def pre(self, m, args, kwargs):
-        st = self.state
-        if st.params is None:
-            return None
-        call = Call(self.name, self.axis,
-                    {s: st.params[c] for s, c in self.pmap.items() if c in st.params}, {},
-                    st.exits)
-        st.stacks.setdefault(self.name, []).append(call)
-        return _replayed.pre(st, self, m, args, kwargs, call)
-
-    def post(self, m, args, kwargs, output):
-        st = self.state
-        if st.params is None:
-            return None
-        return _replayed.post(st, self, m, args, kwargs, output, st.stacks[self.name].pop())
 
 
 def _check_heads(root: nn.Module, name: str, x: torch.Tensor, spec: P, mesh: Mesh,
@@ -502,6 +484,7 @@ class _Layout:
         self.owners: dict[str, tuple[str, Style]] = {}
         self.axes: dict[str, Any] = {}
         self.hooked: list = []
+        self.planned: list = []
         self.withheld: list = []
 
     def take(self, mname: str, rule: str, label: str, style: Style, axis) -> None:
@@ -526,9 +509,10 @@ class _Layout:
             self.axes.setdefault(c, axis)
         self.withheld.extend((prefix + s, not isinstance(mod, nn.Linear))
                              for s in style.withheld(mod))
+        planned = (mname, mod, style, {s: self.canon[id(p)] for s, p in own.items()}, axis)
+        self.planned.append(planned)
         if style.has_hooks():
-            self.hooked.append((mname, mod, style,
-                                {s: self.canon[id(p)] for s, p in own.items()}, axis))
+            self.hooked.append(planned)
 
 
 def _lay_out(module: nn.Module, mesh: Mesh, families, keep_module: bool = True
@@ -557,7 +541,7 @@ def _lay_out(module: nn.Module, mesh: Mesh, families, keep_module: bool = True
         _warn_plan(module, left, uncovered if i == 0 else [], ax, lay.full)
     first = families[0][0] if families else None
     apply = Parallelized(module, mesh, first, specs, lay.owners, lay.hooked, lay.withheld,
-                         lay.axes)
+                         lay.axes, lay.planned)
     if not keep_module or any(p.is_meta for p in lay.full.values()):
         return apply, _release(apply), dict(specs)
     local = apply.shard({n: p.detach() for n, p in lay.full.items()})

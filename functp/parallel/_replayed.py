@@ -7,10 +7,12 @@ and of the tensor arguments; the other arguments' values), the first call runs u
 the union rule and records; every rank of the body agrees on the record (one small
 all-gather, once per key) before any rank replays it. Later calls replay it, unless
 the check mode is on (then each call is recorded again and must decide as the first
-did) or ``apply.replay`` is False. The plan's hooks call :func:`pre` / :func:`post`.
+did) or ``apply.replay`` is False. While a call is recorded or replayed the plan's
+hooks hand their work to :class:`_Recording` / :class:`_Replaying`.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -87,22 +89,26 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
 
 
 def _record(apply, tr, params: dict, args: tuple, kwargs: dict, run):
-    """The call under a recording union rule: ``(its output, its Record)``."""
+    """The call under a recording union rule, every planned module's boundary watched:
+    ``(its output, its Record)``."""
     recorder = Recorder(tr, params)
     mode, st = tr.mode, apply._call
     rule = Recording(tr, recorder)
     pop_rule()
     push_rule(rule)
-    tr.mode, tr.recorder, st.recorder = rule, recorder, recorder
+    tr.mode, tr.recorder, st.vma = rule, recorder, _Recording(recorder)
     try:
-        out = run(params)
+        with contextlib.ExitStack() as watching:
+            for hook in apply.plan_hooks.values():
+                watching.enter_context(hook.watched())
+            out = run(params)
     finally:
         pop_rule()
         push_rule(mode)
-        tr.mode, tr.recorder, st.recorder = mode, None, None
+        tr.mode, tr.recorder, st.vma = mode, None, None
     acts = EMPTY.union(*[tr.get(t) for t in call_tensors(args, kwargs)])
     rec = recorder.finish(out, params, acts)
-    _unseen(apply._hooked, rec)
+    _unseen(apply.plan_hooks, rec)
     # what a replay does: over a single rank a pvary is the identity for gradients,
     # and inside the module (outside its hooks) no vma is read
     rec.alias = [(n, a) for n, a in rec.params.items() if a and tr.group(a).size > 1]
@@ -111,10 +117,13 @@ def _record(apply, tr, params: dict, args: tuple, kwargs: dict, run):
     rec.lift = {h: ls for h, ls in rec.lift.items() if ls}
     if not _crosscheck.ENABLED:
         _agree(tr, rec, params)
+    if rec.why is None:
+        for name in rec.lift:          # (a module whose style needs no hook lifts there)
+            apply.plan_hooks[name].need_pre()
     return out, rec
 
 
-def _unseen(hooked: list, rec: Record) -> None:
+def _unseen(hooked: dict, rec: Record) -> None:
     """A planned module the call did not run: it may replay as another module of its
     kind did (``layers.*.mlp``), if every one of them decided alike; else the record
     is not replayable (a later call might reach it)."""
@@ -122,7 +131,7 @@ def _unseen(hooked: list, rec: Record) -> None:
     for hook in rec.args:
         entry = (rec.args[hook], rec.outs.get(hook), rec.lifts.get(hook))
         kinds.setdefault(generic(hook), set()).add(repr(entry))
-    for name, *_ in hooked:
+    for name in hooked:
         if name in rec.args:
             continue
         twins = [h for h in rec.args if generic(h) == generic(name)]
@@ -163,11 +172,11 @@ def _replay(apply, tr, rec: Record, params: dict, run):
         aliased[n] = tr.pvary(params[n], axes)
     st, mode = apply._call, tr.mode
     pop_rule()
-    tr.replaying, st.replay = True, (tr, rec)
+    tr.replaying, st.vma = True, _Replaying(tr, rec)
     try:
         out = run(aliased)
     finally:
-        tr.replaying, st.replay = False, None
+        tr.replaying, st.vma = False, None
         push_rule(mode)
     outs = output_tensors(out)
     if len(outs) != len(rec.result):
@@ -192,30 +201,56 @@ def _tag(tr, hook: str, ts: list, vmas: tuple | None, what: str) -> None:
         tr.set(t, v)
 
 
-def pre(st, hook, m, args: tuple, kwargs: dict, call):
-    """A planned module's pre-hook (``st`` the call's state, ``hook`` its _PlanHook):
-    the style's ``prepare_input``, recorded or replayed (its arguments tagged as
-    recorded, under the union rule, then its inputs lifted)."""
-    rp = st.replay
-    if rp is None:
-        rec = st.recorder
-        if rec is None:
-            return hook.style.prepare_input(m, args, kwargs, call)
+class _Recording:
+    """The plan's hooks during a recorded call: each planned module's boundary told
+    to the :class:`Recorder` (its arguments as given, the ones it runs with, its
+    output), the style's work counted as a hook's (it runs under the rule in a
+    replay too)."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.rec = recorder
+
+    def pre(self, hook, m, args: tuple, kwargs: dict):
+        rec = self.rec
         before = call_tensors(args, kwargs)
         rec.in_hook += 1
         try:
-            res = hook.style.prepare_input(m, args, kwargs, call)
+            res = hook.pre_work(m, args, kwargs)
         finally:
             rec.in_hook -= 1
         rec.entered(hook.name, before, res if res is not None else (args, kwargs))
         return res
-    tr, record = rp
-    push_rule(tr.mode)
-    try:
-        _tag(tr, hook.name, call_tensors(args, kwargs), record.args.get(hook.name),
-             "the arguments")
-        res = hook.style.prepare_input(m, args, kwargs, call)
-        lifts = record.lift.get(hook.name)
+
+    def post(self, hook, m, args: tuple, kwargs: dict, output):
+        rec = self.rec
+        rec.left(hook.name, output)
+        rec.in_hook += 1
+        try:
+            return hook.post_work(m, args, kwargs, output)
+        finally:
+            rec.in_hook -= 1
+
+
+class _Replaying:
+    """The plan's hooks during a replayed call: where a module's boundary does work,
+    the union rule pushed again and the arguments (or output) tagged as recorded, so
+    that the style's collectives decide as they did; then the recorded lifts."""
+
+    def __init__(self, tr, rec: Record) -> None:
+        self.tr, self.rec = tr, rec
+
+    def pre(self, hook, m, args: tuple, kwargs: dict):
+        tr, rec = self.tr, self.rec
+        res = None
+        if hook.acting:
+            push_rule(tr.mode)
+            try:
+                _tag(tr, hook.name, call_tensors(args, kwargs), rec.args.get(hook.name),
+                     "the arguments")
+                res = hook.pre_work(m, args, kwargs)
+            finally:
+                pop_rule()
+        lifts = rec.lift.get(hook.name)
         if lifts:
             a, k = res if res is not None else (args, kwargs)
             a, k = list(a), dict(k)
@@ -226,29 +261,15 @@ def pre(st, hook, m, args: tuple, kwargs: dict, call):
                     k[pos] = tr.pvary(k[pos], axes)
             res = (tuple(a), k)
         return res
-    finally:
-        pop_rule()
 
-
-def post(st, hook, m, args: tuple, kwargs: dict, output, call):
-    """A planned module's post-hook: the style's ``prepare_output``, recorded or
-    replayed (its output tagged as recorded, under the union rule)."""
-    rp = st.replay
-    if rp is None:
-        rec = st.recorder
-        if rec is None:
-            return hook.style.prepare_output(m, args, kwargs, output, call)
-        rec.left(hook.name, output)
-        rec.in_hook += 1
+    def post(self, hook, m, args: tuple, kwargs: dict, output):
+        if not hook.acting:
+            return None
+        tr = self.tr
+        push_rule(tr.mode)
         try:
-            return hook.style.prepare_output(m, args, kwargs, output, call)
+            _tag(tr, hook.name, output_tensors(output), self.rec.outs.get(hook.name),
+                 "the output")
+            return hook.post_work(m, args, kwargs, output)
         finally:
-            rec.in_hook -= 1
-    tr, record = rp
-    push_rule(tr.mode)
-    try:
-        _tag(tr, hook.name, output_tensors(output), record.outs.get(hook.name),
-             "the output")
-        return hook.style.prepare_output(m, args, kwargs, output, call)
-    finally:
-        pop_rule()
+            pop_rule()

@@ -8,7 +8,9 @@ things about the module it is applied to:
 - ``shard_param`` / ``unshard_param``: how a full parameter becomes this rank's block
   and back (only packed weights need more than :func:`functp.shard`'s blocks);
 - ``prepare_input`` / ``prepare_output``: forward pre-/post-hooks, run only while the
-  plan's ``apply`` runs, that call functp's collectives at the module's boundary.
+  plan's ``apply`` runs, that call functp's collectives at the module's boundary;
+  ``acts`` says, once per module when ``parallelize`` lays the plan out, which of them
+  do anything there (a module whose style does nothing at its boundary gets no hook).
 
 Activation layouts are DTensor placements over the plan's axis (``Shard(d)``,
 ``Replicate()``, ``Partial()`` from ``torch.distributed.tensor``) or a ``P``;
@@ -33,7 +35,8 @@ from ..mesh._layout import axis_placement, chunk, require_divisible, uneven
 from ..mapping._sharding import local_block
 from ..mesh._spec import P
 
-__all__ = ["Style", "Call", "Layout", "relayout", "register_style", "get_style", "STYLES"]
+__all__ = ["Style", "Call", "Acts", "Layout", "relayout", "register_style", "get_style",
+           "STYLES"]
 
 Layout = Placement | P
 
@@ -55,6 +58,23 @@ class Call:
 
     def on_exit(self, fn: Callable[[], None]) -> None:
         self._exits.append(fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Acts:
+    """What a style does at one module's boundary during ``apply``, decided once by
+    :meth:`Style.acts` when ``parallelize`` lays the plan out.
+
+    ``pre`` / ``post``: called as ``prepare_input(module, args, kwargs, call)`` /
+    ``prepare_output(module, args, kwargs, output, call)`` are, on every call of the
+    module inside ``apply``; ``None``: nothing to do there (no hook is registered).
+    ``call``: whether they read the per-call parts of their :class:`Call`
+    (``params``, ``state``, ``on_exit``); ``False``: they get one ``Call`` made once
+    for the module (its ``name`` and ``axis``; ``params`` and ``state`` empty).
+    """
+    pre: Callable | None
+    post: Callable | None
+    call: bool = True
 
 
 class Style:
@@ -107,9 +127,31 @@ class Style:
         return (cls.prepare_input is not Style.prepare_input
                 or cls.prepare_output is not Style.prepare_output)
 
+    def acts(self, module: nn.Module, axis: Any) -> Acts:
+        """What this style does at ``module``'s boundary over ``axis``, asked once when
+        ``parallelize`` lays the plan out (``module`` holds its full parameters, or
+        meta ones). By default the hooks this class overrides, each given a fresh
+        :class:`Call`; a style whose hooks do nothing on some modules, or read nothing
+        of the call but its name and axis, says so here (hooks cost on every call).
+
+        **Returns:** an :class:`Acts`.
+        """
+        cls = type(self)
+        return Acts(self.prepare_input if cls.prepare_input is not Style.prepare_input
+                    else None,
+                    self.prepare_output if cls.prepare_output is not Style.prepare_output
+                    else None)
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"
+
+
+def _own_hooks(style: Style, cls: type) -> bool:
+    """Whether ``style``'s hooks are those of ``cls``, whose ``acts`` knows them (a
+    subclass that overrides one gets :meth:`Style.acts`: its hooks on every call)."""
+    t = type(style)
+    return t.prepare_input is cls.prepare_input and t.prepare_output is cls.prepare_output
 
 
 # ---------------------------------------------------------------------------------
@@ -142,6 +184,13 @@ def relayout(x: Any, src: Placement | None, dst: Placement | None, axis: str, *,
     psum_scatter. Non-tensors and ``None`` layouts pass through.
     """
     if not isinstance(x, torch.Tensor) or src is None or dst is None or src == dst:
+        return x
+    moves = (isinstance(dst, Shard) and isinstance(src, (Shard, Replicate, Partial))
+             or isinstance(dst, Replicate) and isinstance(src, (Shard, Partial)))
+    if moves and current("relayout").tracker is None and axis_size(axis) == 1:
+        # without vma tracking (sum semantics) every move over one rank is the
+        # identity, forward and backward: no collective op, no autograd node (as
+        # Megatron's reductions return their input at a tensor-parallel size of 1)
         return x
     if isinstance(src, Shard):
         d = src.dim % x.ndim

@@ -12,6 +12,7 @@ all-reduce of replicated norm weights need no hook.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -22,10 +23,15 @@ from ..ops._collectives import all_gather_invariant, axis_index, axis_size, pvar
 from ..runtime._errors import ShardingError
 from ..mesh._layout import packed_slice, uneven
 from ..mesh._spec import P
-from ._style import Call, Layout, Style, _layout, register_style, relayout
+from ._style import (Acts, Call, Layout, Style, _layout, _own_hooks, register_style,
+                     relayout)
 
 __all__ = ["Replicated", "Colwise", "Rowwise", "VocabParallelEmbedding",
            "SequenceParallel", "PrepareInput", "PrepareOutput"]
+
+
+_COLUMNS = Shard(-1)       # this rank's columns (output features) of a split layer
+_PARTIAL = Partial()       # partial sums, to be summed over the axis
 
 
 def _weight_of(module: nn.Module, style: str) -> torch.Tensor:
@@ -117,22 +123,43 @@ class Colwise(_Linearish):
             specs["bias"] = self._spec(axis)
         return specs
 
+    def acts(self, module, axis):
+        if not _own_hooks(self, Colwise):
+            return super().acts(module, axis)
+        # the layouts resolved once; a Replicate() input of nn.Linear and its local
+        # columns as the output (the defaults) need no hook
+        conv = _is_conv1d(module)
+        src = _layout(self.input_layout, axis, "Colwise input_layout")
+        dst = _layout(self.output_layout, axis, "Colwise output_layout")
+        pre = (functools.partial(self._input, conv, src)
+               if conv or not isinstance(src, Replicate) else None)
+        post = (functools.partial(self._output, dst)
+                if dst != _COLUMNS or (self.blocks > 1 and isinstance(dst, Replicate)) else None)
+        return Acts(pre, post, call=conv)      # (Conv1D's nf is restored on exit)
+
     def prepare_input(self, module, args, kwargs, call):
-        if _is_conv1d(module):
+        return self._input(_is_conv1d(module),
+                           _layout(self.input_layout, call.axis, "Colwise input_layout"),
+                           module, args, kwargs, call)
+
+    def _input(self, conv, src, module, args, kwargs, call):
+        if conv:
             _local_attributes(module, ("nf",), call, f"colwise on {call.name!r}")
-        src = _layout(self.input_layout, call.axis, "Colwise input_layout")
         if not args or isinstance(src, Replicate):
             return args, kwargs
         # the local matmul that follows varies over the axis: a plain all_gather
         return (relayout(args[0], src, Replicate(), call.axis, varying=True), *args[1:]), kwargs
 
     def prepare_output(self, module, args, kwargs, output, call):
-        dst = _layout(self.output_layout, call.axis, "Colwise output_layout")
+        return self._output(_layout(self.output_layout, call.axis, "Colwise output_layout"),
+                            module, args, kwargs, output, call)
+
+    def _output(self, dst, module, args, kwargs, output, call):
         if self.blocks > 1 and isinstance(dst, Replicate):
             # gathered [g0 u0 g1 u1] must become [g0 g1 u0 u1]
             out = all_gather_invariant(output, call.axis, axis=output.ndim - 1, tiled=True)
             return _packed_merge(out, out.ndim - 1, self.blocks, axis_size(call.axis))
-        return relayout(output, Shard(-1), dst, call.axis)
+        return relayout(output, _COLUMNS, dst, call.axis)
 
 
 class Rowwise(_Linearish):
@@ -171,8 +198,23 @@ class Rowwise(_Linearish):
     def withheld(self, module):
         return ("bias",) if getattr(module, "bias", None) is not None else ()
 
+    def acts(self, module, axis):
+        if not _own_hooks(self, Rowwise):
+            return super().acts(module, axis)
+        # the layouts resolved once; an input of local columns (the default) needs no
+        # pre-hook (Shard(d) with d >= 0 is the last dimension only for some inputs);
+        # only a withheld bias is read from the call
+        src = _layout(self.input_layout, axis, "Rowwise input_layout")
+        dst = _layout(self.output_layout, axis, "Rowwise output_layout")
+        pre = None if src == _COLUMNS else functools.partial(self._input, src)
+        return Acts(pre, functools.partial(self._output, dst),
+                    call=bool(self.withheld(module)))
+
     def prepare_input(self, module, args, kwargs, call):
-        src = _layout(self.input_layout, call.axis, "Rowwise input_layout")
+        return self._input(_layout(self.input_layout, call.axis, "Rowwise input_layout"),
+                           module, args, kwargs, call)
+
+    def _input(self, src, module, args, kwargs, call):
         if not args or (isinstance(src, Shard) and src.dim % args[0].ndim == args[0].ndim - 1):
             return args, kwargs         # already this rank's columns (from a colwise layer)
         x = args[0]
@@ -180,12 +222,15 @@ class Rowwise(_Linearish):
             n, i = axis_size(call.axis), axis_index(call.axis)
             x = _packed_split(pvary(x, call.axis), x.ndim - 1, self.blocks, n, i)
         else:
-            x = relayout(x, src, Shard(-1), call.axis)
+            x = relayout(x, src, _COLUMNS, call.axis)
         return (x, *args[1:]), kwargs
 
     def prepare_output(self, module, args, kwargs, output, call):
-        dst = _layout(self.output_layout, call.axis, "Rowwise output_layout")
-        out = relayout(output, Partial(), dst, call.axis)
+        return self._output(_layout(self.output_layout, call.axis, "Rowwise output_layout"),
+                            module, args, kwargs, output, call)
+
+    def _output(self, dst, module, args, kwargs, output, call):
+        out = relayout(output, _PARTIAL, dst, call.axis)
         bias = call.params.get("bias")
         return out if bias is None else out + bias
 
@@ -224,8 +269,8 @@ class VocabParallelEmbedding(Style):
 
     def prepare_output(self, module, args, kwargs, output, call):
         out = output.masked_fill(call.state["outside"].unsqueeze(-1), 0)
-        return relayout(out, Partial(), _layout(self.output_layout, call.axis,
-                                                "VocabParallelEmbedding output_layout"),
+        return relayout(out, _PARTIAL, _layout(self.output_layout, call.axis,
+                                               "VocabParallelEmbedding output_layout"),
                         call.axis)
 
 
@@ -248,6 +293,11 @@ class SequenceParallel(Style):
 
     def __init__(self, *, sequence_dim: int = 1, gather_output: bool = True):
         self.sequence_dim, self.gather_output = sequence_dim, gather_output
+
+    def acts(self, module, axis):
+        if not _own_hooks(self, SequenceParallel):
+            return super().acts(module, axis)
+        return Acts(None, self.prepare_output if self.gather_output else None, call=False)
 
     def prepare_output(self, module, args, kwargs, output, call):
         if not self.gather_output:
@@ -284,6 +334,11 @@ class PrepareInput(Style):
         self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
         self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
 
+    def acts(self, module, axis):
+        if not _own_hooks(self, PrepareInput):
+            return super().acts(module, axis)
+        return Acts(self.prepare_input, None, call=False)
+
     def prepare_input(self, module, args, kwargs, call):
         if len(args) < len(self.input_layouts):
             raise ShardingError(
@@ -308,6 +363,11 @@ class PrepareOutput(Style):
     def __init__(self, output_layouts: Any, desired_output_layouts: Any):
         self.output_layouts, self.desired_output_layouts = _paired_layouts(
             "PrepareOutput", "output_layouts", output_layouts, desired_output_layouts)
+
+    def acts(self, module, axis):
+        if not _own_hooks(self, PrepareOutput):
+            return super().acts(module, axis)
+        return Acts(None, self.prepare_output, call=False)
 
     def prepare_output(self, module, args, kwargs, output, call):
         single = not isinstance(output, tuple)

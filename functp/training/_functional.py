@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from ..mapping._remat import recompute_within, reparametrized
+from ..mapping._remat import ParamSwap, recompute_within, reparametrized
 
 __all__ = ["functionalize"]
 
@@ -32,11 +32,12 @@ def functionalize(module: torch.nn.Module, *, with_buffers: bool = False):
     """
     params = {k: v.detach() for k, v in module.named_parameters()}
     if not with_buffers:
+        swap = ParamSwap(module)
+
         def apply(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any):
             # (a functp.checkpoint inside the module swaps them in again to recompute)
-            with recompute_within(lambda swap: reparametrized(module, params, swap)):
-                return functional_call(module, params, args, kwargs, tie_weights=True,
-                                       strict=False)
+            return swap.call(params, args, kwargs,
+                             lambda s: swap.swapped({k: s(v) for k, v in params.items()}))
         return apply, params
 
     buffers = {k: v.detach() for k, v in module.named_buffers()}
