@@ -64,6 +64,10 @@ class VmaRules:
                 for k in range(1, len(missing) + 1):
                     for sub in itertools.combinations(missing, k):
                         by_group.setdefault(sub, []).append(i)
+        # (over a single rank an alias is the identity: the tracker's pvary makes a
+        # tagged view where one is met, and none is made for every input at entry)
+        by_group = {sub: idx for sub, idx in by_group.items()
+                    if self.mesh.axis_group(sub).size > 1}
         groups = [(self.mesh.axis_group(sub).key, frozenset(sub), idx)
                   for sub, idx in by_group.items()]
         aliased = sorted({i for idx in by_group.values() for i in idx})

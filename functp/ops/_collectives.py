@@ -71,8 +71,11 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
     does; the result's axes are ``rule.result`` of the input's.
     """
     tr = fr.tracker
+    # a reduction over one rank is the identity: a copy, no registered op (its Python
+    # autograd kernel) and no backward node of ours (the vma rule still applies)
+    one = g.size == 1 and (op is _ops.psum or op is _ops.pextremum)
     if tr is None:
-        return op(t, g.key, *args)
+        return t.clone() if one else op(t, g.key, *args)
     tr._paused += 1          # our own ops are not the user's program
     try:
         v = tr.get(t)
@@ -85,9 +88,12 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
             v = v | missing
         # its result may be waited on at its first use (not while a planned module
         # replays: no per-op mode there would see that use)
-        if _waits.forward and not tr.replaying:
-            _lazy.allow(tr)
-        out = op(t, g.key, *args)
+        if one:
+            out = t.clone()
+        else:
+            if _waits.forward and not tr.replaying:
+                _lazy.allow(tr)
+            out = op(t, g.key, *args)
         tr.set(out, rule.result(v, g.axis_set))
         if _waits.last is not None:     # (pending: the body's next call may read it)
             _lazy.activate(out)

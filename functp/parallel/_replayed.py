@@ -22,7 +22,7 @@ from ..ops import _context, _lazy
 from ..ops._overlap import _gather_ints
 from ..ops._replay import (Record, Recorder, Recording, call_tensors, output_tensors,
                            pop_rule, push_rule, rule_on_top)
-from ..ops._vma import EMPTY
+from ..ops._vma import _TAG, EMPTY
 from ..runtime import _compile, _crosscheck, _world
 from ..runtime._errors import ShardingError
 
@@ -47,10 +47,12 @@ def _key(tr, params: dict, args: tuple, kwargs: dict) -> tuple:
     """What the union rule's decisions depend on: grad mode, which tensors need a
     gradient (a pvary of one that needs none is no decision), the vmas, the other
     arguments' values."""
-    get = tr.get
+    get, token = tr.get, tr.token
     parts = [torch.is_grad_enabled(), tuple(params)]
-    parts += [(get(t), t.requires_grad) if isinstance(t, torch.Tensor) else type(t)
-              for t in params.values()]
+    # (a parameter's tag read inline where it is this run's: the usual case, no call)
+    parts += [(tag[1] if (tag := t.__dict__.get(_TAG)) is not None and tag[0] == token
+               and t._base is None else get(t), t.requires_grad)
+              if isinstance(t, torch.Tensor) else type(t) for t in params.values()]
     for v in (*args, *kwargs.values()):
         parts.append((get(v), v.requires_grad) if isinstance(v, torch.Tensor)
                      else v if isinstance(v, _PLAIN) else type(v))
@@ -68,12 +70,24 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
     tr = _tracker(apply)
     if tr is None:
         return run(params)
-    key = _key(tr, params, args, kwargs)
-    rec = apply._records.get(key)
-    check = _crosscheck.ENABLED
-    if rec is not None and not check:
-        return _replay(apply, tr, rec, params, run) if rec.why is None else run(params)
-    out, new = _record(apply, tr, params, args, kwargs, run)
+    # the rule off the stack first: under it, every tensor attribute read (requires
+    # grad, a view's base) is a call of the rule
+    mode = tr.mode
+    pop_rule()
+    popped = True
+    try:
+        key = _key(tr, params, args, kwargs)
+        rec = apply._records.get(key)
+        if rec is not None and not _crosscheck.ENABLED and rec.why is None:
+            return _replay(apply, tr, rec, params, run)
+        push_rule(mode)
+        popped = False
+        if rec is not None and not _crosscheck.ENABLED:
+            return run(params)
+        out, new = _record(apply, tr, params, args, kwargs, run)
+    finally:
+        if popped:
+            push_rule(mode)
     if rec is None:
         apply._records[key] = new
     elif rec.why is None and new.why is None:
@@ -163,21 +177,20 @@ def _agree(tr, rec: Record, params: dict) -> None:
 
 
 def _replay(apply, tr, rec: Record, params: dict, run):
-    """The call with the recorded decisions: parameters aliased at entry, no per-op
-    mode inside the module, the result tagged as recorded."""
+    """The call with the recorded decisions (the rule off the stack: the caller took
+    it off): parameters aliased at entry, no per-op mode inside the module, the result
+    tagged as recorded."""
     if _lazy._state.on:
         _lazy.settle()
     aliased = dict(params)
     for n, axes in rec.alias:
         aliased[n] = tr.pvary(params[n], axes)
-    st, mode = apply._call, tr.mode
-    pop_rule()
+    st = apply._call
     tr.replaying, st.vma = True, _Replaying(tr, rec)
     try:
         out = run(aliased)
     finally:
         tr.replaying, st.vma = False, None
-        push_rule(mode)
     outs = output_tensors(out)
     if len(outs) != len(rec.result):
         raise _changed(type(apply.module).__name__, "its result", len(rec.result), len(outs))
