@@ -62,6 +62,32 @@ def _warn_plan(module: nn.Module, unused: list[str], uncovered: list[str], axis:
                       f"silence this): {names}", stacklevel=3)
 
 
+def _refuse_released(apply, module: nn.Module, args: Any) -> None:
+    """Calling the module itself once its weights were released would run on meta
+    tensors and return shapes without values: an error instead."""
+    if apply.released and apply._call.params is None:
+        raise ShardingError(
+            f"{type(module).__name__} was called directly, but its weights were "
+            f"released: they live in the blocks that parallelize/from_pretrained "
+            f"returned; call apply(params, ...) inside a shard_map body, or keep a "
+            f"full model for reference checks")
+
+
+def _batch_axes(mesh: Mesh, specs: dict, owners: dict, hooked: list) -> tuple:
+    """The mesh axes whose ranks hold their own tokens: those no rule splits a
+    parameter over, or only an expert dispatch or FSDP does, less the axes an expert
+    dispatch's tokens are shared over."""
+    # an expert dispatch or a fully sharded module splits its parameters over an
+    # axis whose ranks hold their own tokens: those stay batch axes
+    batchlike = (ExpertDispatch, FullyShard)
+    model = {a for n in owners if not isinstance(owners[n][1], batchlike)
+             for a in specs[n].axes}
+    model |= {a for h in hooked if not isinstance(h[2], batchlike) for a in _axes_of(h[4])}
+    # the axes an expert dispatch's tokens are replicated over (tp) hold one batch
+    model |= {a for h in hooked if isinstance(h[2], ExpertDispatch) for a in h[2].shared}
+    return tuple(a for a in mesh.axis_names if a not in model)
+
+
 class Parallelized:
     """The ``apply`` returned by :func:`parallelize`: ``apply(params, *args, **kwargs)``
     runs the module on local blocks inside a ``shard_map`` body, with the plan's
@@ -92,18 +118,9 @@ class Parallelized:
         # (each checked against the shard_map's mesh on every call)
         self._plan_axes = tuple(a for a in dict.fromkeys([axis, *self.axes.values()])
                                 if a is not None)
-        # an expert dispatch or a fully sharded module splits its parameters over an
-        # axis whose ranks hold their own tokens: those stay batch axes
-        batchlike = (ExpertDispatch, FullyShard)
-        model = {a for n in owners if not isinstance(owners[n][1], batchlike)
-                 for a in specs[n].axes}
-        model |= {a for h in hooked if not isinstance(h[2], batchlike)
-                  for a in _axes_of(h[4])}
-        # the axes an expert dispatch's tokens are replicated over (tp) hold one batch
-        model |= {a for h in hooked if isinstance(h[2], ExpertDispatch) for a in h[2].shared}
         #: the mesh axes to split the batch over: those that only an expert dispatch
         #: or FSDP uses, or none (tensor-parallel axes hold the same tokens)
-        self.batch_axes = tuple(a for a in mesh.axis_names if a not in model)
+        self.batch_axes = _batch_axes(mesh, specs, owners, hooked)
         self.styles = {n: owners[n][0] if n in owners else "not covered" for n in specs}
         sizes = {n: tuple(p.shape) for n, p in module.named_parameters()}
         #: parameters an FSDP family kept replicated, with the reason
@@ -151,18 +168,8 @@ class Parallelized:
         if self._released and not self._refusing:
             # (registered only now: a module hook, even one doing nothing, takes every
             # call of the module through torch's slower hook path)
-            self.module.register_forward_pre_hook(self._refuse_released)
+            self.module.register_forward_pre_hook(functools.partial(_refuse_released, self))
             self._refusing = True
-
-    def _refuse_released(self, module: nn.Module, args: Any) -> None:
-        """Calling the module itself once its weights were released would run on
-        meta tensors and return shapes without values: an error instead."""
-        if self.released and self._call.params is None:
-            raise ShardingError(
-                f"{type(module).__name__} was called directly, but its weights were "
-                f"released: they live in the blocks that parallelize/from_pretrained "
-                f"returned; call apply(params, ...) inside a shard_map body, or keep a "
-                f"full model for reference checks")
 
     def replay_status(self) -> list[str]:
         """How the calls so far decide vma, one line per call signature (grad mode and

@@ -8,6 +8,8 @@ on the device, and all five steps made on that one model, as gpu_step.py makes t
     grads = step()                                                     # one step
 
 ``step`` is one of ``VARIANTS``. World size 1, a ``("dp", "tp")`` mesh of 1 x 1.
+``replay=False``: functp's planned modules track every op on every call (the code the
+H200 runs measured: they predate the replay of vma decisions, issue 39).
 """
 import torch
 import torch.nn.functional as F
@@ -33,7 +35,7 @@ def _loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-def program(c, device, step, dtype=torch.bfloat16):
+def program(c, device, step, dtype=torch.bfloat16, replay=True):
     import transformers
 
     import functp
@@ -68,6 +70,7 @@ def program(c, device, step, dtype=torch.bfloat16):
     # the functp steps (gpu_step.functp_steps, world 1)
     mesh = functp.make_mesh((1, 1), ("dp", "tp"), device_type=device)
     fapply, fparams, specs = functp.parallelize(model, mesh, "auto")
+    fapply.replay = replay
     fparams = {k: v.detach() for k, v in fparams.items()}
     body = functp.shard_map(
         lambda p, i: functp.pmean(_loss(fapply(p, i, use_cache=False).logits, i), "dp"),
