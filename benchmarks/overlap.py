@@ -164,16 +164,16 @@ def variants(x, y):
         return run
 
     small = dict(bucket_mb=SMALL_MB, first_bucket_mb=SMALL_MB)
-    from functp.ops import _overlap
+    from functp.ops import _buckets
 
     def inputs_order(step):
         # buckets in the inputs' (optree's) order, never rebuilt in arrival order
         def run():
-            _overlap.REBUILD = False
+            _buckets.REBUILD = False
             try:
                 step()
             finally:
-                _overlap.REBUILD = True
+                _buckets.REBUILD = True
         return run
 
     for name, step in (("functp tape", tape), ("functp torch.func.grad", func_grad),

@@ -110,6 +110,14 @@ def _nested_error():
     mesh, x = _mesh(), torch.zeros(2)
     inner = functp.shard_map(_ident, mesh, in_specs=P(), out_specs=P())
     _raises(lambda: functp.shard_map(inner, mesh, in_specs=P(), out_specs=P())(x), "nest")
+    # a nested body's blocks are cut from the outer body's whole values: evenly
+    mesh2 = functp.make_mesh((1, 2), ("dp", "tp"))
+    inner = functp.shard_map(_ident, mesh2, in_specs=P("tp"), out_specs=P("tp"),
+                             axis_names={"tp"})
+    outer = functp.shard_map(inner, mesh2, in_specs=P(), out_specs=P(), axis_names={"dp"})
+    _raises(lambda: outer(torch.zeros(5, 2)), "in_specs for args[0] (shape (5, 2))",
+            "P('tp') splits dimension 0 of size 5 over ('tp',) of size 2", "pad_to_multiple",
+            "mesh Mesh(")
 
 
 def _mesh_errors():

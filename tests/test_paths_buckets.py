@@ -115,7 +115,7 @@ def _two_steps(world, mb, tape):
     changes from the first step to the second. After the first backward the buckets
     follow the order rank 0's gradients came in, the same on every rank; both steps'
     gradients equal the unsharded program's."""
-    from functp.ops import _overlap
+    from functp.ops import _buckets as layouts
     mesh = functp.make_mesh((world,), ("dp",))
     p = {f"e{e}": randn(D, D, seed=e) / D ** 0.5 for e in range(E)}
     x = randn(world * B, D, seed=99)
@@ -133,8 +133,8 @@ def _two_steps(world, mb, tape):
                           for r, xb in enumerate(xs)) / world)(p)
         assert_tree_close(loss, ref_loss, f"step {s} loss")
         assert_tree_close(g, ref_g, f"step {s} grads")
-    whose = _overlap._whose()[0]
-    return [v for k, (_, v) in _overlap._orders.items() if k[0] == whose]
+    whose = layouts._whose()[0]
+    return [v for k, (_, v) in layouts._orders.items() if k[0] == whose]
 
 
 @pytest.mark.parametrize("tape", [False, True], ids=["func_grad", "tape"])

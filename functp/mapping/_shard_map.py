@@ -443,15 +443,12 @@ def _take_block(body: _Body, path: str, x: torch.Tensor, spec: P) -> torch.Tenso
         _layout.check_packed(f"in_specs for {path}", x.shape, spec, body.mesh)
         view = _layout.view_spec(spec)
         return _layout.unview(_take_block(body, path, _layout.view(x, spec), view), spec)
-    dims = []
-    for d in range(len(spec)):
-        axes = spec.dim_axes(d)
-        if axes:
-            g = body.mesh.axis_group(axes)
-            if _layout.uneven(x.shape[d], g.size):
-                raise ShardingError(
-                    f"in_specs for {path} (shape {tuple(x.shape)}): {spec!r} splits "
-                    f"dimension {d} of size {x.shape[d]} over {axes} of size {g.size}, "
-                    f"which does not divide it; pad it to a multiple of {g.size}")
-            dims.append((d, g))
+    dims = [(d, body.mesh.axis_group(spec.dim_axes(d)))
+            for d in range(len(spec)) if spec.dim_axes(d)]
+    if any(_layout.uneven(x.shape[d], g.size) for d, g in dims):
+        # (checked here first: this runs at every call of a nested body)
+        _layout.require_divisible(
+            f"in_specs for {path}", x.shape, spec, body.mesh,
+            "with functp.pad_to_multiple in the outer body (functp.unpad the results): "
+            "a nested shard_map splits the outer body's whole values into equal blocks")
     return _ops.take_block(x, [d for d, _ in dims], [g.key for _, g in dims]) if dims else x

@@ -12,15 +12,12 @@ Launch points:
 - a replicated input's vma alias (the ``pvary`` whose transpose is the gradient
   all-reduce) passes, at its first use in the body, through ``functp::grad_ready``
   (:func:`ready_point`). Made there, its node runs as soon as that gradient is
-  complete; its backward adds the gradient to its bucket. The buckets are cut from
-  the inputs' order (reversed, per group and dtype: ``bucket_mb`` each, the first
-  ``first_bucket_mb``, as DDP does) at a layout's first backward, and from then on
-  from the order the group's first rank got its gradients in then (agreed in one
-  all-gather, as DDP rebuilds its buckets once), never from the order each rank
-  uses them in; launched in that order, each once its gradients are in (a gradient
-  this rank will not send counts as zeros): every rank pairs the same inputs (see
-  :class:`Sink`). A group's ranks compare their layouts (count and hash of the
-  inputs' shapes and dtypes) once per layout, before its first bucket launches.
+  complete; its backward adds the gradient to its bucket. The buckets are the same
+  on every rank of a group whatever the order each rank uses its inputs in
+  (``_buckets``: cut per group and dtype, ``bucket_mb`` each, the first
+  ``first_bucket_mb``, as DDP does), and launched in their order, each once its
+  gradients are in (a gradient this rank will not send counts as zeros): every rank
+  pairs the same inputs.
 - an ``all_gather`` of such an input (FSDP): the reduce-scatter of its backward is
   launched there and waited on at the entry (``_ops._ag_bwd`` asks the input's sink).
 
@@ -40,18 +37,15 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-import zlib
 
 import torch
 
 from . import _context, _lazy
 from . import _ops
 from . import _primitives as prim
-from ..mesh._mesh import group_of
+from ._buckets import Buckets
 from ..runtime import _compile, _world
-from ..runtime._errors import ShardingError
-from ..runtime._torch_compat import (DisableFuncTorch, FakeTensor, TransformGrad,
-                                     c10d_functional as _c10d, layer_stack_depth,
+from ..runtime._torch_compat import (FakeTensor, TransformGrad, layer_stack_depth,
                                      peek_interpreter_stack, will_engine_execute_node)
 
 __all__ = ["set_overlap"]
@@ -61,7 +55,6 @@ SINK = "_functp_sink"          # an entry output's __dict__ key: (its Sink, its 
 # run; torch.compile's fakes are turned away by _compile.tracing())
 _TENSORS = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 _READY = "_functp_ready"       # a grad_ready output's: made once per alias
-_VMA = "_functp_vma"           # a tensor's vma tag, (run, axes) (``_vma``, which imports this)
 
 # the settings, read at each launch: the process's, or a simulated rank's own (set in
 # its thread, as a process under torchrun sets its own)
@@ -76,22 +69,6 @@ class _Rank(threading.local):
 
 
 _rank = _Rank()
-
-
-# the agreed arrival orders: (rank, group key, layout) -> (pin, [inputs]), first come
-# first. A rank is a process (None) or a simulated one: (run, rank, program), the
-# program told apart by the run's state list, made anew by each simulate() of a
-# reused run and pinned by the entry (so that its id is not reused): a program never
-# sees an order its peers' earlier programs agreed on, which they may not hold
-_orders: dict = {}
-REBUILD = True      # False: the inputs' order always (benchmarks/overlap.py compares)
-
-
-def _whose():
-    run = _world._local.run       # (an attribute, not current_run(): a call per step)
-    if run is None:
-        return None, None
-    return (run.id, _world._local.rank, id(run.state)), run.state
 
 
 def _get() -> dict:
@@ -151,28 +128,19 @@ def _level_ok() -> bool:
 
 
 class Sink:
-    """The backward state of one body's entry: its gradient buckets, launched
-    collectives, and the results each input's gradient still gets.
+    """The backward state of one body's entry: its gradient buckets (laid out by
+    :class:`~functp.ops._buckets.Buckets`) as their gradients come, the collectives
+    launched, and the results each input's gradient still gets.
 
-    The buckets do not depend on the order in which a rank used its inputs (experts
-    run in the order their tokens arrive), nor on whether it used them at all: they
-    are cut from the inputs' own order (reversed, as DDP cuts them from the
-    parameters': the last used fill first), per group and dtype, and launched in that
-    order. A group's stream holds every input replicated over its axes (each of them
-    has an alias over it), so an input this rank did not use (an expert no token
-    reached) adds a zero gradient, as DDP's ``find_unused_parameters`` does, and the
-    all-reduce pairs the same inputs on every rank. A group takes part once some input
-    used its alias here; its peers, holding the same data or the same program, do too."""
+    Each bucket is launched once it and every bucket before it are complete, so every
+    rank of a group launches the same buckets in the same order whatever the order
+    its gradients came in; a gradient this rank will not send counts as zeros."""
 
     def __init__(self, local: list, paths: list) -> None:
-        # (read in the forward: the backward may run in another thread)
-        self.whose, self.pin = (None, None) if _world._local.run is None else _whose()
+        self.layout = Buckets(local, paths)
         self.n = len(local)
-        self.paths = paths      # each input's pytree path among the body's arguments
         self.node = None        # the entry's autograd node
         self.outs: list = []    # weak references to the entry's outputs (their vma tags)
-        self.meta = [(x.shape, x.dtype, x.device, x.nbytes) for x in local]
-        self.members: dict = {}  # group key -> the inputs replicated over its axes
         self.nodes: dict = {}    # group key -> {input: its grad_ready node}
         self.reset()
 
@@ -186,16 +154,12 @@ class Sink:
         self.where: dict = {}         # (input, group key) -> its bucket
         self.next = 0                 # the next bucket to launch
         self.arrived: list = []       # (input, group key) in the order their gradients came
-        self.fresh: dict = {}         # group key -> its layout, where no order is agreed yet
 
     def ready(self, j: int, key: str, node) -> None:
         """In the forward: input ``j``'s alias over group ``key`` got its launch point
         ``node``; the first one of a group enrols every input replicated over it."""
-        if key not in self.members:
-            axes = group_of(key).axis_set
-            tags = [r() for r in self.outs]
-            self.members[key] = [i for i, y in enumerate(tags) if y is not None
-                                 and _VMA in y.__dict__ and not axes & y.__dict__[_VMA][1]]
+        if key not in self.nodes:
+            self.layout.enrol(key, [r() for r in self.outs])
             self.nodes[key] = {}
         self.nodes[key][j] = node
 
@@ -240,21 +204,9 @@ class Sink:
         return True
 
     def _layout(self) -> None:
-        """The buckets (:meth:`_cut`, in the order agreed for each group's layout, or
-        the inputs' own order the first time); the gradients no node of this backward
-        will send counted as zeros at once. The first time, the group's ranks check
-        that they hold the same layout before anything is launched (not under
-        functp.estimate: it predicts a later step, and its ranks have no peers to ask)."""
-        orders = {}
-        for _, key in sorted((group_of(k).axes, k) for k in self.members):
-            layout = tuple((j,) + self.meta[j][:2] for j in self.members[key])
-            order = _orders.get((self.whose, key, layout), (None, None))[1]
-            if order is not None:
-                orders[key] = order
-            elif _world.dry_run() is None:
-                _agree_layout(key, layout, self.meta, self.paths)
-                self.fresh[key] = layout
-        plan = self._cut(_get(), orders if REBUILD else None)
+        """The buckets (:meth:`Buckets.plan <functp.ops._buckets.Buckets.plan>`); the
+        gradients no node of this backward will send counted as zeros at once."""
+        plan = self.layout.plan(_get())
         self.plan, self.left = plan, [len(js) for _, js in plan]
         for b, (key, js) in enumerate(plan):
             nodes = self.nodes[key]
@@ -265,45 +217,6 @@ class Sink:
                     self.got[(j, key)] = None
                     self.left[b] -= 1
         self._advance()
-
-    def _cut(self, cfg: dict, orders: dict | None = None) -> list:
-        """``[(group key, [inputs])]`` in launch order, the same on every rank of a
-        group: per group (by its axes) and dtype, the inputs in the order agreed for
-        the group (``orders``: the order rank 0's gradients came in at the first
-        backward) or, without one, last to first, cut at ``bucket_mb``; the bucket
-        whose last gradient comes soonest first."""
-        orders = orders or {}
-        streams, lead_of = [], []
-        for _, key in sorted((group_of(k).axes, k) for k in self.members):
-            by_dtype: dict = {}
-            for j in orders.get(key) or reversed(self.members[key]):
-                by_dtype.setdefault(str(self.meta[j][1]), []).append(j)
-            streams += [(key, js) for _, js in sorted(by_dtype.items())]
-            lead_of += [max(js) for _, js in sorted(by_dtype.items())]
-        # the first bucket (DDP's small one, launched early) is that of the stream whose
-        # gradients come first: the one holding the last input
-        lead = max(range(len(streams)), key=lambda s: lead_of[s], default=0)
-        plan = []
-        for s, (key, js) in enumerate(streams):
-            cur, size, start, prev = [], 0, len(plan), 0
-            lim = (cfg["first_bucket_mb"] if s == lead else cfg["bucket_mb"]) * 2**20
-            for j in js:
-                cur.append(j)
-                size += self.meta[j][3]
-                if size >= lim:
-                    plan.append((key, cur))
-                    cur, size, prev, lim = [], 0, lim, cfg["bucket_mb"] * 2**20
-            # (half the bucket it would join: the first, small, bucket leaves early and
-            # keeps to itself what is not small beside it)
-            if cur and size < prev / 2 and len(plan) > start:
-                plan[-1][1].extend(cur)    # (a small remainder, e.g. the first input's
-            elif cur:                      # bias, rides with the stream's bucket before it)
-                plan.append((key, cur))
-            for b in range(start, len(plan)):     # (a stream's buckets keep their order)
-                plan[b] = (key, plan[b][1], b - start)
-        # streams interleaved: each one's first buckets first (ties: the inputs' order)
-        plan.sort(key=lambda b: (b[2], -min(b[1])) if orders else -min(b[1]))
-        return [(key, js) for key, js, _ in plan]
 
     def _advance(self) -> None:
         while self.next < len(self.plan) and self.left[self.next] == 0:
@@ -316,7 +229,7 @@ class Sink:
             ct = self.got[(j, key)]
             self.got[(j, key)] = None     # (the bucket holds it now: freed once sent)
             if ct is None:
-                shape, dtype, device, _ = self.meta[j]
+                shape, dtype, device, _ = self.layout.meta[j]
                 ct = torch.zeros(shape, dtype=dtype, device=device)
             cts.append(ct)
         with prim.deferring() as pending:
@@ -330,7 +243,7 @@ class Sink:
         for the gradients that never came), every deferred collective waited on (in
         launch order), each input's gradient with its results added."""
         try:
-            if self.deferring is None and self.members:
+            if self.deferring is None and self.nodes:
                 self.deferring = self._defers(next((c for c in cts if c is not None), None))
                 if self.deferring:
                     self._layout()
@@ -339,8 +252,8 @@ class Sink:
                     self._launch(*self.plan[self.next])
                     self.next += 1
             _wait_all(self.pending)
-            if self.deferring and self.fresh:
-                self._agree_order()
+            if self.deferring and self.layout.fresh:
+                self.layout.agree_order(self.arrived)
             grads = []
             for ct, extra in zip(cts, self.extra):
                 for t in extra:
@@ -349,70 +262,6 @@ class Sink:
             return grads
         finally:
             self.reset()      # (a retained graph's next backward starts afresh)
-
-
-    def _agree_order(self) -> None:
-        """After a group's first backward: the order its gradients came in on its
-        first rank, taken by every rank of it for its later backwards (as DDP
-        rebuilds its buckets once): one all-gather per group and layout."""
-        for _, key in sorted((group_of(k).axes, k) for k in self.fresh):
-            members = self.members[key]
-            came = [j for j, k in self.arrived if k == key]
-            seen = set(came)
-            mine = came + [j for j in reversed(members) if j not in seen]
-            rows = _gather_ints(mine, key, self.meta[members[0]][2])
-            if self.whose is not None:   # (a simulated rank: its earlier programs' go)
-                for k in [k for k in _orders if k[0] is not None
-                          and k[0][:2] == self.whose[:2] and k[0] != self.whose]:
-                    del _orders[k]
-            _orders[(self.whose, key, self.fresh[key])] = (self.pin, [int(j) for j in rows[0]])
-
-
-def _gather_ints(values: list, key: str, device) -> torch.Tensor:
-    """Every rank's ``values`` (as many on each) over the group ``key``, on
-    ``device`` (the group's backend's): ``[group size, len(values)]`` in
-    process-group rank order."""
-    g = group_of(key)
-    with DisableFuncTorch(), torch.no_grad():
-        t = torch.tensor(values, dtype=torch.int64, device=device)
-        # (a peer gone or late: named as the bucket all-reduce it precedes)
-        out = prim._wait(_c10d.all_gather_into_tensor(t, g.size, g.group_name),
-                         "all_gather of their layout, before the gradient buckets' "
-                         "all_reduce(sum)", g)
-    return out.view(g.size, len(values)).cpu()
-
-
-def _describe(entry: tuple) -> str:
-    return f"{entry[1]} {tuple(entry[0])}"
-
-
-def _agree_layout(key: str, layout: tuple, meta: list, paths: list) -> None:
-    """The group's ranks compare the inputs their gradient buckets hold (position,
-    shape and dtype of each), once per layout, before the first bucket is launched:
-    ranks given different parameters would pair different gradients, or abort in the
-    backend on unequal bucket sizes. Raises, on every rank of the group, naming the
-    first input that differs."""
-    crcs = [zlib.crc32(repr(e).encode()) for e in layout]
-    device = meta[layout[0][0]][2]
-    rows = _gather_ints([len(layout), zlib.crc32(repr(crcs).encode())], key, device)
-    if bool((rows == rows[0]).all()):
-        return
-    g = group_of(key)
-    at = {g.group_rank(i): i for i in range(g.size)}      # process-group rank -> index
-    counts = [int(c) for c in rows[:, 0]]
-    width = max(counts)
-    table = _gather_ints(crcs + [-1] * (width - len(crcs)), key, device)
-    k = next(c for c in range(width) if not bool((table[:, c] == table[0, c]).all()))
-    differ = sorted(at[r] for r in range(g.size) if int(table[r, k]) != int(table[0, k]))
-    mine = (f"{paths[layout[k][0]]} ({_describe(meta[layout[k][0]][:2])})"
-            if k < len(layout) else f"missing (it has {len(layout)})")
-    raise ShardingError(
-        f"shard_map gradient buckets over {g.axes}: the ranks' bodies were given "
-        f"different replicated floating inputs: position {k + 1} of them differs at "
-        f"indices {differ} along {g.axes} from index {at[0]}; here (index {g.index}) "
-        f"it is {mine}; inputs per index: "
-        f"{[counts[g.group_rank(i)] for i in range(g.size)]}. Pass every rank the same "
-        f"parameters (names, shapes, dtypes) in the same pytree")
 
 
 def _wait_all(pending: list) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from ..mesh._mesh import Mesh
 from ..ops import _context, _lazy
-from ..ops._overlap import _gather_ints
+from ..ops._buckets import _gather_ints
 from ..ops._replay import (Record, Recorder, Recording, call_tensors, output_tensors,
                            pop_rule, push_rule, rule_on_top)
 from ..ops._vma import _TAG, EMPTY
