@@ -10,7 +10,7 @@ from __future__ import annotations
 from .ops._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
                            axis_size, pcast, pmax, pmean, pmin, ppermute, psum, psum_scatter,
                            pvary)
-from .mapping._autodiff import grad, value_and_grad
+from .training._autodiff import grad, value_and_grad
 from .runtime._comm_log import CommEvent, comm_log
 from .io._checkpoint import full_state_dict, load, save
 from .runtime._crosscheck import debug_enabled, set_debug
@@ -26,14 +26,14 @@ from .ops._overlap import set_overlap
 from .training._optim import init_optimizer_state, optimizer_specs, set_grads
 from .runtime._precision import MixedPrecision
 from .ops._ragged import RaggedOffsets, ragged_all_to_all, ragged_offsets
-from .mapping._remat import checkpoint, checkpoint_name, remat, remat_policies
+from .training._remat import checkpoint, checkpoint_name, remat, remat_policies
 from .parallel._parallelize import parallelize
 from .parallel._plans import Parallelized
 from .parallel._verify import verify_plan
 from .parallel._rules import match_plan
 from .parallel._pretrained import from_pretrained, init_blocks, save_pretrained
 from .mapping._shard_map import shard_map
-from .mapping._show import print_ranks, visualize_sharding
+from .tools._show import print_ranks, visualize_sharding
 from .tools._simulate import simulate
 from .runtime._world import process_count, process_index
 from .mapping._reshard import global_shapes, reshard

@@ -17,7 +17,7 @@ from torch import nn
 import functp
 from functp import P, ShardingError
 from functp.parallel._tp import Colwise, Partial, Replicate, Rowwise
-from functp.mapping._remat import ParamSwap
+from functp.mapping._param_swap import ParamSwap
 from _oracle import assert_tree_close
 from test_fast_eager import _graph_ops
 

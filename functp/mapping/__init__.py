@@ -1,1 +1,2 @@
-"""shard_map and moving data between layouts: shard, unshard, reshard, remat."""
+"""shard_map (its boundary: vma or sum rules) and moving data between layouts: shard,
+unshard, reshard; parameters swapped into a module."""

@@ -30,7 +30,7 @@ from ..runtime import _world
 from ..mesh import _layout
 from ..ops import _ops
 from ..ops import _overlap
-from ..ops._boundary import SumRules, VmaRules
+from ._boundary import SumRules, VmaRules
 from ..runtime._errors import ShardingError, keystr
 from ._interop import dtensor_to_local
 from ..mesh._mesh import Mesh

@@ -23,7 +23,7 @@ from ..runtime._errors import ShardingError, leaf_text
 from ..runtime._torch_compat import peek_interpreter_stack
 from ..mesh._mesh import Mesh
 from ..mesh._layout import require_divisible, uneven
-from ..mapping._remat import ParamSwap
+from ..mapping._param_swap import ParamSwap
 from ..mapping._sharding import unshard
 from ..mesh._spec import P, normalize_spec
 from . import _replayed

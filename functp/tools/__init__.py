@@ -1,1 +1,2 @@
-"""Tools around a program: simulate, estimate, hardware profiles."""
+"""Tools around a program: simulate, estimate, hardware profiles, print_ranks and
+visualize_sharding."""

@@ -1,1 +1,2 @@
-"""Training helpers: gradient norms and clipping, optimizer state specs."""
+"""Training helpers: grad and value_and_grad, remat, gradient norms and clipping,
+optimizer state specs, functionalize."""

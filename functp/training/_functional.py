@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from ..mapping._remat import ParamSwap, recompute_within, reparametrized
+from ..mapping._param_swap import ParamSwap, recompute_within, reparametrized
 
 __all__ = ["functionalize"]
 

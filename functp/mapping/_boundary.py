@@ -30,13 +30,13 @@ import math
 
 import torch
 
-from . import _ops
-from . import _overlap
+from ..ops import _ops
+from ..ops import _overlap
 from ..runtime._errors import ShardingError
 from ..mesh._mesh import Mesh
 from ..runtime._precision import floating, inexact
 from ..mesh._spec import P
-from ._vma import EMPTY, Tracker
+from ..ops._vma import EMPTY, Tracker
 
 
 class VmaRules:
