@@ -74,20 +74,16 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
     # grad, a view's base) is a call of the rule
     mode = tr.mode
     pop_rule()
-    popped = True
     try:
         key = _key(tr, params, args, kwargs)
         rec = apply._records.get(key)
         if rec is not None and not _crosscheck.ENABLED and rec.why is None:
             return _replay(apply, tr, rec, params, run)
-        push_rule(mode)
-        popped = False
-        if rec is not None and not _crosscheck.ENABLED:
-            return run(params)
-        out, new = _record(apply, tr, params, args, kwargs, run)
     finally:
-        if popped:
-            push_rule(mode)
+        push_rule(mode)
+    if rec is not None and not _crosscheck.ENABLED:
+        return run(params)
+    out, new = _record(apply, tr, params, args, kwargs, run)
     if rec is None:
         apply._records[key] = new
     elif rec.why is None and new.why is None:
@@ -126,9 +122,8 @@ def _record(apply, tr, params: dict, args: tuple, kwargs: dict, run):
     # what a replay does: over a single rank a pvary is the identity for gradients,
     # and inside the module (outside its hooks) no vma is read
     rec.alias = [(n, a) for n, a in rec.params.items() if a and tr.group(a).size > 1]
-    rec.lift = {h: {p: a for p, a in ls.items() if tr.group(a).size > 1}
-                for h, ls in rec.lifts.items()}
-    rec.lift = {h: ls for h, ls in rec.lift.items() if ls}
+    rec.lift = {h: many for h, ls in rec.lifts.items()
+                if (many := {p: a for p, a in ls.items() if tr.group(a).size > 1})}
     if not _crosscheck.ENABLED:
         _agree(tr, rec, params)
     if rec.why is None:
