@@ -252,6 +252,67 @@ def test_fsdp_reduce_scatter_in_flight_during_the_backward(monkeypatch):
     assert ev[i + 1] == (r, "wait") and i < ev.index((r, "backward", 0)), ev
 
 
+# -- launch points: one per input while the order is learnt, then one per bucket --------
+
+def _later_steps(counted, how):
+    """Four dp=2 steps, buckets of two weights: tape (the order is learnt), ``how``,
+    a ``create_graph`` step (nothing deferred: the cotangents go on to the aliases'
+    pvary), then a step in which rank 1 skips the first layer (its weight's
+    gradient sent as zeros). Each step's gradients against the unsharded program's;
+    returns the sizes of the launch points each step made on this rank."""
+    mesh = functp.make_mesh((2,), ("dp",))
+    p, x = _params(), randn(2 * B, D, seed=9)
+    me = functp.process_index()
+
+    def forward(p, x, skip):
+        h = x
+        for i in range(LAYERS):
+            if not (skip and i == 0):
+                h = torch.tanh(h @ p[f"w{i}"])
+        return h.square().mean()
+
+    sizes = []
+    for s, kind in enumerate(("tape", how, "create_graph", "skip")):
+        skip = kind == "skip"
+        step = functp.shard_map(
+            lambda p, x: functp.pmean(forward(p, x, skip and me == 1), "dp"),
+            mesh, in_specs=(P(), P("dp")), out_specs=P())
+        xs = list(x.split(B))
+        ref = torch.func.grad(lambda p: (forward(p, xs[0], False)
+                                         + forward(p, xs[1], skip)) / 2)(p)
+        local = functp.shard(x, mesh, P("dp"))
+        counted.pop(me, None)
+        with overlap(first_bucket_mb=2 * WEIGHT_MB, bucket_mb=2 * WEIGHT_MB):
+            if kind == "func_grad":
+                g = torch.func.grad(step)(p, local)
+            else:
+                q = {k: v.clone().requires_grad_() for k, v in p.items()}
+                g = dict(zip(q, torch.autograd.grad(step(q, local), list(q.values()),
+                                                    create_graph=kind == "create_graph")))
+        assert_tree_close(g, ref, f"step {s} ({kind}) grads")
+        sizes.append(sorted(counted.get(me, [])))
+    return sizes
+
+
+@pytest.mark.parametrize("how", ["tape", "func_grad"])
+def test_later_steps_launch_each_bucket_from_one_point(monkeypatch, how):
+    # at the first backward each weight's gradient is a launch point of its own (the
+    # order they come in is learnt, as DDP rebuilds its buckets once); after it the
+    # buckets are cut at the entry and each passes one launch point (on the code
+    # before: one per weight at every step)
+    from functp.ops import _overlap
+    counted: dict = {}
+    ready = _overlap.grad_ready
+
+    def counting(xs, token):
+        counted.setdefault(functp.process_index(), []).append(len(xs))
+        return ready(xs, token)
+
+    monkeypatch.setattr(_overlap, "grad_ready", counting)
+    for sizes in functp.simulate(_later_steps, 2, counted, how, check=False):
+        assert sizes == [[1] * LAYERS] + [[2] * (LAYERS // 2)] * 3, sizes
+
+
 # -- errors ----------------------------------------------------------------------------
 
 def _skips_backward():

@@ -75,9 +75,9 @@ class VmaRules:
 
     def enter(self, tracker: Tracker, local: list, plan) -> None:
         _dedupe(local)
-        if self.overlap:
-            _overlap.enter(local)    # gradient collectives waited on at the entry
-        tracker.enter(local, *plan)
+        # (gradient collectives launched in the backward, waited on at the entry)
+        sink = _overlap.enter(local) if self.overlap else None
+        tracker.enter(local, *plan, sink=sink)
 
     def cast(self, tracker: Tracker, local: list, dtype: torch.dtype) -> None:
         """The floating inputs, entered, cast to ``dtype`` with their aliases (the

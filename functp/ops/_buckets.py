@@ -9,7 +9,10 @@ parameters': the last used fill first), ``bucket_mb`` each, the first
 ``first_bucket_mb``; a group's ranks compare their layouts (count and hash of the
 inputs' shapes and dtypes) once per layout, before its first bucket launches. After a
 layout's first backward the buckets follow the order the group's first rank got its
-gradients in then (agreed in one all-gather, as DDP rebuilds its buckets once).
+gradients in then (agreed in one all-gather, as DDP rebuilds its buckets once); from
+then on they are known at the body's entry, so that each bucket is one launch point.
+A group's buckets depend on its own layout and order alone: its ranks cut the same
+ones whatever other groups each of them sends gradients over.
 """
 from __future__ import annotations
 
@@ -60,68 +63,75 @@ class Buckets:
         self.members: dict = {}  # group key -> the inputs replicated over its axes
         self.fresh: dict = {}    # group key -> its layout, where no order is agreed yet
 
-    def enrol(self, key: str, tags: list) -> None:
-        """Group ``key``'s stream: the inputs among the entry's outputs ``tags`` (None:
-        gone) that are replicated over its axes."""
+    def members_of(self, key: str, tags: list) -> list:
+        """The inputs among the entry's outputs ``tags`` (None: gone) replicated over
+        group ``key``'s axes: its stream."""
         axes = group_of(key).axis_set
-        self.members[key] = [i for i, y in enumerate(tags) if y is not None
-                             and _VMA in y.__dict__ and not axes & y.__dict__[_VMA][1]]
+        return [i for i, y in enumerate(tags) if y is not None
+                and _VMA in y.__dict__ and not axes & y.__dict__[_VMA][1]]
+
+    def enrol(self, key: str, tags: list) -> None:
+        """Group ``key`` takes part in this backward's plan (:meth:`plan`)."""
+        self.members[key] = self.members_of(key, tags)
+
+    def agreed(self, key: str, members: list) -> list | None:
+        """The order agreed for group ``key``'s layout at an earlier backward (None:
+        none yet, or ``REBUILD`` off)."""
+        if not REBUILD:
+            return None
+        layout = tuple((j,) + self.meta[j][:2] for j in members)
+        return _orders.get((self.whose, key, layout), (None, None))[1]
 
     def plan(self, cfg: dict) -> list:
-        """``[(group key, [inputs])]`` in launch order (:meth:`_cut`, in the order agreed
-        for each group's layout, or the inputs' own order the first time). The first
-        time, the group's ranks check that they hold the same layout before anything
-        is launched (not under functp.estimate: it predicts a later step, and its
-        ranks have no peers to ask)."""
-        orders, self.fresh = {}, {}
+        """``[(group key, [inputs])]`` of the enrolled groups, each group's buckets in
+        launch order (:meth:`cut`, in the order agreed for its layout, or the inputs'
+        own order the first time). The first time, the group's ranks check that they
+        hold the same layout before anything is launched (not under functp.estimate:
+        it predicts a later step, and its ranks have no peers to ask)."""
+        self.fresh, plan = {}, []
         for _, key in sorted((group_of(k).axes, k) for k in self.members):
-            layout = tuple((j,) + self.meta[j][:2] for j in self.members[key])
-            order = _orders.get((self.whose, key, layout), (None, None))[1]
-            if order is not None:
-                orders[key] = order
-            elif _world.dry_run() is None:
+            members = self.members[key]
+            order = self.agreed(key, members)
+            if order is None and _world.dry_run() is None:
+                layout = tuple((j,) + self.meta[j][:2] for j in members)
                 _agree_layout(key, layout, self.meta, self.paths)
                 self.fresh[key] = layout
-        return self._cut(cfg, orders if REBUILD else None)
+            plan += [(key, js) for js in self.cut(members, order, cfg)]
+        return plan
 
-    def _cut(self, cfg: dict, orders: dict | None = None) -> list:
-        """``[(group key, [inputs])]`` in launch order, the same on every rank of a
-        group: per group (by its axes) and dtype, the inputs in the order agreed for
-        the group (``orders``: the order rank 0's gradients came in at the first
-        backward) or, without one, last to first, cut at ``bucket_mb``; the bucket
-        whose last gradient comes soonest first."""
-        orders = orders or {}
-        streams, lead_of = [], []
-        for _, key in sorted((group_of(k).axes, k) for k in self.members):
-            by_dtype: dict = {}
-            for j in orders.get(key) or reversed(self.members[key]):
-                by_dtype.setdefault(str(self.meta[j][1]), []).append(j)
-            streams += [(key, js) for _, js in sorted(by_dtype.items())]
-            lead_of += [max(js) for _, js in sorted(by_dtype.items())]
-        # the first bucket (DDP's small one, launched early) is that of the stream whose
-        # gradients come first: the one holding the last input
-        lead = max(range(len(streams)), key=lambda s: lead_of[s], default=0)
+    def cut(self, members: list, order: list | None, cfg: dict) -> list:
+        """One group's buckets (``[[inputs]]``) in launch order, the same on every rank
+        of it: per dtype, its inputs (``members``) in the ``order`` agreed for it (the
+        order its first rank's gradients came in at the first backward) or, without
+        one, last to first, cut at ``bucket_mb``; the stream holding the last input
+        cut at ``first_bucket_mb`` first (DDP's small first bucket, launched early).
+        Streams interleaved: each one's first buckets first."""
+        by_dtype: dict = {}
+        for j in order or reversed(members):
+            by_dtype.setdefault(str(self.meta[j][1]), []).append(j)
+        streams = [js for _, js in sorted(by_dtype.items())]
+        # (a group's own: its buckets depend on nothing but its layout and order)
+        lead = max(range(len(streams)), key=lambda s: max(streams[s]), default=0)
         plan = []
-        for s, (key, js) in enumerate(streams):
+        for s, js in enumerate(streams):
             cur, size, start, prev = [], 0, len(plan), 0
             lim = (cfg["first_bucket_mb"] if s == lead else cfg["bucket_mb"]) * 2**20
             for j in js:
                 cur.append(j)
                 size += self.meta[j][3]
                 if size >= lim:
-                    plan.append((key, cur))
+                    plan.append(cur)
                     cur, size, prev, lim = [], 0, lim, cfg["bucket_mb"] * 2**20
             # (half the bucket it would join: the first, small, bucket leaves early and
             # keeps to itself what is not small beside it)
             if cur and size < prev / 2 and len(plan) > start:
-                plan[-1][1].extend(cur)    # (a small remainder, e.g. the first input's
+                plan[-1].extend(cur)       # (a small remainder, e.g. the first input's
             elif cur:                      # bias, rides with the stream's bucket before it)
-                plan.append((key, cur))
+                plan.append(cur)
             for b in range(start, len(plan)):     # (a stream's buckets keep their order)
-                plan[b] = (key, plan[b][1], b - start)
-        # streams interleaved: each one's first buckets first (ties: the inputs' order)
-        plan.sort(key=lambda b: (b[2], -min(b[1])) if orders else -min(b[1]))
-        return [(key, js) for key, js, _ in plan]
+                plan[b] = (b - start, plan[b])
+        plan.sort(key=lambda b: (b[0], -min(b[1])) if order else -min(b[1]))
+        return [js for _, js in plan]
 
     def agree_order(self, arrived: list) -> None:
         """After a group's first backward (``arrived``: (input, group key) in the order

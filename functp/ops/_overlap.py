@@ -10,14 +10,17 @@ the gradients leave the body. That is where the launched collectives are waited 
 Launch points:
 
 - a replicated input's vma alias (the ``pvary`` whose transpose is the gradient
-  all-reduce) passes, at its first use in the body, through ``functp::grad_ready``
-  (:func:`ready_point`). Made there, its node runs as soon as that gradient is
-  complete; its backward adds the gradient to its bucket. The buckets are the same
-  on every rank of a group whatever the order each rank uses its inputs in
-  (``_buckets``: cut per group and dtype, ``bucket_mb`` each, the first
-  ``first_bucket_mb``, as DDP does), and launched in their order, each once its
-  gradients are in (a gradient this rank will not send counts as zeros): every rank
-  pairs the same inputs.
+  all-reduce) passes through ``functp::grad_ready``, whose node runs once the
+  gradients of all the aliases it took are complete; its backward adds them to their
+  buckets. At a layout's first backward each alias passes its own, made at its first
+  use in the body (:func:`ready_point`): the order the gradients come in is learnt
+  then, as DDP rebuilds its buckets once. Later, the buckets are cut at the entry and
+  each bucket's aliases pass one (:func:`bucket_ready`; per bucket, not per input,
+  as DDP's reducer marks a bucket ready). The buckets are the same on every rank of
+  a group whatever the order each rank uses its inputs in (``_buckets``: cut per
+  group and dtype, ``bucket_mb`` each, the first ``first_bucket_mb``, as DDP does),
+  and launched in their order, each once its gradients are in (a gradient this rank
+  will not send counts as zeros): every rank pairs the same inputs.
 - an ``all_gather`` of such an input (FSDP): the reduce-scatter of its backward is
   launched there and waited on at the entry (``_ops._ag_bwd`` asks the input's sink).
 
@@ -54,7 +57,7 @@ SINK = "_functp_sink"          # an entry output's __dict__ key: (its Sink, its 
 # the inputs that may get a sink (a fake one: functp.estimate's tape step, as its real
 # run; torch.compile's fakes are turned away by _compile.tracing())
 _TENSORS = (torch.Tensor, torch.nn.Parameter, FakeTensor)
-_READY = "_functp_ready"       # a grad_ready output's: made once per alias
+READY = "_functp_ready"       # a grad_ready output's: one launch point per alias
 
 # the settings, read at each launch: the process's, or a simulated rank's own (set in
 # its thread, as a process under torchrun sets its own)
@@ -132,16 +135,20 @@ class Sink:
     :class:`~functp.ops._buckets.Buckets`) as their gradients come, the collectives
     launched, and the results each input's gradient still gets.
 
-    Each bucket is launched once it and every bucket before it are complete, so every
-    rank of a group launches the same buckets in the same order whatever the order
-    its gradients came in; a gradient this rank will not send counts as zeros."""
+    A group's buckets are launched in its order, each once it and every bucket of the
+    group before it are complete, so every rank of a group launches the same buckets
+    in the same order whatever the order its gradients came in; a gradient this rank
+    will not send counts as zeros. A group whose order was agreed at an earlier
+    backward has its buckets cut at the entry (:func:`bucket_ready`), one launch point
+    each; the others get one per input, and learn their order at this backward."""
 
     def __init__(self, local: list, paths: list) -> None:
         self.layout = Buckets(local, paths)
         self.n = len(local)
         self.node = None        # the entry's autograd node
         self.outs: list = []    # weak references to the entry's outputs (their vma tags)
-        self.nodes: dict = {}    # group key -> {input: its grad_ready node}
+        self.nodes: dict = {}    # group key -> {input: the grad_ready node it passes}
+        self.made: list = []     # [(group key, [inputs])]: the buckets cut at the entry
         self.reset()
 
     def reset(self) -> None:
@@ -149,19 +156,22 @@ class Sink:
         self.pending: list = []       # prim.Pending, in launch order
         self.deferring = None         # decided at this backward's first gradient
         self.got: dict = {}           # (input, group key) -> its gradient (None: zero)
-        self.plan = None              # [(group key, [inputs])], in launch order
+        self.plan = None              # [(group key, [inputs])]
         self.left: list = []          # per bucket: gradients still to come
         self.where: dict = {}         # (input, group key) -> its bucket
-        self.next = 0                 # the next bucket to launch
+        self.queue: dict = {}         # group key -> its buckets not launched, in order
         self.arrived: list = []       # (input, group key) in the order their gradients came
 
-    def ready(self, j: int, key: str, node) -> None:
-        """In the forward: input ``j``'s alias over group ``key`` got its launch point
-        ``node``; the first one of a group enrols every input replicated over it."""
-        if key not in self.nodes:
+    def ready(self, js: list, key: str, node) -> None:
+        """In the forward: inputs ``js``' aliases over group ``key`` got their launch
+        point ``node``; the first one of a group whose buckets are not cut yet enrols
+        every input replicated over it."""
+        nodes = self.nodes.get(key)
+        if nodes is None:
             self.layout.enrol(key, [r() for r in self.outs])
-            self.nodes[key] = {}
-        self.nodes[key][j] = node
+            nodes = self.nodes[key] = {}
+        for j in js:
+            nodes[j] = node
 
     def _defers(self, ct: torch.Tensor | None) -> bool:
         if ct is None:      # (no gradient reached this rank's launch points)
@@ -182,46 +192,57 @@ class Sink:
         self.extra[j].append(out)
         return True
 
-    def add(self, j: int, key: str, ct: torch.Tensor | None) -> bool:
-        """Input ``j``'s gradient ``ct`` through its alias over group ``key`` (None: no
-        gradient came) joins its bucket, launched once it and every bucket before it
-        are complete; False where this backward cannot defer (``ct`` is passed on)."""
+    def add(self, js: list, key: str, cts) -> bool:
+        """Inputs ``js``' gradients ``cts`` through their aliases over group ``key``
+        (None: no gradient came) join their buckets, each launched once it and every
+        bucket of the group before it are complete; False where this backward cannot
+        defer (``cts`` are passed on)."""
         if self.deferring is None:
+            ct = next((c for c in cts if c is not None), None)
             if ct is None:
-                self.got[(j, key)] = None     # (counted once the plan is made)
+                for j in js:
+                    self.got[(j, key)] = None     # (counted once the plan is made)
                 return True
             self.deferring = self._defers(ct)
             if self.deferring:
                 self._layout()
         if not self.deferring:
             return False
-        slot = (j, key)
-        if slot not in self.got:
-            self.got[slot] = ct
-            self.arrived.append(slot)
-            self.left[self.where[slot]] -= 1
-            self._advance()
+        got, left, where = self.got, self.left, self.where
+        for j, ct in zip(js, cts):
+            slot = (j, key)
+            if slot not in got:
+                got[slot] = ct
+                self.arrived.append(slot)
+                left[where[slot]] -= 1
+        self._advance(key)
         return True
 
     def _layout(self) -> None:
-        """The buckets (:meth:`Buckets.plan <functp.ops._buckets.Buckets.plan>`); the
-        gradients no node of this backward will send counted as zeros at once."""
-        plan = self.layout.plan(_get())
+        """The buckets: those cut at the entry, then the enrolled groups'
+        (:meth:`Buckets.plan <functp.ops._buckets.Buckets.plan>`); the gradients no
+        node of this backward will send counted as zeros at once."""
+        plan = self.made + self.layout.plan(_get())
         self.plan, self.left = plan, [len(js) for _, js in plan]
+        runs: dict = {}      # id of a launch point -> will this backward run it?
         for b, (key, js) in enumerate(plan):
+            self.queue.setdefault(key, []).append(b)
             nodes = self.nodes[key]
             for j in js:
                 self.where[(j, key)] = b
                 node = nodes.get(j)
-                if (j, key) in self.got or node is None or not will_engine_execute_node(node):
+                if node is not None and (ran := runs.get(id(node))) is None:
+                    ran = runs[id(node)] = will_engine_execute_node(node)
+                if (j, key) in self.got or node is None or not ran:
                     self.got[(j, key)] = None
                     self.left[b] -= 1
-        self._advance()
+        for key in self.queue:
+            self._advance(key)
 
-    def _advance(self) -> None:
-        while self.next < len(self.plan) and self.left[self.next] == 0:
-            self._launch(*self.plan[self.next])
-            self.next += 1
+    def _advance(self, key: str) -> None:
+        queue = self.queue[key]
+        while queue and self.left[queue[0]] == 0:
+            self._launch(*self.plan[queue.pop(0)])
 
     def _launch(self, key: str, js: list) -> None:
         cts = []
@@ -248,9 +269,9 @@ class Sink:
                 if self.deferring:
                     self._layout()
             if self.deferring:
-                while self.next < len(self.plan):
-                    self._launch(*self.plan[self.next])
-                    self.next += 1
+                for queue in self.queue.values():
+                    while queue:
+                        self._launch(*self.plan[queue.pop(0)])
             _wait_all(self.pending)
             if self.deferring and self.layout.fresh:
                 self.layout.agree_order(self.arrived)
@@ -320,43 +341,44 @@ overlap_entry = _ops._define(
 
 
 def _ready_ctx(ctx, args, output):
-    ctx.sink, ctx.j, ctx.key = _by_token[args[1]]
+    ctx.sink, ctx.js, ctx.key = _by_token[args[1]]
     ctx.set_materialize_grads(False)
 
 
-def _ready_bwd(ctx, ct):
-    if ctx.sink.add(ctx.j, ctx.key, ct):
-        return None, None
-    return ct, None
+def _ready_bwd(ctx, *cts):
+    if ctx.sink.add(ctx.js, ctx.key, cts):
+        return [None] * len(cts), None
+    return list(cts), None
 
 
-def _ready_raw(x, token):
-    """Forward: ``x`` (a replicated input's vma alias) as it is. Backward: the
-    cotangent goes into a gradient bucket of the entry's Sink (``token``), launched
-    once full, and nothing is passed on; where this backward cannot defer, the
-    cotangent is passed on to the alias's pvary as it is."""
-    return x.view_as(x)
+def _ready_raw(xs, token):
+    """Forward: ``xs`` (replicated inputs' vma aliases) as they are. Backward, once
+    every one of their cotangents is in: they go into their gradient buckets of the
+    entry's Sink (``token``), each bucket launched once full, and nothing is passed
+    on; where this backward cannot defer, the cotangents are passed on to the aliases'
+    pvary as they are."""
+    return [x.view_as(x) for x in xs]
 
 
 grad_ready = _ops._define(
-    "grad_ready(Tensor x, int token) -> Tensor", _ready_raw,
-    lambda x, token: torch.empty_like(x),
+    "grad_ready(Tensor[] xs, int token) -> Tensor[]", _ready_raw,
+    lambda xs, token: [torch.empty_like(x) for x in xs],
     setup_context=_ready_ctx, backward=_ready_bwd,
-    jvp=lambda ctx, t, *_: t.view_as(t),
-    vmap=lambda info, dims, x, token: (grad_ready(x, token), dims[0]))
+    jvp=lambda ctx, ts, *_: tuple(t.view_as(t) for t in ts),
+    vmap=lambda info, dims, xs, token: (grad_ready(xs, token), list(dims[0])))
 
 
-def enter(local: list, among: list | None = None) -> None:
+def enter(local: list, among: list | None = None) -> Sink | None:
     """At a top-level body's entry: its floating inputs that need gradients (those at
     the indices ``among``, or all) replaced by the entry op's outputs, each tagged with
-    its :class:`Sink` and index. A body whose gradients all fit in the first bucket is
-    left as it is: that bucket would leave with the last of them anyway, and a small
-    step keeps its per-step cost."""
+    its :class:`Sink` and index; returns the Sink. A body whose gradients all fit in
+    the first bucket is left as it is (None): that bucket would leave with the last of
+    them anyway, and a small step keeps its per-step cost."""
     # (written with few calls: every step of every body passes here, and most are
     # turned away by the size, in two calls)
     cfg = _rank.values or _settings
     if not cfg["enabled"]:
-        return
+        return None
     idx = [i for i in (range(len(local)) if among is None else among)
            if (x := local[i]).__class__ in _TENSORS and x.requires_grad
            and (x.dtype.is_floating_point or x.dtype.is_complex)]
@@ -364,10 +386,10 @@ def enter(local: list, among: list | None = None) -> None:
     for i in idx:            # (a loop, not sum(...): no call on this per-body path)
         size += local[i].nbytes
     if size < cfg["first_bucket_mb"] * 2**20:
-        return
+        return None
     if (not torch.is_grad_enabled() or _context.active() or _compile.tracing()
             or not _level_ok()):
-        return
+        return None
     paths = _rank.paths
     sink = Sink([local[i] for i in idx],
                 [paths[i] if paths else f"input {i} of the body" for i in idx])
@@ -381,21 +403,52 @@ def enter(local: list, among: list | None = None) -> None:
     for j, (i, y) in enumerate(zip(idx, outs)):
         y.__dict__[SINK] = (sink, j)
         local[i] = y
+    return sink
 
 
 def ready_point(alias: torch.Tensor, entry: torch.Tensor, key: str) -> torch.Tensor:
     """``alias`` (the pvary over group ``key`` of the entry output ``entry``) through
     ``grad_ready``, where its gradient is to be bucketed on arrival; as it is if
-    ``entry`` has no sink or ``alias`` already went through."""
-    if SINK not in entry.__dict__ or _READY in alias.__dict__ or not torch.is_grad_enabled():
+    ``entry`` has no sink or ``alias`` already went through (its bucket's)."""
+    if SINK not in entry.__dict__ or READY in alias.__dict__ or not torch.is_grad_enabled():
         return alias
     sink, j = entry.__dict__[SINK]
-    token = _put((sink, j, key))
+    return _through(sink, [j], key, [alias])[0]
+
+
+def bucket_ready(sink: Sink, key: str, aliases: list, entries: list) -> list:
+    """The ``aliases`` over group ``key`` of a body's entry outputs ``entries`` (of
+    ``sink``, at its entry), each bucket of them through one ``grad_ready``, where the
+    group's order was agreed at an earlier backward: its node runs once the whole
+    bucket's gradients are in, and launches it (one launch point per bucket, not per
+    input, as DDP's reducer marks a bucket ready). As they are otherwise (the first
+    backward of a layout learns the order its gradients come in, per input)."""
+    if key in sink.nodes or not torch.is_grad_enabled():
+        return aliases
+    layout = sink.layout
+    members = layout.members_of(key, [r() for r in sink.outs])
+    at = {e.__dict__[SINK][1]: n for n, e in enumerate(entries)}
+    order = layout.agreed(key, members)
+    if order is None or len(at) != len(members) or not all([j in at for j in members]):
+        return aliases
+    out = list(aliases)
+    sink.nodes[key] = {}
+    for js in layout.cut(members, order, _get()):
+        sink.made.append((key, js))
+        for n, y in zip([at[j] for j in js], _through(sink, js, key, [aliases[at[j]] for j in js])):
+            out[n] = y
+    return out
+
+
+def _through(sink: Sink, js: list, key: str, aliases: list) -> list:
+    """``aliases`` (of inputs ``js`` over group ``key``) through one ``grad_ready``."""
+    token = _put((sink, js, key))
     try:
-        out = grad_ready(alias, token)
+        outs = grad_ready(aliases, token)
     finally:
         del _by_token[token]
-    sink.ready(j, key, out.grad_fn)
-    out.__dict__.update(alias.__dict__)      # (its vma tag)
-    out.__dict__[_READY] = True
-    return out
+    sink.ready(js, key, outs[0].grad_fn)
+    for y, a in zip(outs, aliases):
+        y.__dict__.update(a.__dict__)      # (its vma tag)
+        y.__dict__[READY] = True
+    return outs

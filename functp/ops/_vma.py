@@ -153,10 +153,14 @@ class EntryAliases:
         self.of: dict[int, tuple] = {}
         self.entry_views = False               # is some aliased input itself a view?
 
-    def add(self, local: list, vmas: list, groups: list, aliased: list) -> None:
+    def add(self, local: list, vmas: list, groups: list, aliased: list,
+            sink=None) -> None:
         """Aliases ``local[i]`` for ``i`` in ``aliased``: for each ``(group key, axes,
-        inputs)`` of ``groups``, those inputs get an alias varying over ``axes`` too.
-        (A nested body's inputs add to the enclosing body's.)"""
+        inputs)`` of ``groups``, those inputs get an alias varying over ``axes`` too;
+        with ``sink`` (a top-level body's gradient-overlap entry, which the inputs
+        passed), each bucket of them through its launch point at once where it can
+        (:func:`~functp.ops._overlap.bucket_ready`). (A nested body's inputs add to the
+        enclosing body's.)"""
         first = len(self.entry)
         slot = {}
         for j, i in enumerate(aliased, start=first):
@@ -170,6 +174,12 @@ class EntryAliases:
             # the tag, with no op, no backward node and no launch point (_overlap)
             outs = ([local[i].view_as(local[i]) for i in idx] if _size1(key)
                     else _ops.pvary([local[i] for i in idx], key, False))
+            if sink is not None and not _size1(key):
+                entered = [n for n, i in enumerate(idx) if _overlap.SINK in local[i].__dict__]
+                made = _overlap.bucket_ready(sink, key, [outs[n] for n in entered],
+                                             [local[idx[n]] for n in entered])
+                for n, y in zip(entered, made):
+                    outs[n] = y
             for i, out in zip(idx, outs):
                 self.aliases[slot[i]][axes] = out
                 out.__dict__[_TAG] = (token, vmas[i] | axes)
@@ -189,6 +199,8 @@ class EntryAliases:
         for axes, a in list(aliases.items()):
             b = aliases[axes] = a.to(dtype)
             b.__dict__[_TAG] = a.__dict__[_TAG]
+            if _overlap.READY in a.__dict__:      # (its bucket's launch point is before)
+                b.__dict__[_overlap.READY] = True
         self.entry_views = any([x._base is not None for x in self.entry])
 
     def follow_view(self, out: torch.Tensor, func, args, kwargs, is_inplace) -> None:
@@ -237,10 +249,12 @@ class Tracker(Tags):
         interp = _peek()       # the torch.func level the body's own tensors live at
         self.level = interp.level() if interp is not None else -1
 
-    def enter(self, local: list, vmas: list, groups: list, aliased: list) -> None:
+    def enter(self, local: list, vmas: list, groups: list, aliased: list,
+              sink=None) -> None:
         """Tags the inputs of a body: input ``i`` varies over ``vmas[i]`` (None: not a
         tensor); the inputs ``aliased`` get aliases over the axes of ``groups`` (see
-        :meth:`EntryAliases.add`; ``_boundary.VmaRules.plan`` computes the lists)."""
+        :meth:`EntryAliases.add`; ``_boundary.VmaRules.plan`` computes the lists;
+        ``sink``: the body's gradient-overlap entry)."""
         token = self.token
         for x, vma in zip(local, vmas):
             if vma is not None:       # an input lives at the body's level: tag it only
@@ -248,7 +262,7 @@ class Tracker(Tags):
         if aliased:
             if self.aliases is None:
                 self.aliases = EntryAliases(self)
-            self.aliases.add(local, vmas, groups, aliased)
+            self.aliases.add(local, vmas, groups, aliased, sink)
 
     def cast_inputs(self, local: list, dtype: torch.dtype) -> None:
         """Replaces the entered floating inputs by casts to ``dtype`` (mixed
@@ -321,6 +335,19 @@ class Tracker(Tags):
             cached = self._pvaried[id(t)] = (t, {})
         cached[1][missing] = out
         return out
+
+    def entry_alias(self, t: torch.Tensor, axes) -> torch.Tensor:
+        """``pvary(t, axes)`` where ``t`` is a body's input itself whose alias over the
+        missing axes went through its bucket's launch point at the entry (a replayed
+        call's parameters, one by one: the lookup alone); else :meth:`pvary`."""
+        al, tag = self.aliases, t.__dict__.get(_TAG)
+        if al is not None and tag is not None and tag[0] == self.token:
+            hit = al.of.get(id(t))
+            if hit is not None and hit[0] is t:
+                out = al.aliases[hit[1]].get(frozenset(axes) - tag[1])
+                if out is not None and _overlap.READY in out.__dict__:
+                    return out
+        return self.pvary(t, axes)
 
     def pvary_inplace(self, t: torch.Tensor, axes) -> None:
         """Before ``t`` (or a view of it) is mutated by a more varying value."""

@@ -179,7 +179,7 @@ def _replay(apply, tr, rec: Record, params: dict, run):
         _lazy.settle()
     aliased = dict(params)
     for n, axes in rec.alias:
-        aliased[n] = tr.pvary(params[n], axes)
+        aliased[n] = tr.entry_alias(params[n], axes)
     st = apply._call
     tr.replaying, st.vma = True, _Replaying(tr, rec)
     try:
