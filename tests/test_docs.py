@@ -4,10 +4,12 @@ the page shows; the README's commands name files that exist.
 A plain ```python block runs in this process (its programs use ``functp.simulate``);
 the lines after a ``# prints:`` comment in it are compared with what it printed, and
 the lines after ``# raises:`` with the exception its last statement raises, as a
-traceback's last line shows it (``ShardingError: ...``). A ```python torchrun block is
-per-rank code: the page's torchrun blocks run, in order, on four gloo processes, and
-each rank's output is compared with its ``# prints:`` / ``# raises:``.
-troubleshooting.md's error blocks are the table of errors, tests/_error_table.py.
+traceback's last line shows it (``ShardingError: ...``). ``...`` in a shown line
+stands for any text on that line (an estimate's host numbers, which vary with what
+ran before in the process). A ```python torchrun block is per-rank code: the page's
+torchrun blocks run, in order, on four gloo processes, and each rank's output is
+compared with its ``# prints:`` / ``# raises:``. troubleshooting.md's error blocks are
+the table of errors, tests/_error_table.py.
 
 Each block is checked one way, and counted so: *compared* (its ``# prints:`` or
 ``# raises:``), *asserts* (it prints nothing and holds ``assert`` statements), or *runs
@@ -113,6 +115,17 @@ def _is_setup(code: str) -> bool:
     return True
 
 
+def shows(printed: str, shown: str) -> bool:
+    """Whether ``printed`` is what the page shows: the same lines, where ``...`` in a
+    shown line stands for any text on that line."""
+    if "..." not in shown:
+        return printed == shown
+    lines, want = printed.split("\n"), shown.split("\n")
+    return len(lines) == len(want) and all(
+        re.fullmatch(".*".join(map(re.escape, w.split("..."))), ln)
+        for ln, w in zip(lines, want))
+
+
 def checked(page: str, line: int, code: str, printed: str, raised: str | None = None) -> str:
     """How a block that printed ``printed`` (and raised ``raised``) is checked:
     ``compared``, ``asserts`` or ``runs only`` (a setup block); raises when it is not
@@ -122,10 +135,10 @@ def checked(page: str, line: int, code: str, printed: str, raised: str | None = 
     if error is not None:
         assert raised == error, (f"{where} raised:\n{raised or '(nothing)'}\nbut the page "
                                  f"shows:\n{error}")
-        assert printed == (want or ""), f"{where} printed:\n{printed}but the page shows:\n{want}"
+        assert shows(printed, want or ""), f"{where} printed:\n{printed}but the page shows:\n{want}"
         return "compared"
     if want is not None:
-        assert printed == want, f"{where} printed:\n{printed}but the page shows:\n{want}"
+        assert shows(printed, want), f"{where} printed:\n{printed}but the page shows:\n{want}"
         return "compared"
     assert printed == "", f"{where} printed:\n{printed}which the page does not show (# prints:)"
     if any(isinstance(n, ast.Assert) for n in ast.walk(ast.parse(code))):
@@ -213,11 +226,19 @@ def test_a_block_is_checked_one_way():
         checked(page, 1, "print(1)\nassert True", "1\n")
     with pytest.raises(AssertionError, match="but the page shows"):
         checked(page, 1, "print(2)\n# prints:\n# 1", "2\n")
-    shows = "f()\n# raises:\n# ShardingError: no"
-    assert checked(page, 1, shows, "", "ShardingError: no\n") == "compared"
+    error_block = "f()\n# raises:\n# ShardingError: no"
+    assert checked(page, 1, error_block, "", "ShardingError: no\n") == "compared"
     for raised in (None, "ShardingError: yes\n", "ValueError: no\n"):
         with pytest.raises(AssertionError, match="but the page shows"):
-            checked(page, 1, shows, "", raised)
+            checked(page, 1, error_block, "", raised)
+
+
+def test_dots_in_a_shown_line_stand_for_any_text_on_that_line():
+    assert shows("host 2.89 ms (1458 calls): host-bound\n", "host ... ms (... calls): host-bound\n")
+    assert shows("f(..., 'dp')\n", "f(..., 'dp')\n")
+    assert not shows("host 2.89 s\n", "host ... ms\n")
+    assert not shows("host 2.89 ms\nmore\n", "host ...\n")       # not across lines
+    assert checked("page.md", 1, "print(2)\n# prints:\n# ...", "2\n") == "compared"
 
 
 def test_a_block_that_shows_an_error_must_raise_it():
