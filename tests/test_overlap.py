@@ -166,12 +166,17 @@ def _marked(events):
     return mark
 
 
-def _ordered_body(events, how, enabled):
+def _ordered_body(events, how, enabled, per=1):
+    """A dp step with buckets of ``per`` weights; with ``per`` > 1, the second step (its
+    buckets cut at the entry, in the order the first one's gradients came in)."""
     mesh = functp.make_mesh((2,), ("dp",))
     p, x = _params(), randn(2 * B, D, seed=9)
     local_x = functp.shard(x, mesh, P("dp"))
     mark = _marked(events)
-    with overlap(enabled=enabled, first_bucket_mb=WEIGHT_MB, bucket_mb=WEIGHT_MB):
+    with overlap(enabled=enabled, first_bucket_mb=per * WEIGHT_MB, bucket_mb=per * WEIGHT_MB):
+        if per > 1:
+            _dp_step(mesh, how, p, local_x)
+            events.append((functp.process_index(), "second", None))
         _, g = _dp_step(mesh, how, p, local_x, mark)
     return g
 
@@ -192,7 +197,7 @@ def _fsdp_ordered_body(events, how, enabled):
         torch.func.grad(step)(functp.shard(p, mesh, P("dp")), functp.shard(x, mesh, P("dp")))
 
 
-def _order(monkeypatch, how, enabled, body=_ordered_body, op="all_reduce"):
+def _order(monkeypatch, how, enabled, body=_ordered_body, op="all_reduce", *args):
     """The events of a 2-rank step, in the order they happened: (rank, what, which);
     "launch" and "wait" are those of ``op`` on a weight-sized tensor or larger.
     Simulated ranks take turns and hand over only where one waits, so a collective a
@@ -212,8 +217,25 @@ def _order(monkeypatch, how, enabled, body=_ordered_body, op="all_reduce"):
 
     monkeypatch.setattr(prim, "_record", launched)
     monkeypatch.setattr(prim, "_wait", waited)
-    functp.simulate(body, 2, events, how, enabled, check=False)
+    functp.simulate(body, 2, events, how, enabled, *args, check=False)
     return [(r, what) if what != "backward" else (r, what, i) for r, what, i in events]
+
+
+@pytest.mark.parametrize("how", ["tape", "func_grad"])
+def test_a_later_steps_bucket_launches_once_its_weights_gradients_are_in(monkeypatch, how):
+    # buckets of two weights, cut at the entry after the first step: each launch point
+    # made at the first use of its weights (made at the entry, its node waited for the
+    # whole backward: the engine runs ready nodes latest-made first)
+    ev = _order(monkeypatch, how, True, _ordered_body, "all_reduce", 2)
+    second = {q: ev.index((q, "second")) for q in (0, 1)}
+
+    def at(e):          # (the second step's: after the rank's mark)
+        return ev.index(e, second[e[0]])
+    r = min((0, 1), key=lambda q: at((q, "launch")))     # whichever rank ran first
+    first = at((r, "launch"))                 # the last two layers' bucket
+    assert ev[second[r]:].count((r, "launch")) == LAYERS // 2, ev
+    assert at((r, "backward", LAYERS - 2)) < first < at((r, "backward", 0)), ev
+    assert at((r, "backward", 0)) < at((1 - r, "launch")), ev     # peer not yet in
 
 
 @pytest.mark.parametrize("how", ["tape", "func_grad"])

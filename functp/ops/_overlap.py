@@ -15,8 +15,9 @@ Launch points:
   buckets. At a layout's first backward each alias passes its own, made at its first
   use in the body (:func:`ready_point`): the order the gradients come in is learnt
   then, as DDP rebuilds its buckets once. Later, the buckets are cut at the entry and
-  each bucket's aliases pass one (:func:`bucket_ready`; per bucket, not per input,
-  as DDP's reducer marks a bucket ready). The buckets are the same on every rank of
+  each bucket's aliases pass one, made at the first use of any of them
+  (:func:`cut_at_entry`; per bucket, not per input, as DDP's reducer marks a bucket
+  ready). The buckets are the same on every rank of
   a group whatever the order each rank uses its inputs in (``_buckets``: cut per
   group and dtype, ``bucket_mb`` each, the first ``first_bucket_mb``, as DDP does),
   and launched in their order, each once its gradients are in (a gradient this rank
@@ -139,7 +140,7 @@ class Sink:
     group before it are complete, so every rank of a group launches the same buckets
     in the same order whatever the order its gradients came in; a gradient this rank
     will not send counts as zeros. A group whose order was agreed at an earlier
-    backward has its buckets cut at the entry (:func:`bucket_ready`), one launch point
+    backward has its buckets cut at the entry (:func:`cut_at_entry`), one launch point
     each; the others get one per input, and learn their order at this backward."""
 
     def __init__(self, local: list, paths: list) -> None:
@@ -149,6 +150,7 @@ class Sink:
         self.outs: list = []    # weak references to the entry's outputs (their vma tags)
         self.nodes: dict = {}    # group key -> {input: the grad_ready node it passes}
         self.made: list = []     # [(group key, [inputs])]: the buckets cut at the entry
+        self.bucket: dict = {}   # (group key, input) -> its bucket's inputs (those)
         self.reset()
 
     def reset(self) -> None:
@@ -416,28 +418,40 @@ def ready_point(alias: torch.Tensor, entry: torch.Tensor, key: str) -> torch.Ten
     return _through(sink, [j], key, [alias])[0]
 
 
-def bucket_ready(sink: Sink, key: str, aliases: list, entries: list) -> list:
-    """The ``aliases`` over group ``key`` of a body's entry outputs ``entries`` (of
-    ``sink``, at its entry), each bucket of them through one ``grad_ready``, where the
-    group's order was agreed at an earlier backward: its node runs once the whole
-    bucket's gradients are in, and launches it (one launch point per bucket, not per
-    input, as DDP's reducer marks a bucket ready). As they are otherwise (the first
-    backward of a layout learns the order its gradients come in, per input)."""
+def cut_at_entry(sink: Sink, key: str, entries: list) -> None:
+    """At a body's entry: group ``key``'s buckets cut at once where its order was
+    agreed at an earlier backward (``entries``: the group's entry outputs of
+    ``sink``), so that each bucket's aliases pass one ``grad_ready`` (:func:`bucket_point`,
+    per bucket, not per input, as DDP's reducer marks a bucket ready); left to the
+    first backward of a layout otherwise, which learns the order its gradients come in,
+    per input (:func:`ready_point`)."""
     if key in sink.nodes or not torch.is_grad_enabled():
-        return aliases
+        return
     layout = sink.layout
     members = layout.members_of(key, [r() for r in sink.outs])
-    at = {e.__dict__[SINK][1]: n for n, e in enumerate(entries)}
     order = layout.agreed(key, members)
-    if order is None or len(at) != len(members) or not all([j in at for j in members]):
-        return aliases
-    out = list(aliases)
+    have = {e.__dict__[SINK][1] for e in entries}
+    if order is None or len(have) != len(members) or not all([j in have for j in members]):
+        return
     sink.nodes[key] = {}
     for js in layout.cut(members, order, _get()):
         sink.made.append((key, js))
-        for n, y in zip([at[j] for j in js], _through(sink, js, key, [aliases[at[j]] for j in js])):
-            out[n] = y
-    return out
+        for j in js:
+            sink.bucket[(key, j)] = js
+
+
+def bucket_point(sink: Sink, key: str, j: int):
+    """The inputs of the bucket of group ``key`` that holds input ``j``, if the group's
+    buckets were cut at the entry (:func:`cut_at_entry`); else None. Its launch point
+    is made at the first use of any of them (:func:`bucket_through`), not at the entry:
+    the engine runs ready nodes latest-made first, so a node made at the entry would
+    wait for the whole backward."""
+    return sink.bucket.get((key, j))
+
+
+def bucket_through(sink: Sink, key: str, js: list, aliases: list) -> list:
+    """The aliases of bucket ``js`` of group ``key`` through one ``grad_ready``."""
+    return _through(sink, js, key, aliases)
 
 
 def _through(sink: Sink, js: list, key: str, aliases: list) -> list:

@@ -147,6 +147,7 @@ class EntryAliases:
         # reference back would be a cycle keeping the body's tensors alive after it
         self.token = tags.token
         self.entry: list[torch.Tensor] = []    # the aliased inputs
+        self.slot: dict = {}                   # an entry output's Sink index -> its index
         self.aliases: list[dict] = []          # per input: {axes: alias}
         # id of an input or a view of it -> (it, index, the view ops that made it from
         # the input: (func, args, kwargs) each, or None if they cannot be replayed)
@@ -158,14 +159,16 @@ class EntryAliases:
         """Aliases ``local[i]`` for ``i`` in ``aliased``: for each ``(group key, axes,
         inputs)`` of ``groups``, those inputs get an alias varying over ``axes`` too;
         with ``sink`` (a top-level body's gradient-overlap entry, which the inputs
-        passed), each bucket of them through its launch point at once where it can
-        (:func:`~functp.ops._overlap.bucket_ready`). (A nested body's inputs add to the
+        passed), their gradient buckets cut at once where they can be
+        (:func:`~functp.ops._overlap.cut_at_entry`). (A nested body's inputs add to the
         enclosing body's.)"""
         first = len(self.entry)
         slot = {}
         for j, i in enumerate(aliased, start=first):
             slot[i] = j
             self.of[id(local[i])] = (local[i], j, ())
+            if sink is not None and _overlap.SINK in local[i].__dict__:
+                self.slot[local[i].__dict__[_overlap.SINK][1]] = j
         self.entry.extend([local[i] for i in aliased])
         self.aliases.extend([{} for _ in aliased])
         token = self.token
@@ -174,16 +177,32 @@ class EntryAliases:
             # the tag, with no op, no backward node and no launch point (_overlap)
             outs = ([local[i].view_as(local[i]) for i in idx] if _size1(key)
                     else _ops.pvary([local[i] for i in idx], key, False))
-            if sink is not None and not _size1(key):
-                entered = [n for n, i in enumerate(idx) if _overlap.SINK in local[i].__dict__]
-                made = _overlap.bucket_ready(sink, key, [outs[n] for n in entered],
-                                             [local[idx[n]] for n in entered])
-                for n, y in zip(entered, made):
-                    outs[n] = y
             for i, out in zip(idx, outs):
                 self.aliases[slot[i]][axes] = out
                 out.__dict__[_TAG] = (token, vmas[i] | axes)
+            if sink is not None and not _size1(key):
+                _overlap.cut_at_entry(sink, key, [local[i] for i in idx
+                                                  if _overlap.SINK in local[i].__dict__])
         self.entry_views = any([x._base is not None for x in self.entry])
+
+    def ready(self, j: int, axes: frozenset, key: str) -> torch.Tensor:
+        """Input ``j``'s alias over ``axes`` (group ``key``) through its launch point
+        (``_overlap``), made here, at its first use: its bucket's for all of the
+        bucket's aliases where the buckets were cut at the entry, else its own."""
+        out = self.aliases[j][axes]
+        if _overlap.READY in out.__dict__:
+            return out
+        entry = self.entry[j]
+        sink, n = entry.__dict__[_overlap.SINK]
+        js = _overlap.bucket_point(sink, key, n)
+        if js is None:
+            out = self.aliases[j][axes] = _overlap.ready_point(out, entry, key)
+            return out
+        slots = [self.slot[i] for i in js]
+        outs = _overlap.bucket_through(sink, key, js, [self.aliases[s][axes] for s in slots])
+        for s, y in zip(slots, outs):
+            self.aliases[s][axes] = y
+        return self.aliases[j][axes]
 
     def cast(self, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> None:
         """``y``, ``x`` cast to ``dtype``, replaces ``x`` (if aliased); its aliases are
@@ -320,8 +339,7 @@ class Tracker(Tags):
                 out = al.aliases[j][missing]
                 if _overlap.SINK in al.entry[j].__dict__ and self.group(missing).size > 1:
                     # launch point (_overlap; none over size 1: nothing to send)
-                    out = al.aliases[j][missing] = _overlap.ready_point(
-                        out, al.entry[j], self.group(missing).key)
+                    out = al.ready(j, missing, self.group(missing).key)
                 if t is not al.entry[j]:
                     out = _view_like(out, t, views)
             elif (t.is_floating_point() or t.is_complex()) and self.group(missing).size > 1:
