@@ -10,6 +10,7 @@ in flight (no timing); a failed bucket names its collective.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -236,6 +237,52 @@ def test_a_later_steps_bucket_launches_once_its_weights_gradients_are_in(monkeyp
     assert ev[second[r]:].count((r, "launch")) == LAYERS // 2, ev
     assert at((r, "backward", LAYERS - 2)) < first < at((r, "backward", 0)), ev
     assert at((r, "backward", 0)) < at((1 - r, "launch")), ev     # peer not yet in
+
+
+def _planned_body(events, how, enabled):
+    """Three dp steps of a parallelized stack of Linear layers (a plan dict; tp of
+    size 1), buckets of one weight: the first step decides vma per op, the later
+    ones replay it. Each step's gradients against the unsharded model's."""
+    mesh = functp.make_mesh((2, 1), ("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(D, D) for _ in range(LAYERS)]).double()
+    ref_model = copy.deepcopy(model)
+    apply, params, specs = functp.parallelize(
+        model, mesh, {str(i): ("colwise", "rowwise")[i % 2] for i in range(LAYERS)})
+    mark = _marked(events)
+    for i, layer in enumerate(apply.module):
+        layer.register_forward_hook(lambda m, a, out, i=i: mark(out, i))
+    x = randn(2 * B, D, seed=9)
+    step = functp.shard_map(lambda p, x: functp.pmean(apply(p, x).square().mean(), "dp"),
+                            mesh, in_specs=(specs, P("dp")), out_specs=P())
+    ref = torch.func.grad(lambda q: torch.func.functional_call(ref_model, q, (x,))
+                          .square().mean())(dict(ref_model.named_parameters()))
+    with overlap(enabled=enabled, first_bucket_mb=WEIGHT_MB, bucket_mb=WEIGHT_MB):
+        for s in range(3):
+            events.append((functp.process_index(), f"step {s}", None))
+            q = {k: v.detach().clone() for k, v in params.items()}
+            if how == "func_grad":
+                g = torch.func.grad(step)(q, functp.shard(x, mesh, P("dp")))
+            else:
+                q = {k: v.requires_grad_() for k, v in q.items()}
+                step(q, functp.shard(x, mesh, P("dp"))).backward()
+                g = {k: v.grad for k, v in q.items()}
+            assert_tree_close(g, ref, f"step {s} grads")
+    assert apply.replay_status() == ["replayed"], apply.replay_status()
+
+
+@pytest.mark.parametrize("how", ["tape", "func_grad"])
+def test_a_replayed_modules_buckets_launch_during_its_backward(monkeypatch, how):
+    # the replay aliases the module's parameters as it starts; their launch points are
+    # made as each layer starts (made at the start, all buckets waited for the whole
+    # backward: the first launch came after layer 0's gradient, on the code before)
+    ev = _order(monkeypatch, how, True, _planned_body, "all_reduce")
+    for s in (0, 2):
+        start = {q: ev.index((q, f"step {s}")) for q in (0, 1)}
+        r = min((0, 1), key=lambda q: ev.index((q, "launch"), start[q]))
+        first = ev.index((r, "launch"), start[r])
+        assert ev.index((r, "backward", LAYERS - 1), start[r]) < first, (s, ev)
+        assert first < ev.index((r, "backward", 0), start[r]), (s, ev)
 
 
 @pytest.mark.parametrize("how", ["tape", "func_grad"])

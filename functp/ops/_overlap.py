@@ -151,6 +151,7 @@ class Sink:
         self.nodes: dict = {}    # group key -> {input: the grad_ready node it passes}
         self.made: list = []     # [(group key, [inputs])]: the buckets cut at the entry
         self.bucket: dict = {}   # (group key, input) -> its bucket's inputs (those)
+        self.last: dict = {}     # group key -> its last bucket's inputs (those)
         self.reset()
 
     def reset(self) -> None:
@@ -434,10 +435,12 @@ def cut_at_entry(sink: Sink, key: str, entries: list) -> None:
     if order is None or len(have) != len(members) or not all([j in have for j in members]):
         return
     sink.nodes[key] = {}
-    for js in layout.cut(members, order, _get()):
+    cut = layout.cut(members, order, _get())
+    for js in cut:
         sink.made.append((key, js))
         for j in js:
             sink.bucket[(key, j)] = js
+    sink.last[key] = cut[-1] if cut else []
 
 
 def bucket_point(sink: Sink, key: str, j: int):
@@ -447,6 +450,14 @@ def bucket_point(sink: Sink, key: str, j: int):
     the engine runs ready nodes latest-made first, so a node made at the entry would
     wait for the whole backward."""
     return sink.bucket.get((key, j))
+
+
+def launches_early(sink: Sink, key: str, j: int) -> bool:
+    """Can input ``j``'s bucket over group ``key`` launch before the backward ends?
+    Not the group's last bucket (its gradients complete last, whenever its launch
+    point was made), nor any bucket of a group not cut at the entry."""
+    js = sink.bucket.get((key, j))
+    return js is not None and js is not sink.last[key]
 
 
 def bucket_through(sink: Sink, key: str, js: list, aliases: list) -> list:

@@ -218,8 +218,6 @@ class EntryAliases:
         for axes, a in list(aliases.items()):
             b = aliases[axes] = a.to(dtype)
             b.__dict__[_TAG] = a.__dict__[_TAG]
-            if _overlap.READY in a.__dict__:      # (its bucket's launch point is before)
-                b.__dict__[_overlap.READY] = True
         self.entry_views = any([x._base is not None for x in self.entry])
 
     def follow_view(self, out: torch.Tensor, func, args, kwargs, is_inplace) -> None:
@@ -354,16 +352,28 @@ class Tracker(Tags):
         cached[1][missing] = out
         return out
 
-    def entry_alias(self, t: torch.Tensor, axes) -> torch.Tensor:
-        """``pvary(t, axes)`` where ``t`` is a body's input itself whose alias over the
-        missing axes went through its bucket's launch point at the entry (a replayed
-        call's parameters, one by one: the lookup alone); else :meth:`pvary`."""
+    def entry_alias(self, t: torch.Tensor, axes, late: list | None = None) -> torch.Tensor:
+        """``pvary(t, axes)`` where ``t`` is a body's input itself with an alias over
+        the missing axes (a replayed call's parameters, one by one: the lookup
+        alone). With ``late`` (a list), an alias whose gradient launch point is still
+        to be made, in a bucket that may launch before the backward ends, is returned
+        without it, and ``(its index, axes, group key)`` appended: the caller makes it
+        where the parameter is first used (:meth:`EntryAliases.ready`)."""
         al, tag = self.aliases, t.__dict__.get(_TAG)
         if al is not None and tag is not None and tag[0] == self.token:
             hit = al.of.get(id(t))
             if hit is not None and hit[0] is t:
-                out = al.aliases[hit[1]].get(frozenset(axes) - tag[1])
+                missing = frozenset(axes) - tag[1]
+                out = al.aliases[hit[1]].get(missing)
                 if out is not None and _overlap.READY in out.__dict__:
+                    return out
+                entry = al.entry[hit[1]].__dict__
+                if (out is not None and late is not None and _overlap.SINK in entry
+                        and self.group(missing).size > 1 and not _under_vmap(t)
+                        and _overlap.launches_early(entry[_overlap.SINK][0],
+                                                    self.group(missing).key,
+                                                    entry[_overlap.SINK][1])):
+                    late.append((hit[1], missing, self.group(missing).key))
                     return out
         return self.pvary(t, axes)
 

@@ -26,6 +26,10 @@ class CallState:
         # while a call's vma is recorded or replayed (parallel/_replayed): what the
         # hooks hand their work to, with ``pre(hook, m, args, kwargs)`` and ``post``
         self.vma = None
+        # while a replayed call runs (parallel/_replayed): module id -> its parameters'
+        # gradient launch points still to be made, and the tracker that makes them
+        self.late: dict | None = None
+        self.late_tracker = None
 
 
 class PlanHook:

@@ -150,6 +150,10 @@ class Parallelized:
             self.plan_hooks.setdefault(name, PlanHook(name, mod, style, pmap, ax, self._call))
         # the parameters' places in the module, found once (functional_call's work)
         self._swap = ParamSwap(module)
+        # (parallel/_replayed: the modules owning each parameter slot, found once, and
+        # those given a pre-hook that makes their parameters' gradient launch points)
+        self._owner_of: dict | None = None
+        self._hooked_use: set = set()
 
     def __repr__(self) -> str:
         return (f"Parallelized({type(self.module).__name__} over '{self.axis}' of {self.mesh}, "

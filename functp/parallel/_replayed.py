@@ -13,6 +13,7 @@ hooks hand their work to :class:`_Recording` / :class:`_Replaying`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 
 import torch
@@ -178,20 +179,66 @@ def _replay(apply, tr, rec: Record, params: dict, run):
     if _lazy._state.on:
         _lazy.settle()
     aliased = dict(params)
+    late = [] if tr.aliases is not None and apply._swap.slots is not None else None
+    due = {}
     for n, axes in rec.alias:
-        aliased[n] = tr.entry_alias(params[n], axes)
+        k = len(late) if late is not None else 0
+        aliased[n] = tr.entry_alias(params[n], axes, late)
+        if late is not None and len(late) > k:
+            due[n] = late[-1]
     st = apply._call
+    if due:
+        _launch_points_at_use(apply, tr, due, aliased)
     tr.replaying, st.vma = True, _Replaying(tr, rec)
     try:
         out = run(aliased)
     finally:
-        tr.replaying, st.vma = False, None
+        tr.replaying, st.vma, st.late = False, None, None
     outs = output_tensors(out)
     if len(outs) != len(rec.result):
         raise _changed(type(apply.module).__name__, "its result", len(rec.result), len(outs))
     for t, v in zip(outs, rec.result):
         tr.set(t, v)
     return out
+
+
+def _launch_points_at_use(apply, tr, due: dict, aliased: dict) -> None:
+    """The parameters ``due`` (name -> (alias index, axes, group key)) get their
+    gradient launch points (``ops/_overlap``) as the module owning each one starts,
+    not here: the engine runs ready autograd nodes latest-made first, so a point made
+    before the module's own nodes would wait for the module's whole backward, and its
+    bucket with it. A forward pre-hook on each owner (before the plan's own, whose
+    style reads the parameters too), registered once per module."""
+    st, slots = apply._call, apply._swap.slots
+    owners = apply._owner_of
+    if owners is None:
+        owners = apply._owner_of = {id(m._parameters): m for m in apply.module.modules()}
+    late: dict = {}
+    for n, point in due.items():
+        for d, short, _ in slots.get(n, ()):
+            mod = owners.get(id(d))
+            if mod is None:
+                continue
+            late.setdefault(id(mod), []).append((d, short, n, aliased[n], point))
+            if id(mod) not in apply._hooked_use:
+                apply._hooked_use.add(id(mod))
+                mod.register_forward_pre_hook(functools.partial(_at_use, st), prepend=True)
+    st.late, st.late_tracker = late, tr
+
+
+def _at_use(st, mod, args) -> None:
+    """A module's forward pre-hook: its parameters' launch points, made now; each
+    goes where the alias was (the module's slot, unless the plan withheld it there,
+    and the parameters the plan's styles read)."""
+    todo = st.late.pop(id(mod), None) if st.late else None
+    if todo:
+        aliases, params = st.late_tracker.aliases, st.params
+        for d, short, name, raw, (j, axes, key) in todo:
+            y = aliases.ready(j, axes, key)
+            if d.get(short) is raw:
+                d[short] = y
+            if params.get(name) is raw:
+                params[name] = y
 
 
 def _changed(kind: str, what: str, then: int, now: int) -> ShardingError:
