@@ -269,6 +269,8 @@ def _planned_body(events, how, enabled):
                 g = {k: v.grad for k, v in q.items()}
             assert_tree_close(g, ref, f"step {s} grads")
     assert apply.replay_status() == ["replayed"], apply.replay_status()
+    # (nothing of the step is held after it: the tracker caches its aliases)
+    assert apply._call.late is None and apply._call.late_tracker is None
 
 
 @pytest.mark.parametrize("how", ["tape", "func_grad"])

@@ -193,7 +193,8 @@ def _replay(apply, tr, rec: Record, params: dict, run):
     try:
         out = run(aliased)
     finally:
-        tr.replaying, st.vma, st.late = False, None, None
+        # (the tracker let go: it holds the step's aliases and cached pvarys)
+        tr.replaying, st.vma, st.late, st.late_tracker = False, None, None, None
     outs = output_tensors(out)
     if len(outs) != len(rec.result):
         raise _changed(type(apply.module).__name__, "its result", len(rec.result), len(outs))
