@@ -17,11 +17,12 @@ Launch points:
   then, as DDP rebuilds its buckets once. Later, the buckets are cut at the entry and
   each bucket's aliases pass one, made at the first use of any of them
   (:func:`cut_at_entry`; per bucket, not per input, as DDP's reducer marks a bucket
-  ready). The buckets are the same on every rank of
-  a group whatever the order each rank uses its inputs in (``_buckets``: cut per
-  group and dtype, ``bucket_mb`` each, the first ``first_bucket_mb``, as DDP does),
-  and launched in their order, each once its gradients are in (a gradient this rank
-  will not send counts as zeros): every rank pairs the same inputs.
+  ready). Made at the entry, a node would wait for the whole backward: the engine
+  runs ready nodes latest-made first. The buckets are the same on every rank of a
+  group whatever the order each rank uses its inputs in (``_buckets``: cut per group
+  and dtype, ``bucket_mb`` each, the first ``first_bucket_mb``, as DDP does), and
+  launched in their order, each once its gradients are in (a gradient this rank will
+  not send counts as zeros): every rank pairs the same inputs.
 - an ``all_gather`` of such an input (FSDP): the reduce-scatter of its backward is
   launched there and waited on at the entry (``_ops._ag_bwd`` asks the input's sink).
 
@@ -58,7 +59,7 @@ SINK = "_functp_sink"          # an entry output's __dict__ key: (its Sink, its 
 # the inputs that may get a sink (a fake one: functp.estimate's tape step, as its real
 # run; torch.compile's fakes are turned away by _compile.tracing())
 _TENSORS = (torch.Tensor, torch.nn.Parameter, FakeTensor)
-READY = "_functp_ready"       # a grad_ready output's: one launch point per alias
+READY = "_functp_ready"       # a grad_ready output's: its launch point is made
 
 # the settings, read at each launch: the process's, or a simulated rank's own (set in
 # its thread, as a process under torchrun sets its own)
@@ -136,10 +137,9 @@ class Sink:
     :class:`~functp.ops._buckets.Buckets`) as their gradients come, the collectives
     launched, and the results each input's gradient still gets.
 
-    A group's buckets are launched in its order, each once it and every bucket of the
-    group before it are complete, so every rank of a group launches the same buckets
-    in the same order whatever the order its gradients came in; a gradient this rank
-    will not send counts as zeros. A group whose order was agreed at an earlier
+    Each bucket is launched once it and every bucket before it are complete, so every
+    rank launches the same buckets in the same order whatever the order its gradients
+    came in; a gradient this rank will not send counts as zeros. A group whose order was agreed at an earlier
     backward has its buckets cut at the entry (:func:`cut_at_entry`), one launch point
     each; the others get one per input, and learn their order at this backward."""
 
@@ -162,7 +162,7 @@ class Sink:
         self.plan = None              # [(group key, [inputs])]
         self.left: list = []          # per bucket: gradients still to come
         self.where: dict = {}         # (input, group key) -> its bucket
-        self.queue: dict = {}         # group key -> its buckets not launched, in order
+        self.next = 0                 # the next bucket to launch
         self.arrived: list = []       # (input, group key) in the order their gradients came
 
     def ready(self, js: list, key: str, node) -> None:
@@ -198,8 +198,8 @@ class Sink:
     def add(self, js: list, key: str, cts) -> bool:
         """Inputs ``js``' gradients ``cts`` through their aliases over group ``key``
         (None: no gradient came) join their buckets, each launched once it and every
-        bucket of the group before it are complete; False where this backward cannot
-        defer (``cts`` are passed on)."""
+        bucket before it are complete; False where this backward cannot defer
+        (``cts`` are passed on)."""
         if self.deferring is None:
             ct = next((c for c in cts if c is not None), None)
             if ct is None:
@@ -218,7 +218,7 @@ class Sink:
                 got[slot] = ct
                 self.arrived.append(slot)
                 left[where[slot]] -= 1
-        self._advance(key)
+        self._advance()
         return True
 
     def _layout(self) -> None:
@@ -229,7 +229,6 @@ class Sink:
         self.plan, self.left = plan, [len(js) for _, js in plan]
         runs: dict = {}      # id of a launch point -> will this backward run it?
         for b, (key, js) in enumerate(plan):
-            self.queue.setdefault(key, []).append(b)
             nodes = self.nodes[key]
             for j in js:
                 self.where[(j, key)] = b
@@ -239,13 +238,15 @@ class Sink:
                 if (j, key) in self.got or node is None or not ran:
                     self.got[(j, key)] = None
                     self.left[b] -= 1
-        for key in self.queue:
-            self._advance(key)
+        self._advance()
 
-    def _advance(self, key: str) -> None:
-        queue = self.queue[key]
-        while queue and self.left[queue[0]] == 0:
-            self._launch(*self.plan[queue.pop(0)])
+    def _advance(self) -> None:
+        # (one order for all groups, the same on every rank: two axis groups may be
+        # one process group, e.g. ('dp',) and ('dp', 'tp') where tp has size 1, whose
+        # collectives must come in the same order everywhere)
+        while self.next < len(self.plan) and self.left[self.next] == 0:
+            self._launch(*self.plan[self.next])
+            self.next += 1
 
     def _launch(self, key: str, js: list) -> None:
         cts = []
@@ -272,9 +273,9 @@ class Sink:
                 if self.deferring:
                     self._layout()
             if self.deferring:
-                for queue in self.queue.values():
-                    while queue:
-                        self._launch(*self.plan[queue.pop(0)])
+                while self.next < len(self.plan):
+                    self._launch(*self.plan[self.next])
+                    self.next += 1
             _wait_all(self.pending)
             if self.deferring and self.layout.fresh:
                 self.layout.agree_order(self.arrived)
