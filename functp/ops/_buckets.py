@@ -79,8 +79,11 @@ class Buckets:
         none yet, or ``REBUILD`` off)."""
         if not REBUILD:
             return None
-        layout = tuple((j,) + self.meta[j][:2] for j in members)
-        return _orders.get((self.whose, key, layout), (None, None))[1]
+        return _orders.get((self.whose, key, self.layout_of(members)), (None, None))[1]
+
+    def layout_of(self, members: list) -> tuple:
+        """What a group's ranks agree on: each member's position, shape and dtype."""
+        return tuple((j,) + self.meta[j][:2] for j in members)
 
     def plan(self, cfg: dict) -> list:
         """``[(group key, [inputs])]`` of the enrolled groups, each group's buckets in
@@ -93,7 +96,7 @@ class Buckets:
             members = self.members[key]
             order = self.agreed(key, members)
             if order is None and _world.dry_run() is None:
-                layout = tuple((j,) + self.meta[j][:2] for j in members)
+                layout = self.layout_of(members)
                 _agree_layout(key, layout, self.meta, self.paths)
                 self.fresh[key] = layout
             plan += [(key, js) for js in self.cut(members, order, cfg)]

@@ -139,9 +139,10 @@ class Sink:
 
     Each bucket is launched once it and every bucket before it are complete, so every
     rank launches the same buckets in the same order whatever the order its gradients
-    came in; a gradient this rank will not send counts as zeros. A group whose order was agreed at an earlier
-    backward has its buckets cut at the entry (:func:`cut_at_entry`), one launch point
-    each; the others get one per input, and learn their order at this backward."""
+    came in; a gradient this rank will not send counts as zeros. A group whose order
+    was agreed at an earlier backward has its buckets cut at the entry
+    (:func:`cut_at_entry`), one launch point each; the others get one per input, and
+    learn their order at this backward."""
 
     def __init__(self, local: list, paths: list) -> None:
         self.layout = Buckets(local, paths)
@@ -417,7 +418,7 @@ def ready_point(alias: torch.Tensor, entry: torch.Tensor, key: str) -> torch.Ten
     if SINK not in entry.__dict__ or READY in alias.__dict__ or not torch.is_grad_enabled():
         return alias
     sink, j = entry.__dict__[SINK]
-    return _through(sink, [j], key, [alias])[0]
+    return through(sink, [j], key, [alias])[0]
 
 
 def cut_at_entry(sink: Sink, key: str, entries: list) -> None:
@@ -432,8 +433,7 @@ def cut_at_entry(sink: Sink, key: str, entries: list) -> None:
     layout = sink.layout
     members = layout.members_of(key, [r() for r in sink.outs])
     order = layout.agreed(key, members)
-    have = {e.__dict__[SINK][1] for e in entries}
-    if order is None or len(have) != len(members) or not all([j in have for j in members]):
+    if order is None or {e.__dict__[SINK][1] for e in entries} != set(members):
         return
     sink.nodes[key] = {}
     cut = layout.cut(members, order, _get())
@@ -447,7 +447,7 @@ def cut_at_entry(sink: Sink, key: str, entries: list) -> None:
 def bucket_point(sink: Sink, key: str, j: int):
     """The inputs of the bucket of group ``key`` that holds input ``j``, if the group's
     buckets were cut at the entry (:func:`cut_at_entry`); else None. Its launch point
-    is made at the first use of any of them (:func:`bucket_through`), not at the entry:
+    is made at the first use of any of them (:func:`through`), not at the entry:
     the engine runs ready nodes latest-made first, so a node made at the entry would
     wait for the whole backward."""
     return sink.bucket.get((key, j))
@@ -457,16 +457,11 @@ def launches_early(sink: Sink, key: str, j: int) -> bool:
     """Can input ``j``'s bucket over group ``key`` launch before the backward ends?
     Not the group's last bucket (its gradients complete last, whenever its launch
     point was made), nor any bucket of a group not cut at the entry."""
-    js = sink.bucket.get((key, j))
+    js = bucket_point(sink, key, j)
     return js is not None and js is not sink.last[key]
 
 
-def bucket_through(sink: Sink, key: str, js: list, aliases: list) -> list:
-    """The aliases of bucket ``js`` of group ``key`` through one ``grad_ready``."""
-    return _through(sink, js, key, aliases)
-
-
-def _through(sink: Sink, js: list, key: str, aliases: list) -> list:
+def through(sink: Sink, js: list, key: str, aliases: list) -> list:
     """``aliases`` (of inputs ``js`` over group ``key``) through one ``grad_ready``."""
     token = _put((sink, js, key))
     try:

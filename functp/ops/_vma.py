@@ -199,7 +199,7 @@ class EntryAliases:
             out = self.aliases[j][axes] = _overlap.ready_point(out, entry, key)
             return out
         slots = [self.slot[i] for i in js]
-        outs = _overlap.bucket_through(sink, key, js, [self.aliases[s][axes] for s in slots])
+        outs = _overlap.through(sink, js, key, [self.aliases[s][axes] for s in slots])
         for s, y in zip(slots, outs):
             self.aliases[s][axes] = y
         return self.aliases[j][axes]
@@ -367,14 +367,13 @@ class Tracker(Tags):
                 out = al.aliases[hit[1]].get(missing)
                 if out is not None and _overlap.READY in out.__dict__:
                     return out
-                entry = al.entry[hit[1]].__dict__
-                if (out is not None and late is not None and _overlap.SINK in entry
-                        and self.group(missing).size > 1 and not _under_vmap(t)
-                        and _overlap.launches_early(entry[_overlap.SINK][0],
-                                                    self.group(missing).key,
-                                                    entry[_overlap.SINK][1])):
-                    late.append((hit[1], missing, self.group(missing).key))
-                    return out
+                at = al.entry[hit[1]].__dict__.get(_overlap.SINK)
+                if out is not None and late is not None and at is not None:
+                    g = self.group(missing)
+                    if (g.size > 1 and not _under_vmap(t)
+                            and _overlap.launches_early(at[0], g.key, at[1])):
+                        late.append((hit[1], missing, g.key))
+                        return out
         return self.pvary(t, axes)
 
     def pvary_inplace(self, t: torch.Tensor, axes) -> None:
