@@ -130,7 +130,7 @@ def _llama_step_body(shape, check_vma):
         return torch.autograd.grad(step(leaves, local_ids), list(leaves.values()))
     counts = _calls(tape, ("_hooks.py", "pre"), ("_hooks.py", "post"),
                     ("_hooks.py", "_new_call"), ("module.py", "named_modules"),
-                    ("_ops.py", "_psum_raw"))
+                    ("_ops.py", "_psum_raw"), ("_collectives.py", "_collective"))
     grads = dict(zip(leaves, tape()))
     # (sum rules on tp=2 differ by float32 rounding, ~1e-6 of the largest gradient, as on
     # main: Llama's RMSNorm computes in float32, and sum rules carry each rank's share
@@ -171,13 +171,17 @@ def test_a_llama_step_hooks_only_where_styles_act(run, check_vma):
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "sum"])
-def test_size1_axes_cost_no_collective_op_without_vma(run, check_vma):
-    # dp=2, tp=1 (a data-parallel run of the "auto" plan): without vma tracking, no
-    # relayout over tp is an op, and the parameters' gradient all-reduce over dp is
-    # one pvary, with no gradient-overlap entry (which it would leave behind)
+def test_size1_axes_cost_no_collective_op(run, check_vma):
+    # dp=2, tp=1 (a data-parallel run of the "auto" plan): no relayout over tp is a
+    # collective, without vma tracking nor in a replayed step (the one profiled: its
+    # vma is tagged at the boundaries as recorded, so no move over one rank needs an
+    # op to carry it); the one collective is the loss's pmean over dp
     for _, _, counts, _, ops in run(2, _llama_step_body, (2, 1), check_vma):
+        assert counts[("_collectives.py", "_collective")] == 1, counts
         if check_vma:
-            continue            # (the vma tags need their ops: the lead's, issue 39)
+            continue            # (its gradient all-reduce: the buckets' aliases)
+        # without vma the parameters' gradient all-reduce over dp is one pvary, with
+        # no gradient-overlap entry (which it would leave behind)
         assert counts[("_ops.py", "_psum_raw")] == 2, counts    # the loss's, both ways
         assert sum("pvary" in n for n in ops) == 1, ops
         assert not any("overlap_entry" in n for n in ops), ops

@@ -187,11 +187,15 @@ def relayout(x: Any, src: Placement | None, dst: Placement | None, axis: str, *,
         return x
     moves = (isinstance(dst, Shard) and isinstance(src, (Shard, Replicate, Partial))
              or isinstance(dst, Replicate) and isinstance(src, (Shard, Partial)))
-    if moves and current("relayout").tracker is None and axis_size(axis) == 1:
-        # without vma tracking (sum semantics) every move over one rank is the
-        # identity, forward and backward: no collective op, no autograd node (as
-        # Megatron's reductions return their input at a tensor-parallel size of 1)
-        return x
+    if moves and axis_size(axis) == 1:
+        tr = current("relayout").tracker
+        if tr is None or tr.replaying:
+            # over one rank every move is the identity, forward and backward: no
+            # collective op, no autograd node (as Megatron's reductions return their
+            # input at a tensor-parallel size of 1). Only the vma type would change,
+            # and nothing reads it without tracking, nor inside a replayed planned
+            # module (its next boundary and its result are tagged as recorded)
+            return x
     if isinstance(src, Shard):
         d = src.dim % x.ndim
         if isinstance(dst, Replicate):
