@@ -581,15 +581,19 @@ def _compiled_hf_body(model_type: str, shape: tuple, names: tuple, paths: tuple,
             f"step {log.summary()}")
 
 
+_ONE = dict(num_hidden_layers=1)     # (a layer of each kind is enough: half the tracing)
+
+
 def test_inductor_compiles_a_transformers_llama_through_parallelize_tp2(run):
     pytest.importorskip("transformers")
     run(2, _compiled_hf_body, "llama", (2,), ("tp",),
-        ("torch.func.grad", "functp.value_and_grad", "tape"), timeout=900)
+        ("torch.func.grad", "functp.value_and_grad", "tape"), "inductor", True, _ONE,
+        timeout=900)
 
 
 def test_inductor_compiles_a_check_vma_false_body_of_gpt2(run):
     pytest.importorskip("transformers")
-    run(2, _compiled_hf_body, "gpt2", (2,), ("tp",), ("tape",), "inductor", False,
+    run(2, _compiled_hf_body, "gpt2", (2,), ("tp",), ("tape",), "inductor", False, _ONE,
         timeout=900)
 
 
@@ -600,7 +604,6 @@ def test_inductor_compiles_a_tied_sliding_window_gemma3_through_parallelize_tp2(
 
 _TP2, _DP2_TP2 = ((2,), ("tp",)), ((2, 2), ("dp", "tp"))
 _GRAD, _VAG, _TAPE = "torch.func.grad", "functp.value_and_grad", "tape"
-_ONE = dict(num_hidden_layers=1)     # (a layer of each kind is enough: half the tracing)
 # (model, mesh, paths, fields): with the Inductor tests above, every model on both
 # meshes and every path on each mesh; 2-10 s a cell
 _AOT_CELLS = [
