@@ -7,7 +7,8 @@ on the device, and all five steps made on that one model, as gpu_step.py makes t
     step = program(CONFIGS["h1024 L8 4x512"], "cuda", "functp tape")   # model, batch, step
     grads = step()                                                     # one step
 
-``step`` is one of ``VARIANTS``. World size 1, a ``("dp", "tp")`` mesh of 1 x 1.
+``step`` is one of ``VARIANTS``. A ``("dp", "tp")`` mesh of ``dp`` x 1 (1: world size
+1, as on the H200; the functp steps only take a larger ``dp``, whose ranks split ``B``).
 ``replay=False``: functp's planned modules track every op on every call (the code the
 H200 runs measured: they predate the replay of vma decisions, issue 39).
 """
@@ -35,7 +36,7 @@ def _loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-def program(c, device, step, dtype=torch.bfloat16, replay=True):
+def program(c, device, step, dtype=torch.bfloat16, replay=True, dp=1):
     import transformers
 
     import functp
@@ -68,7 +69,7 @@ def program(c, device, step, dtype=torch.bfloat16, replay=True):
     elif step == "plain func.grad":
         g = torch.func.grad(lambda p, i: _loss(apply(p, i, use_cache=False).logits, i))
     # the functp steps (gpu_step.functp_steps, world 1)
-    mesh = functp.make_mesh((1, 1), ("dp", "tp"), device_type=device)
+    mesh = functp.make_mesh((dp, 1), ("dp", "tp"), device_type=device)
     fapply, fparams, specs = functp.parallelize(model, mesh, "auto")
     fapply.replay = replay
     fparams = {k: v.detach() for k, v in fparams.items()}
