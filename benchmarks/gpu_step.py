@@ -10,7 +10,9 @@ compiled: the table of issue 39, on a GPU or (tiny sizes) on this CPU.
 Variants (each ``eager`` and, with ``--compile``, ``torch.compile(fullgraph=True)``
 with Inductor): ``plain tape`` (the module, ``backward``; over several processes
 wrapped in DDP), ``plain func.grad`` (``torch.func.grad`` of ``functional_call``; over
-several processes its gradients all-reduced), ``functp tape``, ``functp
+several processes its gradients all-reduced), over several processes ``DDP + mean
+loss`` (DDP's step with its loss all-reduced, as functp's body returns it), ``functp
+tape``, ``functp
 value_and_grad`` and ``functp func.grad`` (``parallelize(model, mesh, "auto")`` in a
 ``shard_map``, the batch split over ``dp``; with ``--no-vma`` also functp's tape
 and func.grad steps of a ``check_vma=False`` body: what functp costs besides vma
@@ -103,11 +105,14 @@ def plain_steps(model, ids, world: int) -> dict:
         from torch.nn.parallel import DistributedDataParallel
         ddp = DistributedDataParallel(model)
 
-    def tape(wrap):
+    def tape(wrap, mean_loss=False):
         fwd = wrap(lambda i: lm_loss(ddp(i, use_cache=False).logits, i))
 
         def step():
-            fwd(ids).backward()
+            loss = fwd(ids)
+            if mean_loss:      # the loss every rank reports: functp's body returns it
+                dist.all_reduce(loss.detach() / world)
+            loss.backward()
             grads = [p.grad for p in model.parameters()]
             model.zero_grad(set_to_none=True)
             return grads
@@ -124,7 +129,12 @@ def plain_steps(model, ids, world: int) -> dict:
                     v.div_(world)
             return grads
         return step
-    return {"plain tape": tape, "plain func.grad": func_grad}
+    steps = {"plain tape": tape, "plain func.grad": func_grad}
+    if world > 1:
+        # DDP's step above reduces no loss; functp's body returns the mean loss
+        # (``pmean``), a forward all-reduce that gloo waits on (NCCL: on the stream)
+        steps["DDP + mean loss"] = lambda wrap: tape(wrap, mean_loss=True)
+    return steps
 
 
 def functp_steps(model, ids, world: int, no_vma: bool = False) -> dict:
