@@ -241,11 +241,13 @@ class Sink:
                     self.left[b] -= 1
         self._advance()
 
-    def _advance(self) -> None:
+    def _advance(self, every: bool = False) -> None:
+        """Launches the buckets in plan order while each is complete (``every``: all
+        that are left, the missing gradients as zeros)."""
         # (one order for all groups, the same on every rank: two axis groups may be
         # one process group, e.g. ('dp',) and ('dp', 'tp') where tp has size 1, whose
         # collectives must come in the same order everywhere)
-        while self.next < len(self.plan) and self.left[self.next] == 0:
+        while self.next < len(self.plan) and (every or self.left[self.next] == 0):
             self._launch(*self.plan[self.next])
             self.next += 1
 
@@ -274,9 +276,7 @@ class Sink:
                 if self.deferring:
                     self._layout()
             if self.deferring:
-                while self.next < len(self.plan):
-                    self._launch(*self.plan[self.next])
-                    self.next += 1
+                self._advance(every=True)
             _wait_all(self.pending)
             if self.deferring and self.layout.fresh:
                 self.layout.agree_order(self.arrived)
