@@ -12,9 +12,8 @@ with Inductor): ``plain tape`` (the module, ``backward``; over several processes
 wrapped in DDP), ``plain func.grad`` (``torch.func.grad`` of ``functional_call``; over
 several processes its gradients all-reduced), over several processes ``DDP + mean
 loss`` (DDP's step with its loss all-reduced, as functp's body returns it), ``functp
-tape``, ``functp
-value_and_grad`` and ``functp func.grad`` (``parallelize(model, mesh, "auto")`` in a
-``shard_map``, the batch split over ``dp``; with ``--no-vma`` also functp's tape
+tape``, ``functp value_and_grad`` and ``functp func.grad`` (``parallelize(model, mesh,
+"auto")`` in a ``shard_map``, the batch split over ``dp``; with ``--no-vma`` also functp's tape
 and func.grad steps of a ``check_vma=False`` body: what functp costs besides vma
 tracking). Columns: the median step time (ms, the device synchronized), the host's
 enqueue time (ms until the step function returns, not synchronized: on the CPU the

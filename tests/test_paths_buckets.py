@@ -193,38 +193,28 @@ def test_ranks_given_different_parameters_are_named_without_the_check_mode(misma
 
 def _two_groups(tape):
     """A (2, 1) mesh: ('dp',) and ('dp', 'tp') are the same ranks (on torch 2.11, 2.13
-    and 2.15 one process group object). Weights ``e*`` are replicated (aliased over
-    both axes: the activations vary over dp and the size-1 tp), ``f*`` split over tp
-    (aliased over dp alone), so each step sends buckets of both groups over one group
-    of ranks, and each rank uses the weights in its own order, changing every step.
-    Those collectives must come in one order on every rank (else the ranks pair
-    different buckets: wrong sums, or gloo aborting on unequal sizes); every step's
-    gradients equal the unsharded program's."""
+    and 2.15 one process group object). Weights ``e0``, ``e2`` are replicated (aliased
+    over both axes: the activations vary over dp and the size-1 tp), ``e1``, ``e3``
+    split over tp (aliased over dp alone), so each step sends buckets of both groups
+    over one group of ranks, and each rank uses the weights in its own order
+    (:func:`_order`), changing every step. Those collectives must come in one order on
+    every rank (else the ranks pair different buckets: wrong sums, or gloo aborting on
+    unequal sizes); every step's gradients equal the unsharded program's."""
     mesh = functp.make_mesh((2, 1), ("dp", "tp"))
-    names = ["e0", "f0", "e1", "f1"]
-    p = {k: randn(D, D, seed=i) / D ** 0.5 for i, k in enumerate(names)}
-    specs = {k: P() if k[0] == "e" else P(None, "tp") for k in names}
+    p = {f"e{e}": randn(D, D, seed=e) / D ** 0.5 for e in range(E)}
+    specs = {k: P() if int(k[1]) % 2 == 0 else P(None, "tp") for k in p}
     x = randn(2 * B, D, seed=99)
-
-    def run_in(order, p, h):
-        for k in order:
-            h = torch.tanh(h @ p[k])
-        return h.square().sum()
-
-    def order_of(r, s):
-        o = [names[(i + r + s) % 4] for i in range(4)]
-        return o[::-1] if (r + s) % 2 else o
     for s in range(3):
         def body(p, x):
             r = functp.axis_index("dp")
-            return functp.pmean(run_in(order_of(r, s), p, x), ("dp", "tp"))
+            return functp.pmean(_experts(p, x, r + s, 2, False).square().sum(), ("dp", "tp"))
 
         step = functp.shard_map(body, mesh, in_specs=(specs, P("dp", "tp")), out_specs=P())
         with _buckets(WEIGHT_MB):
             g, loss = grads_and_loss(step, functp.shard(p, mesh, specs),
                                      functp.shard(x, mesh, P("dp", "tp")), tape=tape)
         ref_g, ref_loss = torch.func.grad_and_value(
-            lambda p: sum(run_in(order_of(r, s), p, xb)
+            lambda p: sum(_experts(p, xb, r + s, 2, False).square().sum()
                           for r, xb in enumerate(x.split(B))) / 2)(p)
         assert_tree_close(loss, ref_loss, f"step {s} loss")
         assert_tree_close(functp.unshard(g, mesh, specs), ref_g, f"step {s} grads")
