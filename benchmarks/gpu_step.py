@@ -13,7 +13,10 @@ wrapped in DDP), ``plain func.grad`` (``torch.func.grad`` of ``functional_call``
 several processes its gradients all-reduced), over several processes ``DDP + mean
 loss`` (DDP's step with its loss all-reduced, as functp's body returns it), ``functp
 tape``, ``functp value_and_grad`` and ``functp func.grad`` (``parallelize(model, mesh,
-"auto")`` in a ``shard_map``, the batch split over ``dp``; with ``--no-vma`` also functp's tape
+"auto")`` in a ``shard_map``, the batch split over ``dp``, the body returning
+``pmean(loss)``; over several processes also functp's tape and value_and_grad steps
+with each rank's ``loss / world`` returned unreduced, ``out_specs=P("dp")``: DDP's
+program, no forward all-reduce); with ``--no-vma`` also functp's tape
 and func.grad steps of a ``check_vma=False`` body: what functp costs besides vma
 tracking). Columns: the median step time (ms, the device synchronized), the host's
 enqueue time (ms until the step function returns, not synchronized: on the CPU the
@@ -149,8 +152,14 @@ def functp_steps(model, ids, world: int, no_vma: bool = False) -> dict:
     def local_loss(p, i):
         return functp.pmean(lm_loss(apply(p, i, use_cache=False).logits, i), "dp")
 
-    def steps(check_vma: bool, suffix: str) -> dict:
-        body = functp.shard_map(local_loss, mesh, in_specs=(specs, P("dp")), out_specs=P(),
+    def rank_loss(p, i):
+        # DDP's program: each rank's share of the mean loss, not reduced in the
+        # forward (the global (world,) output sums to the mean); the gradient is the
+        # same, the parameters' backward psum over dp averages it
+        return (lm_loss(apply(p, i, use_cache=False).logits, i) / world).reshape(1)
+
+    def steps(check_vma: bool, suffix: str, fn=local_loss, out_specs=P()) -> dict:
+        body = functp.shard_map(fn, mesh, in_specs=(specs, P("dp")), out_specs=out_specs,
                                 check_vma=check_vma)
 
         def tape(wrap):
@@ -170,6 +179,9 @@ def functp_steps(model, ids, world: int, no_vma: bool = False) -> dict:
             out[f"functp value_and_grad{suffix}"] = vag
         return out
     made = steps(True, "")
+    if world > 1:     # against DDP's own step, which reduces no loss
+        made.update({k: v for k, v in steps(True, ", loss per rank", rank_loss,
+                                             P("dp")).items() if "func.grad" not in k})
     if no_vma:
         made.update(steps(False, " check_vma=False"))
     return made
@@ -223,6 +235,11 @@ def run_config(name: str, c: dict, args, world: int) -> list[dict]:
         if mode == "compiled":
             torch._dynamo.reset()
         steps = {k: make(wrap) for k, make in makers.items()}
+        if mode == "eager" and "functp tape, loss per rank" in steps:
+            # DDP's program is functp's with the loss reduced: the same gradients
+            a, b = steps["functp tape"](), steps["functp tape, loss per rank"]()
+            if not all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b)):
+                raise SystemExit("gpu_step: the loss-per-rank step's gradients differ")
         res, failed = {}, {}
         for _ in range(args.rounds):   # alternate variants, keep each one's best median
             for k, s in steps.items():
@@ -257,15 +274,15 @@ def report(rows: list[dict], args, world: int) -> None:
     print(f"gpu_step: transformers Llama, {args.size} sizes, {where}, {world} process(es), "
           f"torch {torch.__version__}, best of {args.rounds} medians of {args.reps} steps "
           f"(variants alternated); 'x kind': to plain func.grad for func.grad steps")
-    print(f"{'config':24s} {'mode':8s} {'variant':32s} {'ms':>9s} {'host ms':>9s} "
+    print(f"{'config':24s} {'mode':8s} {'variant':38s} {'ms':>9s} {'host ms':>9s} "
           f"{'peak MiB':>9s} {'calls':>7s} {'x plain tape':>12s} {'x kind':>7s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['config']:24s} {r['mode']:8s} {r['variant']:32s} failed: {r['error']}")
+            print(f"{r['config']:24s} {r['mode']:8s} {r['variant']:38s} failed: {r['error']}")
             continue
         peak = f"{r['peak_bytes'] / 2**20:9.0f}" if r["peak_bytes"] else f"{'-':>9s}"
         n = f"{r['calls']:7d}" if r["calls"] is not None else f"{'-':>7s}"
-        print(f"{r['config']:24s} {r['mode']:8s} {r['variant']:32s} {r['ms']:9.2f} "
+        print(f"{r['config']:24s} {r['mode']:8s} {r['variant']:38s} {r['ms']:9.2f} "
               f"{r['host_ms']:9.2f} {peak} {n} {r['ratio']:12.2f} {r['ratio_kind']:7.2f}")
 
 
