@@ -130,7 +130,8 @@ def _llama_step_body(shape, check_vma):
         return torch.autograd.grad(step(leaves, local_ids), list(leaves.values()))
     counts = _calls(tape, ("_hooks.py", "pre"), ("_hooks.py", "post"),
                     ("_hooks.py", "_new_call"), ("module.py", "named_modules"),
-                    ("_ops.py", "_psum_raw"), ("_collectives.py", "_collective"))
+                    ("_ops.py", "_psum_raw"), ("_collectives.py", "_collective"),
+                    ("_hooks.py", "post_work"))
     grads = dict(zip(leaves, tape()))
     # (sum rules on tp=2 differ by float32 rounding, ~1e-6 of the largest gradient, as on
     # main: Llama's RMSNorm computes in float32, and sum rules carry each rank's share
@@ -159,6 +160,8 @@ def test_a_llama_step_hooks_only_where_styles_act(run, check_vma):
         # (Megatron's f) in a pre-hook: q/k/v/gate/up in both layers and the LM head
         assert counts[("_hooks.py", "pre")] == (12 if check_vma else 1)
         assert counts[("_hooks.py", "post")] == 6
+        # a replayed step still runs the styles' work where the axis has two ranks
+        assert counts[("_hooks.py", "post_work")] == 6
         assert counts[("_hooks.py", "_new_call")] == 1
         # no walk of the module tree in a step (functional_call's untie scan: 70 a step)
         assert counts[("module.py", "named_modules")] == 0
@@ -179,7 +182,12 @@ def test_size1_axes_cost_no_collective_op(run, check_vma):
     for _, _, counts, _, ops in run(2, _llama_step_body, (2, 1), check_vma):
         assert counts[("_collectives.py", "_collective")] == 1, counts
         if check_vma:
+            # a replayed step does not run the hooks of styles that only move
+            # activations over tp (o/down_proj's psum, the LM head's gather): only the
+            # embedding's, which masks its ids; the gradients above are exact
+            assert counts[("_hooks.py", "post_work")] == 1, counts
             continue            # (its gradient all-reduce: the buckets' aliases)
+        assert counts[("_hooks.py", "post_work")] == 6, counts
         # without vma the parameters' gradient all-reduce over dp is one pvary, with
         # no gradient-overlap entry (which it would leave behind)
         assert counts[("_ops.py", "_psum_raw")] == 2, counts    # the loss's, both ways

@@ -41,7 +41,7 @@ class PlanHook:
     torch's slower hook path). Outside ``apply`` it does nothing."""
 
     def __init__(self, name: str, mod: nn.Module, style: Style, pmap: dict[str, str],
-                 axis: Any, state: CallState):
+                 axis: Any, state: CallState, axis_size: int = 2):
         self.name, self.module, self.style, self.pmap, self.axis, self.state = (
             name, mod, style, pmap, axis, state)
         # (a style that says it has no hooks has none, whatever it overrides)
@@ -50,6 +50,8 @@ class PlanHook:
             raise ShardingError(f"{type(style).__name__}.acts on module {name!r} returned "
                                 f"{acts!r}; it must return a functp Acts")
         self._pre, self._post = acts.pre, acts.post
+        # the style's hooks only move activations over an axis of one rank: identities
+        self._idle = acts.moves and axis_size == 1
         # a Call per call only for a style that reads its per-call parts; one per
         # module otherwise (on_exit there has no list to join: a style that says it
         # needs no call and registers an exit fails loudly)
@@ -84,6 +86,15 @@ class PlanHook:
         added action)?"""
         return (self._pre is not None or self._post is not None
                 or any(self._pre_actions) or any(self._post_actions))
+
+    @property
+    def replay_idle(self) -> bool:
+        """Is the work at this module's boundary the identity (its style's hooks
+        only move activations over an axis of size 1, and no action was added)? A
+        replayed call skips it: nothing there reads the vma such a move would carry
+        (the next boundary that works, and the call's result, are tagged as
+        recorded), while a recorded call still runs it under the union rule."""
+        return self._idle and not any(self._pre_actions) and not any(self._post_actions)
 
     def need_pre(self) -> None:
         """Registers torch's pre-hook, if the module has none (a replayed call lifts

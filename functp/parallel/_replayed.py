@@ -298,7 +298,7 @@ class _Replaying:
     def pre(self, hook, m, args: tuple, kwargs: dict):
         tr, rec = self.tr, self.rec
         res = None
-        if hook.acting:
+        if hook.acting and not hook.replay_idle:
             push_rule(tr.mode)
             try:
                 _tag(tr, hook.name, call_tensors(args, kwargs), rec.args.get(hook.name),
@@ -319,7 +319,7 @@ class _Replaying:
         return res
 
     def post(self, hook, m, args: tuple, kwargs: dict, output):
-        if not hook.acting:
+        if not hook.acting or hook.replay_idle:
             return None
         tr = self.tr
         push_rule(tr.mode)

@@ -71,10 +71,14 @@ class Acts:
     ``call``: whether they read the per-call parts of their :class:`Call`
     (``params``, ``state``, ``on_exit``); ``False``: they get one ``Call`` made once
     for the module (its ``name`` and ``axis``; ``params`` and ``state`` empty).
+    ``moves``: whether all they do is move activations between layouts over the
+    axis with :func:`relayout` (each the identity over one rank), so that a replayed
+    call (``docs/fast.md``) need not run them where the axis has size 1.
     """
     pre: Callable | None
     post: Callable | None
     call: bool = True
+    moves: bool = False
 
 
 class Style:

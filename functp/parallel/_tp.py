@@ -135,7 +135,8 @@ class Colwise(_Linearish):
                if conv or not isinstance(src, Replicate) else None)
         post = (functools.partial(self._output, dst)
                 if dst != _COLUMNS or (self.blocks > 1 and isinstance(dst, Replicate)) else None)
-        return Acts(pre, post, call=conv)      # (Conv1D's nf is restored on exit)
+        # (Conv1D's nf is restored on exit; packed blocks are merged after the gather)
+        return Acts(pre, post, call=conv, moves=not conv and self.blocks == 1)
 
     def prepare_input(self, module, args, kwargs, call):
         return self._input(_is_conv1d(module),
@@ -207,8 +208,9 @@ class Rowwise(_Linearish):
         src = _layout(self.input_layout, axis, "Rowwise input_layout")
         dst = _layout(self.output_layout, axis, "Rowwise output_layout")
         pre = None if src == _COLUMNS else functools.partial(self._input, src)
-        return Acts(pre, functools.partial(self._output, dst),
-                    call=bool(self.withheld(module)))
+        bias = bool(self.withheld(module))       # (added after the reduction)
+        return Acts(pre, functools.partial(self._output, dst), call=bias,
+                    moves=not bias and self.blocks == 1)
 
     def prepare_input(self, module, args, kwargs, call):
         return self._input(_layout(self.input_layout, call.axis, "Rowwise input_layout"),
@@ -297,7 +299,8 @@ class SequenceParallel(Style):
     def acts(self, module, axis):
         if not _own_hooks(self, SequenceParallel):
             return super().acts(module, axis)
-        return Acts(None, self.prepare_output if self.gather_output else None, call=False)
+        return Acts(None, self.prepare_output if self.gather_output else None, call=False,
+                    moves=True)
 
     def prepare_output(self, module, args, kwargs, output, call):
         if not self.gather_output:
