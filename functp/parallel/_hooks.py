@@ -50,8 +50,8 @@ class PlanHook:
             raise ShardingError(f"{type(style).__name__}.acts on module {name!r} returned "
                                 f"{acts!r}; it must return a functp Acts")
         self._pre, self._post = acts.pre, acts.post
-        # the style's hooks only move activations over an axis of one rank: identities
-        self._idle = acts.moves and axis_size == 1
+        # the style's hooks are identities over an axis of one rank
+        self._idle = acts.identity_over_one and axis_size == 1
         # a Call per call only for a style that reads its per-call parts; one per
         # module otherwise (on_exit there has no list to join: a style that says it
         # needs no call and registers an exit fails loudly)
@@ -90,7 +90,7 @@ class PlanHook:
     @property
     def replay_idle(self) -> bool:
         """Is the work at this module's boundary the identity (its style's hooks
-        only move activations over an axis of size 1, and no action was added)? A
+        over an axis of size 1, and no action added)? A
         replayed call skips it: nothing there reads the vma such a move would carry
         (the next boundary that works, and the call's result, are tagged as
         recorded), while a recorded call still runs it under the union rule."""

@@ -71,14 +71,15 @@ class Acts:
     ``call``: whether they read the per-call parts of their :class:`Call`
     (``params``, ``state``, ``on_exit``); ``False``: they get one ``Call`` made once
     for the module (its ``name`` and ``axis``; ``params`` and ``state`` empty).
-    ``moves``: whether all they do is move activations between layouts over the
-    axis with :func:`relayout` (each the identity over one rank), so that a replayed
-    call (``docs/fast.md``) need not run them where the axis has size 1.
+    ``identity_over_one``: whether what they do is the identity where the axis has
+    one rank (moving activations between layouts with :func:`relayout`; masking the
+    ids of a vocabulary split in one piece), so that a replayed call
+    (``docs/fast.md``) need not run them there.
     """
     pre: Callable | None
     post: Callable | None
     call: bool = True
-    moves: bool = False
+    identity_over_one: bool = False
 
 
 class Style:

@@ -136,7 +136,7 @@ class Colwise(_Linearish):
         post = (functools.partial(self._output, dst)
                 if dst != _COLUMNS or (self.blocks > 1 and isinstance(dst, Replicate)) else None)
         # (Conv1D's nf is restored on exit; packed blocks are merged after the gather)
-        return Acts(pre, post, call=conv, moves=not conv and self.blocks == 1)
+        return Acts(pre, post, call=conv, identity_over_one=not conv and self.blocks == 1)
 
     def prepare_input(self, module, args, kwargs, call):
         return self._input(_is_conv1d(module),
@@ -210,7 +210,7 @@ class Rowwise(_Linearish):
         pre = None if src == _COLUMNS else functools.partial(self._input, src)
         bias = bool(self.withheld(module))       # (added after the reduction)
         return Acts(pre, functools.partial(self._output, dst), call=bias,
-                    moves=not bias and self.blocks == 1)
+                    identity_over_one=not bias and self.blocks == 1)
 
     def prepare_input(self, module, args, kwargs, call):
         return self._input(_layout(self.input_layout, call.axis, "Rowwise input_layout"),
@@ -256,6 +256,12 @@ class VocabParallelEmbedding(Style):
         specs["weight"] = P(axis, None)
         return specs
 
+    def acts(self, module, axis):
+        if not _own_hooks(self, VocabParallelEmbedding):
+            return super().acts(module, axis)
+        # over one rank its rows are the whole vocabulary: no id is masked
+        return Acts(self.prepare_input, self.prepare_output, identity_over_one=True)
+
     def prepare_input(self, module, args, kwargs, call):
         rows = call.params["weight"].shape[0]
         start = axis_index(call.axis) * rows
@@ -300,7 +306,7 @@ class SequenceParallel(Style):
         if not _own_hooks(self, SequenceParallel):
             return super().acts(module, axis)
         return Acts(None, self.prepare_output if self.gather_output else None, call=False,
-                    moves=True)
+                    identity_over_one=True)
 
     def prepare_output(self, module, args, kwargs, output, call):
         if not self.gather_output:
