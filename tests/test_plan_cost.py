@@ -273,21 +273,52 @@ def test_a_planned_module_takes_a_pre_hook_action_inside_apply_only(run):
     assert all(run(2, _seam_body))
 
 
+def _idle_body():
+    # tp of one rank: a replayed call skips the rowwise psum, not an action added there
+    torch.manual_seed(0)
+    model = _MLP().double()
+    model.down.bias = None
+    x = torch.randn(3, 4, dtype=torch.float64)
+    mesh = functp.make_mesh((1,), ("tp",))
+    apply, params, specs = functp.parallelize(
+        model, mesh, {"norm": "replicated", "up": "colwise", "down": "rowwise"})
+    hooks = apply.plan_hooks
+    assert hooks["down"].replay_idle and not hooks["up"].acting
+    step = functp.shard_map(lambda p, x: apply(p, x), mesh, in_specs=(specs, P()),
+                            out_specs=P())
+    first = [step(params, x), step(params, x)]
+    assert apply.replay_status() == ["replayed"]
+    hooks["down"].add_post(lambda m, a, k, out: out * 3, after=True)
+    assert not hooks["down"].replay_idle
+    then = [step(params, x), step(params, x)]
+    assert apply.replay_status() == ["replayed"]
+    for got, want in zip(first + then, [model(x)] * 2 + [3 * model(x)] * 2):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    return True
+
+
+def test_a_replay_skips_identity_hooks_over_one_rank_but_not_an_action(run):
+    assert all(run(1, _idle_body))
+
+
 def test_styles_say_where_they_act():
     lin = nn.Linear(4, 4)
     acts = Colwise().acts(lin, "tp")
     assert acts.pre is None and acts.post is None and not acts.call
     acts = Colwise(output_layout=Replicate()).acts(lin, "tp")
-    assert acts.pre is None and acts.post is not None
+    assert acts.pre is None and acts.post is not None and acts.identity_over_one
     acts = Rowwise().acts(lin, "tp")
     assert acts.pre is None and acts.post is not None and acts.call     # (its bias)
+    assert not acts.identity_over_one        # (added after the psum, even over one rank)
     assert not Rowwise().acts(nn.Linear(4, 4, bias=False), "tp").call
+    assert Rowwise().acts(nn.Linear(4, 4, bias=False), "tp").identity_over_one
+    assert not Colwise(output_layout=Replicate(), packed=2).acts(lin, "tp").identity_over_one
 
     class Mine(Colwise):       # its own hook: on every call, as written
         def prepare_output(self, module, args, kwargs, output, call):
             return output
     acts = Mine().acts(lin, "tp")
-    assert acts.post is not None and acts.call
+    assert acts.post is not None and acts.call and not acts.identity_over_one
     with pytest.raises(ShardingError, match="Partial"):
         Colwise(
             output_layout=Partial("max")).acts(lin, "tp")

@@ -50,8 +50,12 @@ class PlanHook:
             raise ShardingError(f"{type(style).__name__}.acts on module {name!r} returned "
                                 f"{acts!r}; it must return a functp Acts")
         self._pre, self._post = acts.pre, acts.post
-        # the style's hooks are identities over an axis of one rank
-        self._idle = acts.identity_over_one and axis_size == 1
+        #: is the work at this module's boundary the identity (its style's hooks over
+        #: an axis of one rank, and no action added)? A replayed call skips it: nothing
+        #: there reads the vma such a move would carry (the next boundary that works,
+        #: and the call's result, are tagged as recorded); a recorded call runs it
+        #: under the union rule. (An attribute: it is read at every hook call.)
+        self.replay_idle = acts.identity_over_one and axis_size == 1
         # a Call per call only for a style that reads its per-call parts; one per
         # module otherwise (on_exit there has no list to join: a style that says it
         # needs no call and registers an exit fails loudly)
@@ -70,6 +74,7 @@ class PlanHook:
         gets instead, or None to leave them. A module whose style needs no pre-hook
         gets one now."""
         self._pre_actions[after].append(action)
+        self.replay_idle = False
         self._hook(True, False)
 
     def add_post(self, action, *, after: bool = False) -> None:
@@ -78,6 +83,7 @@ class PlanHook:
         that returned), in the order added; it returns the output to pass on instead,
         or None to leave it. A module whose style needs no forward hook gets one now."""
         self._post_actions[after].append(action)
+        self.replay_idle = False
         self._hook(False, True)
 
     @property
@@ -86,15 +92,6 @@ class PlanHook:
         added action)?"""
         return (self._pre is not None or self._post is not None
                 or any(self._pre_actions) or any(self._post_actions))
-
-    @property
-    def replay_idle(self) -> bool:
-        """Is the work at this module's boundary the identity (its style's hooks
-        over an axis of size 1, and no action added)? A
-        replayed call skips it: nothing there reads the vma such a move would carry
-        (the next boundary that works, and the call's result, are tagged as
-        recorded), while a recorded call still runs it under the union rule."""
-        return self._idle and not any(self._pre_actions) and not any(self._post_actions)
 
     def need_pre(self) -> None:
         """Registers torch's pre-hook, if the module has none (a replayed call lifts
