@@ -579,16 +579,29 @@ def _steps(models: dict) -> dict:
     return failed
 
 
-def test_every_hf_model_class_estimates_under_func_grad_without_a_mask():
-    # every type test_hf_models.py builds, unsharded, in one estimate (one trace: quick)
+def _estimate_share(types: list) -> tuple:
+    """Every other model type of ``types`` (from this process's rank), built and
+    estimated here: ``(failures, how many, flops, the mask reads)``."""
+    share = types[torch.distributed.get_rank()::torch.distributed.get_world_size()]
+    models = {t: _one_layer_or_two(t) for t in share}
+    est = functp.estimate(_steps, 1, models)
+    masks = [(r.site, r.how) for r in est[0].reads if "masking_utils.py" in r.site]
+    return est.result, len(models), est.flops, masks
+
+
+def test_every_hf_model_class_estimates_under_func_grad_without_a_mask(run):
+    # every type test_hf_models.py builds, unsharded, in one estimate per process
+    # (one trace each: quick; two processes of the test pool share the ~100 models,
+    # as the suite's two cores can: each estimate runs on one rank's own)
     pytest.importorskip("transformers")
     import _hf as hf
-    models = {t: _one_layer_or_two(t) for t in hf._types() if t not in hf.NOT_BUILT}
-    est = functp.estimate(_steps, 1, models)
-    assert est.result == {}, est.result
-    assert len(models) > 80 and est.flops > 0
-    masks = [r for r in est[0].reads if "masking_utils.py" in r.site]
-    assert masks and all(r.how == "computed" for r in masks), masks
+    types = [t for t in hf._types() if t not in hf.NOT_BUILT]
+    shares = run(2, _estimate_share, types, gloo=True)
+    for failed, n, flops, masks in shares:
+        assert failed == {}, failed
+        assert n >= len(types) // 2 and flops > 0
+        assert masks and all(how == "computed" for _, how in masks), masks
+    assert len(types) > 80 and sum(n for _, n, _, _ in shares) == len(types)
 
 
 def _hf_planned(model_type):
