@@ -41,7 +41,7 @@ class PlanHook:
     torch's slower hook path). Outside ``apply`` it does nothing."""
 
     def __init__(self, name: str, mod: nn.Module, style: Style, pmap: dict[str, str],
-                 axis: Any, state: CallState, axis_size: int = 2):
+                 axis: Any, state: CallState, axis_size: int | None = None):
         self.name, self.module, self.style, self.pmap, self.axis, self.state = (
             name, mod, style, pmap, axis, state)
         # (a style that says it has no hooks has none, whatever it overrides)

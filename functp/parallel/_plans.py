@@ -148,7 +148,7 @@ class Parallelized:
         self.plan_hooks: dict[str, PlanHook] = {}
         for name, mod, style, pmap, ax in (hooked if planned is None else planned):
             self.plan_hooks.setdefault(name, PlanHook(name, mod, style, pmap, ax, self._call,
-                                                      mesh.axis_size(ax)))
+                                                      ax and mesh.axis_size(ax)))
         # the parameters' places in the module, found once (functional_call's work)
         self._swap = ParamSwap(module)
         # (parallel/_replayed: the modules owning each parameter slot, found once, and
