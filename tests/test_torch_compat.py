@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -152,3 +154,14 @@ def test_torch_compile_in_two_simulated_ranks_at_once():
                          text=True, timeout=300, cwd=PKG.parent.parent)
     assert out.returncode == 0 and "compiled in both ranks" in out.stdout, (
         f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}")
+
+
+def test_import_functp_leaves_the_compiler_and_the_memory_tracker_for_later():
+    # torch._dynamo (0.6 s) and torch.distributed._tools (0.65 s) wait for their first
+    # use (a compile, an estimate): every process of a launch imports functp
+    code = ("import sys, functp; print(sorted(m for m in ('torch._dynamo', "
+            "'torch.distributed._tools', 'torch._inductor') if m in sys.modules))")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "[]", got.stdout

@@ -63,8 +63,18 @@ def refused() -> bool:
 # raises this ShardingError (fullgraph=False), or Dynamo's own error quoting the reason
 # (fullgraph=True). (Traced, its raise would make Dynamo go on tracing the body's own
 # frames one by one; and a graph break inside a function that asks refused() would
-# run that function eagerly, where nothing is compiling.)
-refuse = torch.compiler.disable(_raise_refused, reason=REFUSED)
+# run that function eagerly, where nothing is compiling.) Made by arm_refusal() as
+# functp.simulate starts, the only place it is called from: torch.compiler.disable
+# imports torch._dynamo (0.6 s), which import functp need not pay.
+refuse = _raise_refused
+
+
+def arm_refusal() -> None:
+    """Makes :data:`refuse` the call Dynamo does not trace (as functp.simulate starts,
+    before any rank can compile: Dynamo cannot trace making it)."""
+    global refuse
+    if refuse is _raise_refused:
+        refuse = torch.compiler.disable(_raise_refused, reason=REFUSED)
 
 
 def check_collective() -> None:

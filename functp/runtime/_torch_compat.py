@@ -11,7 +11,10 @@ too), one test per symbol.
 
 Each symbol is bound once, at import, to a module-level name: a call through it costs
 what the call through ``torch._C...`` cost before (no wrapper on the hot path).
-``torch._dynamo`` alone is imported on first use (0.3 s), by :func:`dynamo`.
+Two are imported on first use instead, being slow to import: ``torch._dynamo`` (0.6 s)
+by :func:`dynamo` and :func:`stance`, and ``torch.distributed._tools``'s ``MemTracker``
+(0.65 s with the runtime estimator and Inductor's utilities it imports) by
+:func:`mem_tracker`, at the first ``functp.estimate``.
 
 Supported: torch 2.11 through 2.15 (``pyproject.toml``). CI runs the whole suite on
 2.11.0, 2.13.0, 2.14.1 and 2.15.0 (``.ci/run``); on 2.12.1 this test file and the
@@ -185,13 +188,19 @@ DataDependentOutputException = _need(
     "torch._subclasses.fake_tensor.DataDependentOutputException", "functp.estimate's errors")
 DynamicOutputShapeException = _need(
     "torch._subclasses.fake_tensor.DynamicOutputShapeException", "functp.estimate's errors")
-MemTracker = _need("torch.distributed._tools.mem_tracker.MemTracker",
-                   "functp.estimate's memory")
-MemRefType = _need("torch.distributed._tools.mem_tracker._MemRefType",
-                   "functp.estimate's memory")
+# (resolved at the first estimate: torch.distributed._tools imports its runtime
+# estimator and Inductor's utilities with it, ~0.65 s that import functp need not pay)
+_MEM = (_lazy("torch.distributed._tools.mem_tracker.MemTracker", "functp.estimate's memory"),
+        _lazy("torch.distributed._tools.mem_tracker._MemRefType", "functp.estimate's memory"))
 for _m in ("_update_and_maybe_create_winfos", "_pre_fw_hook", "_post_fw_hook",
            "_pre_bw_hook", "_post_bw_hook"):     # what functp.estimate's subclass overrides
-    _need(f"torch.distributed._tools.mem_tracker.MemTracker.{_m}", "functp.estimate's memory")
+    _lazy(f"torch.distributed._tools.mem_tracker.MemTracker.{_m}", "functp.estimate's memory")
+
+
+def mem_tracker() -> tuple[Any, Any]:
+    """``(MemTracker, _MemRefType)`` of ``torch.distributed._tools.mem_tracker``,
+    imported now."""
+    return tuple(resolve(p, why) for p, why in SYMBOLS if p in _MEM)
 
 # -- c10d: functional collectives, gloo groups made by functp.simulate -------------------
 c10d_functional = torch.ops._c10d_functional

@@ -37,10 +37,9 @@ from ..runtime._errors import ShardingError
 from ._hardware import Hardware, hardware_profile
 from ._host_time import StepTime, _Host, _secs
 from ..runtime._torch_compat import (DataDependentOutputException, DynamicOutputShapeException,
-                            FakeTensorMode, MemRefType as _MemRefType, MemTracker,
-                            TorchDispatchMode, c10d_functional,
+                            FakeTensorMode, TorchDispatchMode, c10d_functional,
                             disable_current_modes as _disable_current_modes,
-                            unwrap_functorch)
+                            mem_tracker, unwrap_functorch)
 
 __all__ = ["estimate", "Estimate", "RankEstimate", "StepTime"]
 
@@ -96,16 +95,20 @@ _IN_PLACE = {c10d_functional.all_reduce_.default}
 _COPIES = {torch.ops.aten.clone}
 
 
-class _Tracker(MemTracker):
+class _TrackerParts:
     """torch's ``MemTracker`` without its per-module snapshots, which a training step
     cannot use: it refuses a second call of the root module (a second step), and it
     reads the storage of a module's parameters, which under ``torch.func`` are
     functorch wrappers without one. Module parameters and buffers are still filed as
-    such (the tensors the wrappers stand for); the totals are MemTracker's own."""
+    such (the tensors the wrappers stand for); the totals are MemTracker's own.
+    (MemTracker's subclass ``_Tracker`` is made at the first estimate: its module is
+    slow to import.)"""
+
+    _ref: Any = None            # MemTracker's _MemRefType
 
     def _pre_fw_hook(self, module, inputs) -> None:
-        for kind, tensors in ((_MemRefType.PARAM, module.parameters(recurse=False)),
-                              (_MemRefType.BUFFER, module.buffers(recurse=False))):
+        for kind, tensors in ((self._ref.PARAM, module.parameters(recurse=False)),
+                              (self._ref.BUFFER, module.buffers(recurse=False))):
             for t in tensors:
                 # the storage under every torch.func wrapper (vmap's too: a batched
                 # parameter's memory is the stacked tensor, filed once as the parameter)
@@ -192,6 +195,22 @@ class _Tracker(MemTracker):
                 key = id(winfo)
                 self._comm[key] = (weakref.ref(st, lambda _, k=key: self._comm.pop(k, None)),
                                    winfo)
+
+
+def _tracker_class() -> type:
+    """``_Tracker``: :class:`_TrackerParts` over torch's ``MemTracker``, made once."""
+    cls = globals().get("_Tracker")
+    if cls is None:
+        base, ref = mem_tracker()
+        cls = globals()["_Tracker"] = type("_Tracker", (_TrackerParts, base),
+                                           {"_ref": ref, "__doc__": _TrackerParts.__doc__})
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_Tracker":           # (made at first use: see _TrackerParts)
+        return _tracker_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _DryRank:
@@ -573,7 +592,7 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
             # program calls, not FlopCounterMode's decompositions of them; the
             # values just above the fakes, where the others see every operator)
             with _comm_log.comm_log() as log, _OpRecorder(host) as ops, \
-                    FlopCounterMode(display=False) as flops, _Tracker(host) as mem:
+                    FlopCounterMode(display=False) as flops, _tracker_class()(host) as mem:
                 if host is not None:
                     host.watch(ops.calls, log.events)
                     values.on_sync = host.sync

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 
+from ..runtime import _compile
 from ..runtime import _crosscheck
 from ..runtime import _torch_compat
 from ..mesh import _mesh
@@ -133,6 +134,7 @@ def _rank_main(run: _world.Run, r: int, fn, args, kwargs, results: list, errors:
 
 def _begin(check: bool | None):
     """A simulation starts (in any thread): the check mode as asked; the previous one."""
+    _compile.arm_refusal()
     with _lock:
         _running[0] += 1
         _world.SIMULATING = True
