@@ -65,7 +65,7 @@ def refused() -> bool:
 # frames one by one; and a graph break inside a function that asks refused() would
 # run that function eagerly, where nothing is compiling.) Made by arm_refusal() as
 # functp.simulate starts, the only place it is called from: torch.compiler.disable
-# imports torch._dynamo (0.6 s), which import functp need not pay.
+# imports torch._dynamo, which import functp need not pay.
 refuse = _raise_refused
 
 
