@@ -182,10 +182,11 @@ def test_size1_axes_cost_no_collective_op(run, check_vma):
     for _, _, counts, _, ops in run(2, _llama_step_body, (2, 1), check_vma):
         assert counts[("_collectives.py", "_collective")] == 1, counts
         if check_vma:
-            # a replayed step runs no style hook over tp of size 1: o/down_proj's psum,
-            # the LM head's gather and the embedding's id masks are identities there
-            # (the gradients above are exact)
-            assert counts[("_hooks.py", "post_work")] == 0, counts
+            # a replayed step runs no style hook over tp of size 1 that is the identity
+            # there (o/down_proj's psum, the LM head's gather), only the embedding's,
+            # whose masks zero an id outside the vocabulary over one rank too (the
+            # gradients above are exact)
+            assert counts[("_hooks.py", "post_work")] == 1, counts
             continue            # (its gradient all-reduce: the buckets' aliases)
         assert counts[("_hooks.py", "post_work")] == 6, counts
         # without vma the parameters' gradient all-reduce over dp is one pvary, with
@@ -299,6 +300,29 @@ def _idle_body():
 
 def test_a_replay_skips_identity_hooks_over_one_rank_but_not_an_action(run):
     assert all(run(1, _idle_body))
+
+
+def _embedding_body():
+    # over one rank a vocabulary-parallel embedding still zeroes an id outside the
+    # vocabulary when replayed, as in its recorded first call and over two ranks (the
+    # plain embedding raises; on a GPU a device-side assert)
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4).double()
+    mesh = functp.make_mesh((1,), ("tp",))
+    apply, params, specs = functp.parallelize(emb, mesh, {"": "embedding_rowwise"})
+    step = functp.shard_map(lambda p, i: apply(p, i), mesh, in_specs=(specs, P()),
+                            out_specs=P())
+    ids = torch.tensor([[1, 12]])
+    outs = [step(params, ids) for _ in range(3)]
+    assert apply.replay_status() == ["replayed"]
+    want = torch.stack([emb.weight[1], torch.zeros(4, dtype=torch.float64)])[None]
+    for out in outs:
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    return True
+
+
+def test_a_replayed_embedding_over_one_rank_masks_as_its_first_call(run):
+    assert all(run(1, _embedding_body))
 
 
 def test_styles_say_where_they_act():

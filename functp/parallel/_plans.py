@@ -116,8 +116,8 @@ class Parallelized:
         #: the plan axis (or axis tuple) of each covered parameter
         self.axes = dict(axes or {n: axis for n in owners})
         # (each checked against the shard_map's mesh on every call)
-        self._plan_axes = tuple(a for a in dict.fromkeys([axis, *self.axes.values()])
-                                if a is not None)
+        self._plan_axes = tuple(a for a in dict.fromkeys([axis, *self.axes.values(), *(
+            h[4] for h in (hooked if planned is None else planned))]) if a is not None)
         #: the mesh axes to split the batch over: those that only an expert dispatch
         #: or FSDP uses, or none (tensor-parallel axes hold the same tokens)
         self.batch_axes = _batch_axes(mesh, specs, owners, hooked)

@@ -72,9 +72,10 @@ class Acts:
     (``params``, ``state``, ``on_exit``); ``False``: they get one ``Call`` made once
     for the module (its ``name`` and ``axis``; ``params`` and ``state`` empty).
     ``identity_over_one``: whether what they do is the identity where the axis has
-    one rank (moving activations between layouts with :func:`relayout`; masking the
-    ids of a vocabulary split in one piece), so that a replayed call
-    (``docs/fast.md``) need not run them there.
+    one rank (moving activations between layouts with :func:`relayout`), so that a
+    replayed call (``docs/fast.md``) need not run them there. (Not a vocabulary-parallel
+    embedding's masks: over one rank they still turn an id outside the vocabulary into
+    a zero row, as over two, where the plain embedding would raise.)
     """
     pre: Callable | None
     post: Callable | None

@@ -256,12 +256,6 @@ class VocabParallelEmbedding(Style):
         specs["weight"] = P(axis, None)
         return specs
 
-    def acts(self, module, axis):
-        if not _own_hooks(self, VocabParallelEmbedding):
-            return super().acts(module, axis)
-        # over one rank its rows are the whole vocabulary: no id is masked
-        return Acts(self.prepare_input, self.prepare_output, identity_over_one=True)
-
     def prepare_input(self, module, args, kwargs, call):
         rows = call.params["weight"].shape[0]
         start = axis_index(call.axis) * rows
