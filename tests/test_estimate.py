@@ -453,7 +453,7 @@ def _dp_grad(n, overlap=False):
     return torch.func.grad(step)(w, torch.randn(4 * n, 64))
 
 
-class _NoCommTracker(_estimate._Tracker):
+class _NoCommTracker(_estimate._tracker_class()):
     """estimate's tracker as it was before the communication category: MemTracker's
     own filing of every buffer."""
     __torch_dispatch__ = MemTracker.__torch_dispatch__

@@ -197,20 +197,17 @@ class _TrackerParts:
                                    winfo)
 
 
+_Tracker: type | None = None       # _TrackerParts over MemTracker, once made
+
+
 def _tracker_class() -> type:
     """``_Tracker``: :class:`_TrackerParts` over torch's ``MemTracker``, made once."""
-    cls = globals().get("_Tracker")
-    if cls is None:
+    global _Tracker
+    if _Tracker is None:
         base, ref = mem_tracker()
-        cls = globals()["_Tracker"] = type("_Tracker", (_TrackerParts, base),
-                                           {"_ref": ref, "__doc__": _TrackerParts.__doc__})
-    return cls
-
-
-def __getattr__(name: str) -> Any:
-    if name == "_Tracker":           # (made at first use: see _TrackerParts)
-        return _tracker_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        _Tracker = type("_Tracker", (_TrackerParts, base),
+                        {"_ref": ref, "__doc__": _TrackerParts.__doc__})
+    return _Tracker
 
 
 class _DryRank:
