@@ -39,6 +39,16 @@ def test_a_missing_symbol_is_named_with_its_use_and_torch_version():
         _torch_compat.resolve("torch.no_such_module.x", "a test")
 
 
+def test_the_memory_tracker_checks_the_methods_estimate_overrides(monkeypatch):
+    # imported at the first estimate, not with functp: a torch without one of the
+    # methods functp.estimate's MemTracker subclass overrides is refused then, by name
+    from torch.distributed._tools.mem_tracker import MemTracker
+    assert _torch_compat.mem_tracker()[0] is MemTracker
+    monkeypatch.delattr(MemTracker, "_pre_bw_hook")
+    with pytest.raises(_torch_compat.TorchIncompatible, match=r"MemTracker\._pre_bw_hook"):
+        _torch_compat.mem_tracker()
+
+
 def test_every_symbol_is_listed_once():
     paths = [p for p, _ in _torch_compat.SYMBOLS]
     assert len(paths) == len(set(paths))

@@ -190,18 +190,24 @@ DataDependentOutputException = _need(
 DynamicOutputShapeException = _need(
     "torch._subclasses.fake_tensor.DynamicOutputShapeException", "functp.estimate's errors")
 # (resolved at the first estimate: torch.distributed._tools imports its runtime
-# estimator and Inductor's utilities with it, ~0.65 s that import functp need not pay)
-_MEM = (_lazy("torch.distributed._tools.mem_tracker.MemTracker", "functp.estimate's memory"),
-        _lazy("torch.distributed._tools.mem_tracker._MemRefType", "functp.estimate's memory"))
-for _m in ("_update_and_maybe_create_winfos", "_pre_fw_hook", "_post_fw_hook",
-           "_pre_bw_hook", "_post_bw_hook"):     # what functp.estimate's subclass overrides
-    _lazy(f"torch.distributed._tools.mem_tracker.MemTracker.{_m}", "functp.estimate's memory")
+# estimator and Inductor's utilities with it, which import functp need not pay)
+_WHY_MEM = "functp.estimate's memory"
+_MEM = (_lazy("torch.distributed._tools.mem_tracker.MemTracker", _WHY_MEM),
+        _lazy("torch.distributed._tools.mem_tracker._MemRefType", _WHY_MEM))
+# what functp.estimate's subclass overrides: checked with them (an override of a method
+# this torch no longer has would never be called)
+_MEM_HOOKS = tuple(_lazy(f"torch.distributed._tools.mem_tracker.MemTracker.{_m}", _WHY_MEM)
+                   for _m in ("_update_and_maybe_create_winfos", "_pre_fw_hook",
+                              "_post_fw_hook", "_pre_bw_hook", "_post_bw_hook"))
 
 
 def mem_tracker() -> tuple[Any, Any]:
     """``(MemTracker, _MemRefType)`` of ``torch.distributed._tools.mem_tracker``,
-    imported now."""
-    return tuple(resolve(p, why) for p, why in SYMBOLS if p in _MEM)
+    imported now; a :class:`TorchIncompatible` if this torch lacks them or a method
+    functp.estimate's subclass overrides."""
+    for path in _MEM_HOOKS:
+        resolve(path, _WHY_MEM)
+    return tuple(resolve(path, _WHY_MEM) for path in _MEM)
 
 # -- c10d: functional collectives, gloo groups made by functp.simulate -------------------
 c10d_functional = torch.ops._c10d_functional
