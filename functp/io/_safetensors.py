@@ -57,6 +57,9 @@ class Cat(NamedTuple):
 class Folder:
     """The tensors of a checkpoint folder: ``entries[key] = (file, shape, dtype)``.
 
+    With an index, each tensor it names is read from the file it names it in (a copy
+    in another file is ignored); a tensor it does not name, from the file holding it.
+
     **Arguments:** ``path`` – the folder; ``what`` – the caller's name, for messages.
     **Raises:** :class:`CheckpointError` for a folder without safetensors (naming
     safetensors' converter when it holds ``pytorch_model.bin``), a damaged or
@@ -70,7 +73,10 @@ class Folder:
     def __init__(self, path: str | os.PathLike, what: str):
         self.path, self.what = os.fspath(path), what
         self.entries: dict[str, tuple[str, tuple[int, ...], str]] = {}
-        for file, keys in self._files().items():
+        files = self._files()
+        # the file the index names for each tensor (none without an index)
+        self._named = {k: file for file, keys in files.items() for k in keys or ()}
+        for file, keys in files.items():
             self._header(file, keys)
 
     def _files(self) -> dict[str, list[str] | None]:
@@ -108,6 +114,13 @@ class Folder:
             with safe_open(full, "pt") as f:
                 names = list(f.keys())
                 for k in names:
+                    # the index decides: a copy of a tensor in a file the index does not
+                    # name for it (a leftover of an earlier save) is ignored, not refused,
+                    # since transformers' save_pretrained writes the index as the record
+                    # of where each tensor lives and its loader refuses no such folder
+                    # either (it reads every listed file, the last copy winning)
+                    if self._named.get(k, file) != file:
+                        continue
                     sl = f.get_slice(k)
                     self.entries[k] = (full, tuple(sl.get_shape()), sl.get_dtype())
         except SafetensorError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from typing import Any
 
@@ -52,10 +53,16 @@ def from_pretrained(path: str | os.PathLike, mesh: Mesh | None = None, plan: Any
 
     **Returns:** ``(apply, params, specs)`` as :func:`functp.parallelize`; the model
     (``apply.module``) holds meta parameters only: the blocks are the weights, and
-    calling the module itself raises. **Raises:** :class:`CheckpointError` on every
-    rank for a missing tensor, a shape that does not match ``config.json``, a dtype
-    that does not convert, a damaged or truncated file, or a folder of pickles
-    (``pytorch_model.bin``: convert it to safetensors first).
+    calling the module itself raises; ``apply.module.generation_config`` is the
+    folder's ``generation_config.json`` where it has one, as in transformers. The
+    blocks are plain tensors, as ``parallelize``'s (``requires_grad`` False): enough
+    for ``torch.func.grad``; for a tape step (``loss.backward()``) or a
+    ``torch.optim`` optimizer first make them require grad:
+    ``params = {k: v.requires_grad_() for k, v in params.items()}``.
+    **Raises:** :class:`CheckpointError` on every rank for a missing tensor, a shape
+    that does not match ``config.json``, a dtype that does not convert, a damaged or
+    truncated file, or a folder of pickles (``pytorch_model.bin``: convert it to
+    safetensors first).
 
     Example (``torchrun --nproc-per-node 2``)::
 
@@ -66,6 +73,7 @@ def from_pretrained(path: str | os.PathLike, mesh: Mesh | None = None, plan: Any
     require_hf(_WHAT)
     config = _config(path, trust_remote_code)
     model = _meta_model(config, dtype, trust_remote_code, model_kwargs)
+    _generation_config(path, model)
     apply, _, specs = parallelize(model, mesh, plan, axis=axis,
                                   distributed_config=distributed_config)
     device = _device(apply.mesh)
@@ -100,6 +108,20 @@ def _meta_model(config: Any, dtype: torch.dtype | None, trust_remote_code: bool,
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                 trust_remote_code=trust_remote_code, **kwargs)
+
+
+def _generation_config(path: str | os.PathLike, model: nn.Module) -> None:
+    """The folder's ``generation_config.json`` as the model's, as transformers'
+    ``from_pretrained`` sets it (``from_config`` made one from ``config.json`` only),
+    so that :func:`save_pretrained` can write it back."""
+    from transformers import GenerationConfig
+    file = os.path.join(os.fspath(path), "generation_config.json")
+    if not (os.path.isfile(file) and getattr(model, "can_generate", lambda: False)()):
+        return
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(os.fspath(path))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{_WHAT}: cannot read {file}: {e}") from None
 
 
 def _device(mesh: Mesh) -> torch.device:
@@ -253,29 +275,48 @@ def _init_module(apply: Parallelized, mname: str, mod: nn.Module, own: dict, own
 
 
 def save_pretrained(path: str | os.PathLike, params: dict[str, torch.Tensor],
-                    specs: dict[str, P], mesh: Mesh, config: Any) -> None:
+                    specs: dict[str, P], mesh: Mesh, config: Any, *,
+                    generation_config: Any = None) -> None:
     """Writes blocks as a folder transformers' ``from_pretrained`` loads on one process.
 
     Call it on every rank. Each parameter is gathered whole, one at a time, and kept
     only by the rank that writes it: the ranks share the parameters out by size and
     each writes one ``model-0000r-of-0000n.safetensors`` (no rank holds more than its
-    share plus one parameter); rank 0 writes ``model.safetensors.index.json`` and
-    ``config.json``. Packed weights are written in the model's own order
-    (``[gate; up]``), tied weights once, under ``params``' names.
+    share plus one parameter); rank 0 writes ``model.safetensors.index.json``,
+    ``config.json`` and ``generation_config.json``. Packed weights are written in the
+    model's own order (``[gate; up]``), tied weights once, under ``params``' names.
+
+    The folder keeps no weight file of another model, and a save that stops midway
+    leaves one that loads the new model or fails to load, never the old model or a
+    mix: rank 0 first removes the files a loader would prefer (the index,
+    ``model.safetensors``, ``pytorch_model.bin`` and its index) and writes the
+    configs; each file is written under a temporary name and renamed, the index last;
+    then the shards it does not name go (``*-0000k-of-0000n``, as transformers'
+    ``save_pretrained`` removes them).
 
     **Arguments:** ``path`` – the folder (made if missing); ``params``, ``specs`` –
     this rank's blocks and their specs (from :func:`functp.parallelize` or
     :func:`functp.from_pretrained`); ``mesh``; ``config`` – the model's transformers
-    config (``apply.module.config``). **Raises:** :class:`CheckpointError` on every
-    rank when any rank fails to write. Example::
+    config (``apply.module.config``); ``generation_config`` – written as
+    ``generation_config.json`` (pass ``apply.module.generation_config`` to keep the
+    one ``from_pretrained`` read); None: what transformers writes for a fresh model,
+    ``GenerationConfig.from_model_config(config)`` when the model can generate (the
+    class ``config.architectures[0]`` names, else the config's causal LM class, as
+    ``from_pretrained`` builds), no file when it cannot.
+    **Raises:** :class:`CheckpointError` on every rank when any rank fails to write.
+    Example::
 
         functp.save_pretrained("out", params, specs, mesh, apply.module.config)
         model = transformers.AutoModelForCausalLM.from_pretrained("out")   # one process
     """
-    require_hf("functp.save_pretrained")
+    what = "functp.save_pretrained"
+    require_hf(what)
     from safetensors.torch import save_file
     path = os.fspath(path)
     names = sorted(params)
+    if generation_config is None and _generates(config):
+        from transformers import GenerationConfig
+        generation_config = GenerationConfig.from_model_config(config)
     writer, files = _writers(params, specs, mesh)
     me = _world.process_index()
     mine = {}
@@ -289,10 +330,83 @@ def save_pretrained(path: str | os.PathLike, params: dict[str, torch.Tensor],
     def write():
         os.makedirs(path, exist_ok=True)
         if mine:
-            save_file(mine, os.path.join(path, files[me]), metadata={"format": "pt"})
-    _agreed(mesh, write, "functp.save_pretrained")       # every file written, then the index
-    _agreed(mesh, lambda: me == 0 and _write_index(path, params, writer, files, config),
-            "functp.save_pretrained")
+            _replace(os.path.join(path, files[me]),
+                     lambda tmp: save_file(mine, tmp, metadata={"format": "pt"}))
+    # the old model's preferred files go before any new weight is written, then every
+    # file is written, then the index: each step on every rank before the next
+    _agreed(mesh, lambda: me == 0 and _clear(path, config, generation_config), what)
+    _agreed(mesh, write, what)
+    _agreed(mesh, lambda: me == 0 and _commit(path, params, writer, files), what)
+
+
+# what a loader reads in place of an index or shards: a folder holding one of these
+# loads it (transformers prefers model.safetensors; functp the index; transformers
+# falls back to the pickles), so they go before a save writes anything
+_PREFERRED = (INDEX, SINGLE, "pytorch_model.bin", "pytorch_model.bin.index.json")
+# transformers' rule for the stale shards of a previous save: a weights file name
+# (``model``..., or ``pytorch_model``... for pickles) ending ``-0000k-of-0000n``; and a
+# temporary file of a save that stopped
+_SHARD = re.compile(r"(pytorch_)?model.*-\d{5}-of-\d{5}\.(safetensors|bin)")
+_TMP = ".functp-tmp"
+
+
+def _generates(config: Any) -> bool:
+    """Whether the model of ``config`` can generate (transformers then saves its
+    generation config): ``architectures[0]``'s class, else its causal LM class."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        try:
+            cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        except (KeyError, ValueError):
+            return False
+    return bool(getattr(cls, "can_generate", lambda: False)())
+
+
+def _replace(final: str, write) -> None:
+    """``write(tmp)`` then ``tmp`` renamed to ``final``: a reader sees the old file or
+    the whole new one, never a part (a crash leaves only the temporary name)."""
+    tmp = final + _TMP
+    try:
+        write(tmp)
+        os.replace(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _clear(path: str, config: Any, generation_config: Any) -> None:
+    """(rank 0, before any weight) the old model's preferred files removed; the configs
+    written now, so that the weights, written next, never meet an old config."""
+    os.makedirs(path, exist_ok=True)
+    for name in _PREFERRED:
+        if os.path.isfile(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
+    config.save_pretrained(path)
+    if generation_config is not None:
+        generation_config.save_pretrained(path)
+
+
+def _commit(path: str, params: dict, writer: dict, files: dict) -> None:
+    """(rank 0, every file written) the index, atomically; then the shards and
+    temporary files of other saves, which no index names any more."""
+    if len(files) > 1:
+        total = sum(int(os.path.getsize(os.path.join(path, f))) for f in files.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: files[writer[k]] for k in sorted(params)}}
+
+        def dump(tmp):
+            with open(tmp, "w") as f:
+                json.dump(index, f, indent=2)
+        _replace(os.path.join(path, INDEX), dump)
+    ours = set(files.values())
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if (name not in ours and os.path.isfile(full)
+                and (_SHARD.fullmatch(name) or name.endswith(_TMP))):
+            os.remove(full)
 
 
 def _writers(params: dict, specs: dict, mesh: Mesh) -> tuple[dict[str, int], dict[int, str]]:
@@ -310,13 +424,3 @@ def _writers(params: dict, specs: dict, mesh: Mesh) -> tuple[dict[str, int], dic
         return writer, {used[0]: SINGLE}
     return writer, {r: f"model-{i + 1:05d}-of-{len(used):05d}.safetensors"
                     for i, r in enumerate(used)}
-
-
-def _write_index(path: str, params: dict, writer: dict, files: dict, config: Any) -> None:
-    config.save_pretrained(path)
-    if len(files) > 1:
-        total = sum(int(os.path.getsize(os.path.join(path, f))) for f in files.values())
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {k: files[writer[k]] for k in sorted(params)}}
-        with open(os.path.join(path, INDEX), "w") as f:
-            json.dump(index, f, indent=2)
