@@ -155,8 +155,9 @@ def test_a_replayed_step_runs_no_per_op_mode_inside_the_module(run):
 
 
 class _Scaled(torch.nn.Module):
-    """A planned layer and a parameter that a flag uses alone, outside any activation:
-    the second call's path decides otherwise than the first."""
+    """A planned layer and a parameter that a flag (a module attribute, which no key
+    sees) uses alone at the first call and with the activations at the second: the
+    second call's path decides otherwise than the first."""
 
     def __init__(self):
         super().__init__()
@@ -166,8 +167,9 @@ class _Scaled(torch.nn.Module):
         self.use_scale = False
 
     def forward(self, x):
-        aux = (self.scale ** 2).sum() if self.use_scale else torch.zeros((), dtype=x.dtype)
-        return self.fc(x), aux
+        if self.use_scale:
+            return self.fc(x) * self.scale, torch.zeros((), dtype=x.dtype)
+        return self.fc(x), (self.scale ** 2).sum()
 
 
 def _changed_path():

@@ -99,6 +99,7 @@ class Record:
         self.outs: dict[str, tuple] = {}
         self.result: tuple = ()
         self.why: str | None = None
+        self.unused: list[str] = []   # floating parameters the call never read
         # what a replay applies (set by its caller, who knows the groups): the
         # parameters to alias and the inputs to lift over more than one rank
         self.alias: list = []
@@ -121,12 +122,17 @@ class Record:
                                    ("planned module input", self.lifts, other.lifts),
                                    ("planned module arguments", self.args, other.args),
                                    ("planned module output", self.outs, other.outs)):
-            for k in sorted(set(mine) & set(theirs)):
-                if mine[k] != theirs[k]:
-                    return f"{what} {k!r}: {mine[k]} at the first call, {theirs[k]} now"
+            for k in sorted(set(mine) | set(theirs), key=str):
+                if mine.get(k) != theirs.get(k):
+                    return (f"{what} {k!r}: {_said(mine, k)} at the first call, "
+                            f"{_said(theirs, k)} now")
         if self.result != other.result:
             return f"the module's result: {self.result} at the first call, {other.result} now"
         return None
+
+
+def _said(table: dict, k) -> str:
+    return str(table[k]) if k in table else "not reached"
 
 
 class Recorder:
@@ -281,8 +287,10 @@ class Recorder:
                 for n in self.names.get(i, ())}
         for n, t in params.items():
             if n not in rec.params and isinstance(t, torch.Tensor):
-                rec.params[n] = (EMPTY if n in used or not (t.is_floating_point() or t.is_complex())
-                                 else acts - self.tr.get(t))
+                floating = t.is_floating_point() or t.is_complex()
+                rec.params[n] = EMPTY if n in used or not floating else acts - self.tr.get(t)
+                if floating and n not in used:
+                    rec.unused.append(n)
         result = tuple([self.serial(t) for t in output_tensors(out)])
         rec.result = tuple([self.vma[i] for i in result])
         if rec.why is None:

@@ -362,7 +362,9 @@ class Tracker(Tags):
         al, tag = self.aliases, t.__dict__.get(_TAG)
         if al is not None and tag is not None and tag[0] == self.token:
             hit = al.of.get(id(t))
-            if hit is not None and hit[0] is t:
+            # (the input itself only: a view of it, a tied decoder's ``w.t()``, a slice
+            # ``w[:V]``, takes pvary's path, which views the alias as ``t`` is viewed)
+            if hit is not None and hit[0] is t and al.entry[hit[1]] is t:
                 missing = frozenset(axes) - tag[1]
                 out = al.aliases[hit[1]].get(missing)
                 if out is not None and _overlap.READY in out.__dict__:

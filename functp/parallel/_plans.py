@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..runtime import _world
+from ..ops import _context
 from ..ops._collectives import axis_size
 from ..runtime._errors import ShardingError, leaf_text
 from ..runtime._torch_compat import peek_interpreter_stack
@@ -136,6 +137,8 @@ class Parallelized:
         #: the first call records the union rule's decisions, later calls replay them
         self.replay = True
         self._records: dict = {}
+        # (a transformers model's config: some of its fields are part of a replay's key)
+        self._config = getattr(module, "config", None)
         # the hooks are registered once, here, and act only while __call__ runs:
         # registering them per call cannot be traced by torch.compile. Each planned
         # module gets a PlanHook, which registers a module hook only where its style
@@ -192,6 +195,9 @@ class Parallelized:
         return self._owners[name][1] if name in self._owners else _REPLICATED
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        fr = _context.top()
+        if fr is not None and fr.mesh is not self.mesh:
+            _same_mesh(self, fr.mesh)
         for ax in self._plan_axes:
             n = axis_size(ax)       # raises a clear error outside a shard_map body
             if n != self.mesh.axis_size(ax):
@@ -258,6 +264,23 @@ class Parallelized:
                     k, v, self.specs[k], self.mesh.axis_size(self.axes.get(k, self.axis))
                     if k in self.axes or self.axis is not None else 1)
                 for k, v in gathered.items()}
+
+
+def _same_mesh(apply: Parallelized, mesh: Mesh) -> None:
+    """Raises unless ``mesh`` (the running shard_map's) lays the ranks out as the mesh
+    ``apply`` was built on: the plan's groups and the replay's record are that mesh's;
+    a mesh with the same sizes and its axes in another order puts other ranks
+    together under each name."""
+    built = apply.mesh
+    if (mesh.axis_names == built.axis_names and mesh.axis_sizes == built.axis_sizes
+            and mesh._positions == built._positions):
+        return
+    raise ShardingError(
+        f"apply of parallelize({type(apply.module).__name__}) was built on the mesh "
+        f"{built!r} (axes {built.axis_names}) but runs in a shard_map over the mesh "
+        f"{mesh!r} (axes {mesh.axis_names}), which lays the ranks out otherwise; "
+        f"parallelize with the shard_map's mesh, or run the shard_map over the mesh "
+        f"apply was built on")
 
 
 def _release(apply: Parallelized) -> dict[str, torch.Tensor]:

@@ -13,9 +13,11 @@ hooks hand their work to :class:`_Recording` / :class:`_Replaying`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 
+import optree
 import torch
 
 from ..mesh._mesh import Mesh
@@ -26,8 +28,13 @@ from ..ops._replay import (Record, Recorder, Recording, call_tensors, output_ten
 from ..ops._vma import _TAG, EMPTY
 from ..runtime import _compile, _crosscheck, _world
 from ..runtime._errors import ShardingError
+from ..runtime._torch_compat import torch_tree_flatten
 
 _PLAIN = (bool, int, float, str, type(None))
+# a transformers config's fields that choose what the model returns (and so which
+# tensors cross its boundary): a call after one is toggled records anew
+_CONFIG_FIELDS = ("output_attentions", "output_hidden_states", "return_dict", "use_cache",
+                  "_attn_implementation", "_experts_implementation")
 
 
 def _tracker(apply):
@@ -45,20 +52,81 @@ def _tracker(apply):
 
 
 def _key(tr, params: dict, args: tuple, kwargs: dict) -> tuple:
-    """What the union rule's decisions depend on: grad mode, which tensors need a
-    gradient (a pvary of one that needs none is no decision), the vmas, the other
-    arguments' values."""
+    """What the union rule's decisions depend on, each part the same on every rank by
+    construction or agreed when recorded: grad mode; every tensor leaf of the
+    parameters and of the arguments (inside tuples, lists, dicts, dataclasses and
+    registered pytree nodes) with its vma, whether it needs a gradient, its dtype and
+    rank, and which leaf it is a view of; the arguments' structure; the plain values
+    (``bool``, ``int``, ``str``, None: configuration, which may choose the module's
+    path) -- a ``float`` is a value, not a decision (it may differ per rank: a loss
+    scale), keyed by its type only; any other object by its type and the tensors it
+    holds."""
     get, token = tr.get, tr.token
     parts = [torch.is_grad_enabled(), tuple(params)]
+    seen: dict[int, int] = {}        # id of a tensor leaf -> its place, for views
     # (a parameter's tag read inline where it is this run's: the usual case, no call)
-    parts += [(tag[1] if (tag := t.__dict__.get(_TAG)) is not None and tag[0] == token
-               and t._base is None else get(t), t.requires_grad)
-              if isinstance(t, torch.Tensor) else type(t) for t in params.values()]
-    for v in (*args, *kwargs.values()):
-        parts.append((get(v), v.requires_grad) if isinstance(v, torch.Tensor)
-                     else v if isinstance(v, _PLAIN) else type(v))
-    parts += list(kwargs)
+    for t in params.values():
+        if isinstance(t, torch.Tensor):
+            seen[id(t)] = len(seen)
+            if (tag := t.__dict__.get(_TAG)) is not None and tag[0] == token and t._base is None:
+                parts.append((tag[1], t.requires_grad))
+            else:
+                parts.append((get(t), t.requires_grad, _view_of(t, seen)))
+        else:
+            parts.append(type(t))
+    if args or kwargs:
+        leaves, spec = _flatten((args, kwargs))
+        parts.append(spec)
+        for v in leaves:
+            if isinstance(v, torch.Tensor):
+                seen[id(v)] = len(seen)
+                parts.append((get(v), v.requires_grad, v.dtype, v.dim(), _view_of(v, seen)))
+            elif isinstance(v, float):
+                parts.append(float)
+            elif isinstance(v, _PLAIN):
+                parts.append(v)
+            else:
+                parts.append(_opaque(tr, v))
     return tuple(parts)
+
+
+def _view_of(t: torch.Tensor, seen: dict) -> int | None:
+    """The place of the leaf ``t`` is a view of (-1: of a tensor not among them)."""
+    base = t._base
+    return None if base is None else seen.get(id(base), -1)
+
+
+def _flatten(tree) -> tuple[list, object]:
+    """The leaves and structure of a call's arguments: torch's pytrees (tuples,
+    lists, dicts, namedtuples, transformers' ``ModelOutput``), then optree's
+    registered nodes, dataclasses by their fields."""
+    leaves, spec = torch_tree_flatten(tree)
+    if all(isinstance(v, (torch.Tensor, *_PLAIN)) for v in leaves):
+        return leaves, spec
+    out, specs = [], [spec]
+    for v in leaves:
+        if isinstance(v, (torch.Tensor, *_PLAIN)):
+            out.append(v)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            sub, sub_spec = _flatten([getattr(v, f.name) for f in dataclasses.fields(v)])
+            out.extend(sub)
+            specs.append((type(v), sub_spec))
+        else:
+            sub, sub_spec = optree.tree_flatten(v, none_is_leaf=True)
+            if len(sub) == 1 and sub[0] is v:
+                out.append(v)
+            else:
+                out.extend(sub)
+                specs.append((type(v), sub_spec))
+    return out, tuple(specs)
+
+
+def _opaque(tr, v) -> tuple:
+    """An object the pytrees do not open (a cache): its type and the vmas of the
+    tensors among its attributes."""
+    d = getattr(v, "__dict__", None)
+    ts = [t for t in d.values() if isinstance(t, torch.Tensor)] if d else []
+    return (type(v), tuple((tr.get(t), t.requires_grad) for t in ts))
 
 
 def generic(name: str) -> str:
@@ -77,6 +145,8 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
     pop_rule()
     try:
         key = _key(tr, params, args, kwargs)
+        if apply._config is not None:
+            key += tuple([getattr(apply._config, f, None) for f in _CONFIG_FIELDS])
         rec = apply._records.get(key)
         if rec is not None and not _crosscheck.ENABLED and rec.why is None:
             return _replay(apply, tr, rec, params, run)
@@ -87,8 +157,10 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
     out, new = _record(apply, tr, params, args, kwargs, run)
     if rec is None:
         apply._records[key] = new
-    elif rec.why is None and new.why is None:
-        diff = rec.differs(new)
+    elif rec.why is None:
+        # (a call that cannot be replayed where the first could: a replay of it would
+        # have applied decisions this call does not make)
+        diff = rec.differs(new) if new.why is None else f"this call cannot be replayed: {new.why}"
         if diff is not None:
             raise ShardingError(
                 f"parallelize({type(apply.module).__name__}): this call decides vma "
@@ -134,27 +206,18 @@ def _record(apply, tr, params: dict, args: tuple, kwargs: dict, run):
 
 
 def _unseen(hooked: dict, rec: Record) -> None:
-    """A planned module the call did not run: it may replay as another module of its
-    kind did (``layers.*.mlp``), if every one of them decided alike; else the record
-    is not replayable (a later call might reach it)."""
-    kinds: dict = {}
-    for hook in rec.args:
-        entry = (rec.args[hook], rec.outs.get(hook), rec.lifts.get(hook))
-        kinds.setdefault(generic(hook), set()).add(repr(entry))
-    for name in hooked:
-        if name in rec.args:
-            continue
-        twins = [h for h in rec.args if generic(h) == generic(name)]
-        if not twins or len(kinds[generic(name)]) != 1:
-            rec.why = rec.why or (f"planned module {name!r} did not run in the first call, "
-                                  f"and no module of its kind decided for it")
-            return
-        t = twins[0]
-        rec.args[name] = rec.args[t]
-        if t in rec.outs:
-            rec.outs[name] = rec.outs[t]
-        if t in rec.lifts:
-            rec.lifts[name] = rec.lifts[t]
+    """A planned module or a parameter the call did not reach leaves the record
+    unreplayable: a later call with the same key that reaches it (an attribute
+    choosing the depth, an early exit) would run it with decisions nobody made (no
+    module of its kind can stand in: its twin's lifts were decided on another
+    input), and a replay has no per-op mode to see that it got there."""
+    missed = [name for name in hooked if name not in rec.args]
+    if missed:
+        rec.why = rec.why or (f"planned module {missed[0]!r} did not run in the first call "
+                              f"with these arguments")
+    elif rec.unused:
+        rec.why = rec.why or (f"parameter {rec.unused[0]!r} was not used in the first call "
+                              f"with these arguments")
 
 
 def _agree(tr, rec: Record, params: dict) -> None:

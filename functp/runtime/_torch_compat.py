@@ -166,6 +166,7 @@ function_stack_len = _need("torch._C._len_torch_function_stack", _WHY_REPLAY)
 function_mode_at = _need("torch._C._get_function_stack_at", _WHY_REPLAY)
 # transformers' outputs (ModelOutput) are registered with torch's pytree, not optree's
 torch_tree_leaves = _need("torch.utils._pytree.tree_leaves", _WHY_REPLAY)
+torch_tree_flatten = _need("torch.utils._pytree.tree_flatten", _WHY_REPLAY)
 
 
 class EagerDispatchMode(TorchDispatchMode):

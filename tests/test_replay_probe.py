@@ -1,0 +1,277 @@
+"""The replay attacked as an adversarial user would (issue 49): parameters passed as
+views of other inputs, arguments inside containers, modules the first call did not
+reach, per-rank plain values, another mesh. Each case runs three calls of one
+``apply`` (the first records, the others replay) and compares every gradient with the
+unsharded float64 model's, through tape autograd and ``torch.func.grad``; a case that
+cannot be replayed must be exact all the same (decided per op) or a ShardingError on
+every rank."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functp
+from functp import P, ShardingError
+
+HOWS = ("tape", "func.grad")
+
+
+def _grads(step, how: str, params: dict, *args):
+    if how == "func.grad":
+        return torch.func.grad(step)(params, *args)
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    got = torch.autograd.grad(step(leaves, *args), list(leaves.values()), allow_unused=True)
+    return {k: torch.zeros_like(leaves[k]) if g is None else g for k, g in zip(leaves, got)}
+
+
+def _error(got: dict, ref: dict) -> float:
+    return max(float((got[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-30))
+               for k in ref)
+
+
+class _Tied(torch.nn.Module):
+    """An autoencoder whose decoder weight the caller passes as a view (the encoder's
+    transpose, or a slice of a bigger weight): big enough (2 MiB in float64) that the
+    gradient buckets are cut at the entry."""
+
+    def __init__(self, d: int = 256, h: int = 512):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = torch.nn.Linear(d, h, bias=False, dtype=torch.float64)
+        self.dec = torch.nn.Linear(h, d, bias=False, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.dec(torch.tanh(self.enc(x)))
+
+
+def _tied_view(how: str, kind: str, shape, names):
+    mesh = functp.make_mesh(shape, names)
+    model = _Tied()
+    plan = ({"enc": "colwise", "dec": "rowwise"} if "tp" in names else
+            {"enc": "replicated", "dec": "replicated"})
+    axis = "tp" if "tp" in names else "dp"
+    apply, params, specs = functp.parallelize(model, mesh, plan, axis=axis)
+    dp = "dp" if "dp" in names else None
+    if kind == "transpose":            # dec.weight passed as enc.weight's transpose
+        del params["dec.weight"]
+        tie = lambda p: {**p, "dec.weight": p["enc.weight"].t()}
+        specs_in = {k: specs[k] for k in params}
+    else:                              # a slice of a bigger stored weight
+        tie = lambda p: {**p, "enc.weight": p["big"][: p["big"].shape[0] // 2]}
+        params = {**params, "big": torch.cat([params["enc.weight"], params["enc.weight"] * 3])}
+        del params["enc.weight"]
+        specs_in = {k: specs.get(k, specs["enc.weight"]) for k in params}
+
+    def loss(p, x):
+        y = apply(tie(p), x)
+        out = (y ** 2).mean()
+        return functp.pmean(out, dp) if dp else out
+    step = functp.shard_map(loss, mesh, in_specs=(specs_in, P(dp)), out_specs=P())
+    full_model = _Tied()
+    errors = []
+    for k in range(3):
+        x = torch.randn(8, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+        full = {n: p.detach() for n, p in full_model.named_parameters()}
+        if kind == "transpose":
+            del full["dec.weight"]
+            ref = torch.func.grad(lambda q: (torch.func.functional_call(
+                full_model, {**q, "dec.weight": q["enc.weight"].t()}, (x,)) ** 2).mean())(full)
+        else:
+            full = {"dec.weight": full["dec.weight"],
+                    "big": torch.cat([full["enc.weight"], full["enc.weight"] * 3])}
+            ref = torch.func.grad(lambda q: (torch.func.functional_call(
+                full_model, {"dec.weight": q["dec.weight"], "enc.weight": q["big"][:512]},
+                (x,)) ** 2).mean())(full)
+        grads = _grads(step, how, params, functp.shard(x, mesh, P(dp)))
+        errors.append(_error(functp.unshard(grads, mesh, specs_in), ref))
+    return errors
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("kind", ["transpose", "slice"])
+@pytest.mark.parametrize("mesh", ["dp2", "dp2xtp1"])
+def test_a_parameter_passed_as_a_view_of_another_keeps_its_view(run, how, kind, mesh):
+    shape, names = {"dp2": ((2,), ("dp",)), "dp2xtp1": ((2, 1), ("dp", "tp"))}[mesh]
+    for errors in run(2, _tied_view, how, kind, shape, names):
+        assert max(errors) <= 1e-10, errors
+
+
+class _Blocks(torch.nn.Module):
+    """Two tensor-parallel MLP blocks; the input arrives in a tuple or a dict; how
+    many blocks run is a plain argument (an early exit)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([torch.nn.ModuleDict({
+            "up": torch.nn.Linear(8, 16, dtype=torch.float64),
+            "down": torch.nn.Linear(16, 8, dtype=torch.float64)}) for _ in range(2)])
+        self.norm = torch.nn.Parameter(torch.ones(8, dtype=torch.float64))
+        self.depth = 2
+
+    def forward(self, batch, depth: int | None = None, scale: float = 1.0):
+        x = batch["x"] if isinstance(batch, dict) else batch[0]
+        for b in self.blocks[:self.depth if depth is None else depth]:
+            x = x + b["down"](torch.relu(b["up"](x)))
+        return x * self.norm * scale
+
+
+_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+
+
+def _reference(model, x, depth=2, scale=1.0):
+    full = {n: p.detach() for n, p in model.named_parameters()}
+    return torch.func.grad(lambda q: (torch.func.functional_call(
+        model, q, ((x,), depth, scale)) ** 2).mean())(full)
+
+
+def _containers(how: str, wrap: str, shape, names):
+    """The same apply with its batch in a container: replicated (every rank the whole
+    batch), then split over dp; each call exact."""
+    mesh = functp.make_mesh(shape, names)
+    model = _Blocks()
+    apply, params, specs = functp.parallelize(model, mesh, _PLAN)
+    pack = (lambda x: (x,)) if wrap == "tuple" else (lambda x: {"x": x})
+    x = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref = _reference(model, x)
+    errors = []
+    for split in (False, True, False, True):
+        dp = "dp" if split else None
+
+        def loss(p, xb):
+            out = (apply(p, pack(xb)) ** 2).mean()
+            return functp.pmean(out, "dp") if split else out
+        step = functp.shard_map(loss, mesh, in_specs=(specs, P(dp)), out_specs=P())
+        grads = _grads(step, how, params, functp.shard(x, mesh, P(dp)))
+        errors.append(_error(apply.unshard(grads), ref))
+    return errors
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("wrap", ["tuple", "dict"])
+def test_arguments_inside_containers_are_keyed_by_their_leaves(run, how, wrap):
+    for errors in run(4, _containers, how, wrap, (2, 2), ("dp", "tp")):
+        assert max(errors) <= 1e-10, errors
+
+
+def test_arguments_inside_containers_on_dp2xtp1(run):
+    for errors in run(2, _containers, "tape", "tuple", (2, 1), ("dp", "tp")):
+        assert max(errors) <= 1e-10, errors
+
+
+def _unreached(how: str, by: str, depths=(1, 2, 2, 1)):
+    """The first call runs one block (depth 1, an attribute or an argument); the
+    second runs both: the second block is never decided by its twin's record."""
+    mesh = functp.make_mesh((2,), ("tp",))
+    model = _Blocks()
+    apply, params, specs = functp.parallelize(model, mesh, _PLAN)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    errors = []
+    for depth in depths:
+        if by == "attribute":
+            model.depth = depth
+        arg = depth if by == "argument" else None
+        step = functp.shard_map(lambda p, xb: (apply(p, (xb,), arg) ** 2).mean(), mesh,
+                                in_specs=(specs, P()), out_specs=P())
+        grads = _grads(step, how, params, x)
+        errors.append(_error(apply.unshard(grads), _reference(model, x, depth)))
+    return errors
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("by", ["attribute", "argument"])
+def test_modules_the_first_call_did_not_reach_take_no_twin_record(run, how, by):
+    for errors in run(2, _unreached, how, by):
+        assert max(errors) <= 1e-10, errors
+    # the first call reaches every block, a later one fewer (an early exit)
+    for errors in run(2, _unreached, how, by, (2, 1, 2)):
+        assert max(errors) <= 1e-10, errors
+
+
+def _per_rank_scale(how: str):
+    """A plain argument that differs per dp rank (a loss scale): no hang, exact."""
+    mesh = functp.make_mesh((2, 2), ("dp", "tp"))
+    model = _Blocks()
+    apply, params, specs = functp.parallelize(model, mesh, _PLAN)
+    x = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    errors = []
+    for call in range(3):
+        def loss(p, xb):
+            scale = 1.0 + 0.5 * (functp.axis_index("dp") == 1) * (call > 0)
+            return functp.pmean((apply(p, (xb,), 2, float(scale)) ** 2).mean(), "dp")
+        step = functp.shard_map(loss, mesh, in_specs=(specs, P("dp")), out_specs=P())
+        grads = _grads(step, how, params, functp.shard(x, mesh, P("dp")))
+        full = {n: p.detach() for n, p in model.named_parameters()}
+        s = [1.0, 1.5 if call > 0 else 1.0]
+        ref = torch.func.grad(lambda q: sum(
+            (torch.func.functional_call(model, q, ((x[4 * r:4 * r + 4],), 2, s[r])) ** 2).mean()
+            for r in range(2)) / 2)(full)
+        errors.append(_error(apply.unshard(grads), ref))
+    return errors
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_plain_argument_that_differs_per_rank_neither_hangs_nor_errs(run, how):
+    for errors in run(4, _per_rank_scale, how, timeout=120):
+        assert max(errors) <= 1e-10, errors
+
+
+def _other_mesh():
+    built = functp.make_mesh((2, 2), ("dp", "tp"))
+    other = functp.make_mesh((2, 2), ("tp", "dp"))
+    model = _Blocks()
+    apply, params, specs = functp.parallelize(model, built, _PLAN)
+    step = functp.shard_map(lambda p, xb: (apply(p, (xb,)) ** 2).mean(), other,
+                            in_specs=(specs, P()), out_specs=P())
+    try:
+        step(params, torch.zeros(4, 8, dtype=torch.float64))
+    except ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+def test_an_apply_run_over_another_mesh_is_refused_naming_both(run):
+    for msg in run(4, _other_mesh):
+        assert "mesh" in msg and "('dp', 'tp')" in msg and "('tp', 'dp')" in msg, msg
+
+
+def _toggled_outputs(how: str):
+    """A transformers model whose config is changed to return more tensors
+    (attentions, hidden states) after the first call: the call records anew."""
+    import warnings
+    pytest.importorskip("transformers")
+    from _hf import BATCH, SEQ, VOCAB, _build, _lm_loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _build("llama")
+    mesh = functp.make_mesh((2,), ("tp",))
+    ref_apply, full = functp.functionalize(model)
+    apply, params, specs = functp.parallelize(model, mesh, "auto")
+    g = torch.Generator().manual_seed(4)
+    ids, tgt = torch.randint(VOCAB, (BATCH, SEQ), generator=g), torch.randint(VOCAB, (BATCH, SEQ), generator=g)
+
+    def loss(p, i, t):
+        out = apply(p, input_ids=i, use_cache=False)
+        extra = sum(h.sum() for h in out.hidden_states) * 1e-3 if out.hidden_states else 0
+        return _lm_loss(out.logits, t) + extra
+    step = functp.shard_map(loss, mesh, in_specs=(specs, P(), P()), out_specs=P())
+    errors, counts = [], []
+    for flag in (False, True, True, False):
+        model.config.output_hidden_states = flag
+        model.config.output_attentions = flag
+        grads = _grads(step, how, params, ids, tgt)
+
+        def ref_loss(q):
+            out = ref_apply(q, input_ids=ids, use_cache=False)
+            extra = sum(h.sum() for h in out.hidden_states) * 1e-3 if out.hidden_states else 0
+            return _lm_loss(out.logits, tgt) + extra
+        errors.append(_error(apply.unshard(grads), torch.func.grad(ref_loss)(full)))
+        counts.append(len(apply._records))
+    return errors, counts, apply.replay_status()
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_changed_output_config_records_again(run, how):
+    for errors, counts, status in run(2, _toggled_outputs, how):
+        assert max(errors) <= 1e-10, errors
+        assert counts == [1, 2, 2, 2], counts
