@@ -303,25 +303,27 @@ def test_a_replay_skips_identity_hooks_over_one_rank_but_not_an_action(run):
 
 
 def _embedding_body():
-    # over one rank a vocabulary-parallel embedding still zeroes an id outside the
-    # vocabulary when replayed, as in its recorded first call and over two ranks (the
-    # plain embedding raises; on a GPU a device-side assert)
+    # over one rank a vocabulary-parallel embedding still checks its ids when replayed,
+    # as in its recorded first call and over two ranks: an id outside the vocabulary
+    # raises, as in the plain embedding (on a GPU a device-side assert)
     torch.manual_seed(0)
     emb = nn.Embedding(10, 4).double()
     mesh = functp.make_mesh((1,), ("tp",))
     apply, params, specs = functp.parallelize(emb, mesh, {"": "embedding_rowwise"})
     step = functp.shard_map(lambda p, i: apply(p, i), mesh, in_specs=(specs, P()),
                             out_specs=P())
-    ids = torch.tensor([[1, 12]])
+    ids = torch.tensor([[1, 9]])
     outs = [step(params, ids) for _ in range(3)]
     assert apply.replay_status() == ["replayed"]
-    want = torch.stack([emb.weight[1], torch.zeros(4, dtype=torch.float64)])[None]
     for out in outs:
-        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        torch.testing.assert_close(out, emb.weight[torch.tensor([[1, 9]])], rtol=0, atol=0)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"outside the vocabulary \[0, 10\)"):
+            step(params, torch.tensor([[1, 12]]))
     return True
 
 
-def test_a_replayed_embedding_over_one_rank_masks_as_its_first_call(run):
+def test_a_replayed_embedding_over_one_rank_checks_ids_as_its_first_call(run):
     assert all(run(1, _embedding_body))
 
 

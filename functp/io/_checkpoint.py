@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from ..mapping._reshard import _RawOps, full_of, run_plan
 from ..mapping._reshard_plan import plan
 from ..mapping._reshard_shapes import shapes_for
+from ..mapping._state_dict import module_state_dict
 from ..mesh._tree import leaf_specs
 from ..mesh._layout import layout, local_of, local_shape, mark_uneven, strides
 from ..mesh._mesh import Mesh
@@ -310,15 +311,18 @@ def _targets(keys, items, mesh: Mesh | None, device, values) -> tuple[dict, dict
 
 
 def full_state_dict(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None,
-                    rank: int = 0) -> Any:
+                    rank: int = 0, module: Any = None) -> Any:
     """The full tensors of ``tree`` on global rank ``rank``, ``None`` on the others.
 
     Same structure and keys as ``tree`` (a ``{name: block}`` dict gives a
-    ``{name: full tensor}`` dict, ready for ``module.load_state_dict``); non-tensor
-    leaves are kept. Call it on every rank: each leaf is all-gathered in turn (one
-    full leaf at a time in memory). Example::
+    ``{name: full tensor}`` dict); non-tensor leaves are kept. With ``module`` (the
+    module ``tree`` holds every parameter of, as ``parallelize`` returns them): every
+    key of ``module.state_dict()`` (a tied name pointing to the same full tensor, the
+    buffers the module's own), ready for ``module.load_state_dict`` (strict). Call it
+    on every rank: each leaf is all-gathered in turn (one full leaf at a time in
+    memory). Example::
 
-        sd = functp.full_state_dict(local, mesh, specs)
+        sd = functp.full_state_dict(local, mesh, specs, module=model)
         if sd is not None:
             torch.save(sd, "model.pt")
     """
@@ -337,4 +341,7 @@ def full_state_dict(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None,
                 x = full_of(x, n, s, mesh, ops)
                 x = x if mine else None
             out.append(x)
-    return optree.tree_unflatten(treespec, out) if mine else None
+    if not mine:
+        return None
+    full = optree.tree_unflatten(treespec, out)
+    return full if module is None else module_state_dict(module, full, "functp.full_state_dict")

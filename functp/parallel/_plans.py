@@ -26,6 +26,7 @@ from ..mesh._mesh import Mesh
 from ..mesh._layout import require_divisible, uneven
 from ..mapping._param_swap import ParamSwap
 from ..mapping._sharding import unshard
+from ..mapping._state_dict import module_state_dict
 from ..mesh._spec import P, normalize_spec
 from . import _replayed
 from ._fsdp_style import FullyShard
@@ -35,7 +36,7 @@ from ._ep import ExpertDispatch
 from ._rules import _param_specs, _tied_styles, match_plan, matches_rule
 from ._hf import (_auto_ep_plan, _auto_plan, _check_expert_shards, _efsdp, _mesh_for_config,
                   _overridden, _resolve_config)
-from ._tp import Replicated
+from ._tp import OUTSIDE_VOCAB, Replicated
 
 __all__ = ["Parallelized", "lay_out_plan"]
 
@@ -104,7 +105,8 @@ class Parallelized:
     ``apply.shard(full)`` turns canonical full parameters into this rank's blocks and
     ``apply.unshard(blocks)`` (parameters or their gradients) turns blocks back into
     canonical full tensors: packed weights come back as ``[gate; up]``, not as the
-    per-rank interleaving that a plain :func:`functp.unshard` would give.
+    per-rank interleaving that a plain :func:`functp.unshard` would give;
+    ``apply.state_dict(blocks)`` has every key ``module.state_dict()`` has (tied ones).
     ``apply.replay``: vma decided once per call signature and replayed at the plan's
     boundaries (``docs/fast.md``; False: every op tracked on every call).
     """
@@ -226,6 +228,8 @@ class Parallelized:
         except ShardingError:
             raise
         except (RuntimeError, ValueError, IndexError) as e:
+            if str(e).startswith(OUTSIDE_VOCAB):
+                raise           # the input's fault, as in the unsharded model
             raise _failure(self, e) from e
         finally:
             exits = state.exits
@@ -258,12 +262,19 @@ class Parallelized:
                 for k, v in full.items()}
 
     def unshard(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's blocks (parameters or gradients) -> canonical full tensors."""
+        """This rank's blocks (parameters or gradients) -> canonical full tensors, under
+        the same keys (a tied parameter once: :meth:`state_dict` has them all)."""
         gathered = unshard(local, self.mesh, {k: self.specs[k] for k in local})
         return {k: self._style(k).unshard_param(
                     k, v, self.specs[k], self.mesh.axis_size(self.axes.get(k, self.axis))
                     if k in self.axes or self.axis is not None else 1)
                 for k, v in gathered.items()}
+
+    def state_dict(self, local: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The blocks of every parameter -> every key of ``module.state_dict()`` (a tied
+        name: its parameter's full tensor; a buffer: the module's), on every rank, for
+        ``module.load_state_dict(apply.state_dict(params))`` (strict)."""
+        return module_state_dict(self.module, self.unshard(local), "apply.state_dict")
 
 
 def _same_mesh(apply: Parallelized, mesh: Mesh) -> None:
@@ -345,7 +356,28 @@ def _failure(apply: Parallelized, e: BaseException) -> ShardingError:
         raised + f"The plan's rules inside it: {shown}. A module that combines a value "
         f"the plan splits (its heads, its columns) with one it does not fails so; give "
         f"that module's children rules that split both the same way, or 'replicated' "
-        f"(if the unsharded module raises the same error, the plan is not the cause)")
+        f"(if the unsharded module raises the same error, the plan is not the cause)"
+        + (_local_sizes_advice(apply, mod, where) if rules else ""))
+
+
+def _local_sizes_advice(apply: Parallelized, mod: nn.Module, where: str) -> str:
+    """The other cause of a shape error in a module whose children the plan splits:
+    its code reads a full size where a rank holds a part (what :class:`LocalSizes`
+    fixes for sizes kept in attributes)."""
+    prefix = where + "." if where else ""
+    sizes = {apply.mesh.axis_size(a) for n, a in apply.axes.items()
+             if n.startswith(prefix) and isinstance(a, str)}
+    # integer attributes a split would divide: candidates for LocalSizes
+    names = [k for k, v in vars(mod).items() if type(v) is int and v > 1
+             and not k.startswith("_") and all(v % n == 0 for n in sizes)][:4]
+    example = ", ".join(repr(k) for k in names) or "'n_embd', 'n_head'"
+    return (f". A module that reads a full size where a rank holds a part fails so too: "
+            f"`B, T, C = x.size()` of its replicated input, or size attributes "
+            f"(`self.n_embd`, `self.n_head`) used to split or view the split values; read "
+            f"local sizes from the split tensors (`.view(B, T, -1)`, `.chunk(3, dim=-1)`), "
+            f"or, for sizes kept in attributes, give the module itself the rule "
+            f"functp.LocalSizes({example}): it divides them by the axis size during the "
+            f"module's call")
 
 
 _REPLICATED = Replicated()

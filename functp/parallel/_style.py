@@ -74,8 +74,8 @@ class Acts:
     ``identity_over_one``: whether what they do is the identity where the axis has
     one rank (moving activations between layouts with :func:`relayout`), so that a
     replayed call (``docs/fast.md``) need not run them there. (Not a vocabulary-parallel
-    embedding's masks: over one rank they still turn an id outside the vocabulary into
-    a zero row, as over two, where the plain embedding would raise.)
+    embedding's hooks: over one rank they still check every id against the vocabulary,
+    and raise for one outside it as the plain embedding does.)
     """
     pre: Callable | None
     post: Callable | None

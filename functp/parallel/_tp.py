@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ..ops._collectives import all_gather_invariant, axis_index, axis_size, pvary
 from ..runtime._errors import ShardingError
+from ..runtime._torch_compat import DisableFuncTorch, is_functorch_wrapped, unwrap_functorch
 from ..mesh._layout import packed_slice, uneven
 from ..mesh._spec import P
 from ._style import (Acts, Call, Layout, Style, _layout, _own_hooks, register_style,
@@ -32,6 +33,9 @@ __all__ = ["Replicated", "Colwise", "Rowwise", "VocabParallelEmbedding",
 
 _COLUMNS = Shard(-1)       # this rank's columns (output features) of a split layer
 _PARTIAL = Partial()       # partial sums, to be summed over the axis
+#: how the vocabulary-parallel embedding's error for an id outside the vocabulary
+#: starts (``apply`` passes it on as it is: the plan is not the cause)
+OUTSIDE_VOCAB = "functp: an id outside the vocabulary"
 
 
 def _weight_of(module: nn.Module, style: str) -> torch.Tensor:
@@ -102,8 +106,16 @@ class Colwise(_Linearish):
     all-gather a sequence-sharded input first). ``output_layout``: ``Shard(-1)``
     (default: the local columns, for a following row-parallel layer) or
     ``Replicate()`` (all-gathered: transformers' ``gather_output``). ``packed``: the
-    number of fused blocks in the output features (2 for a ``gate_up`` weight), so
-    that every rank gets matching slices of each.
+    number of equal fused blocks in the output features, so that every rank gets its
+    slice of each: a plain split gives rank 0 the first columns of the whole, and a
+    model that then splits the output by width (``q, k, v = c_attn(x).split(n_embd,
+    -1)``) gets wrong blocks, silently. ``Colwise(packed=3)`` (registered as
+    ``"packed_colwise_qkv"``, GPT-2's ``c_attn`` in its shipped plan) for a fused
+    ``[q; k; v]``, each rank holding its heads of q, of k and of v; ``packed=2``
+    (``"packed_colwise"``) for a fused ``[gate; up]``. The specs say so (an
+    ``nn.Linear``'s weight ``P(axis, None, packed={0: 3})``): ``apply.unshard`` and
+    checkpoints give the weight back in its own order. (The model must take local
+    sizes from the tensors, ``.chunk(3, -1)``, or through :class:`functp.LocalSizes`.)
 
     A replicated input needs no hook: meeting the sharded weight makes it varying,
     and its gradient is summed over the axis (Megatron's ``f``).
@@ -237,13 +249,38 @@ class Rowwise(_Linearish):
         return out if bias is None else out + bias
 
 
+@functools.lru_cache(maxsize=256)     # (made once per embedding, not per call)
+def _outside_message(vocab: int, name: str) -> str:
+    return (f"{OUTSIDE_VOCAB} [0, {vocab}) reached the vocabulary-parallel embedding "
+            f"{name!r}, where the unsharded nn.Embedding raises IndexError (index out of "
+            f"range)")
+
+
+def _check_ids(ids: torch.Tensor, vocab: int, name: str) -> None:
+    """Fails, as ``nn.Embedding`` does, for an id outside ``[0, vocab)``: the masks
+    below would turn it into a zero row. Checked on the device (``_assert_async``: on
+    a GPU no host sync, the error comes at the next one) on the global ids, which
+    every rank holds alike; under torch.func's transforms on the plain tensor beneath
+    them (vmap has no rule for the assert; torch.compile traces the plain call)."""
+    ok = ((ids >= 0) & (ids < vocab)).all()
+    msg = _outside_message(vocab, name)
+    if is_functorch_wrapped(ok) and not torch.compiler.is_compiling():
+        ok = unwrap_functorch(ok)        # (under vmap: one entry per example)
+        with DisableFuncTorch():
+            torch._assert_async(ok.all(), msg)
+    else:
+        torch._assert_async(ok, msg)
+
+
 class VocabParallelEmbedding(Style):
     """``nn.Embedding`` with its rows (the vocabulary) split over the axis.
 
     Each rank looks up the ids that fall in its rows, zeroes the others, and the
     partial embeddings are summed: ``output_layout`` ``Replicate()`` (default, one
     all-reduce) or ``Shard(1)`` (reduce-scatter into a sequence-parallel region).
-    A ``padding_idx`` keeps its meaning (no gradient for that row).
+    A ``padding_idx`` keeps its meaning (no gradient for that row). An id outside
+    the vocabulary raises, as the unsharded ``nn.Embedding`` does: checked on the
+    device, a ``RuntimeError`` on CPU, a device-side assert at the next sync on a GPU.
     """
 
     def __init__(self, *, output_layout: Layout = Replicate()):
@@ -258,6 +295,8 @@ class VocabParallelEmbedding(Style):
 
     def prepare_input(self, module, args, kwargs, call):
         rows = call.params["weight"].shape[0]
+        _check_ids(args[0], getattr(module, "num_embeddings", None)
+                   or rows * axis_size(call.axis), call.name)
         start = axis_index(call.axis) * rows
         # the local ids differ between ranks: say so (ids are ints: no gradient)
         ids = pvary(args[0], call.axis) - start

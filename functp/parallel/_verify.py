@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.placement_types import Shard
 from torch.func import functional_call
 
 from ..ops._collectives import all_gather_invariant, axis_size, pmean
@@ -20,7 +21,8 @@ from ..mesh._spec import P
 from ._fsdp_style import FullyShard
 from ._ep import ExpertDispatch
 from ._plans import lay_out_plan
-from ._tp import _packed_merge
+from ._style import _layout
+from ._tp import Colwise, Rowwise, _packed_merge
 
 __all__ = ["verify_plan", "check_plan"]
 
@@ -42,16 +44,24 @@ def _first_tensor(x: Any) -> torch.Tensor | None:
 
 def _record(module: nn.Module, into: list, transform=None, skip: tuple[str, ...] = ()) -> list:
     """Forward hooks on every submodule (but those under a prefix in ``skip``)
-    appending ``(name, first output tensor)``."""
+    appending ``(name, first output tensor, first input tensor or None)``: the input
+    tells a module that computes wrongly from one whose parent's code handed it a
+    wrong input."""
     handles = []
     for name, sub in module.named_modules():
         if name.startswith(skip) and skip:
             continue
-        def hook(m, args, output, name=name):
+        def hook(m, args, kwargs, output, name=name):
             t = _first_tensor(output)
             if t is not None and t.is_floating_point():
-                into.append((name, transform(name, t) if transform else t.detach()))
-        handles.append(sub.register_forward_hook(hook))
+                x = _first_tensor(args)
+                x = _first_tensor(kwargs) if x is None else x
+                x = x if x is not None and x.is_floating_point() else None
+                if transform:
+                    into.append((name, *transform(name, t, x)))
+                else:
+                    into.append((name, t.detach(), None if x is None else x.detach()))
+        handles.append(sub.register_forward_hook(hook, with_kwargs=True))
     return handles
 
 
@@ -106,40 +116,100 @@ def _run_recorded(module, full, args, kwargs, skip) -> list:
     return reference
 
 
-def _whole_fn(apply, ref_shapes):
-    """The global value of a submodule's output: gathered along the dimension the plan
-    split (the one that is the axis size times smaller than unsharded)."""
+def _whole_fn(apply, reference):
+    """The global values of a submodule's output and input: each gathered along the
+    dimension the plan split (the one that is the axis size times smaller than
+    unsharded); an input that is no such split is None (it differs)."""
     axis = apply.axis
     packed = {h[0]: h[2].blocks for h in apply._hooked if getattr(h[2], "blocks", 1) > 1}
 
-    def whole(i: int, name: str, t: torch.Tensor) -> torch.Tensor:
-        want = ref_shapes[i] if i < len(ref_shapes) else t.shape
+    def gathered(name, t, want, merge):
         if t.shape == want or axis is None:
             return t.detach()
         n = axis_size(axis)
         dims = [d for d in range(t.ndim) if t.ndim == len(want) and t.shape[d] * n == want[d]
                 and all(t.shape[e] == want[e] for e in range(t.ndim) if e != d)]
         if not dims:
-            raise ShardingError(
-                f"verify_plan: module {name!r} returns shape {tuple(t.shape)} under the plan "
-                f"but {tuple(want)} unsharded, which is not a split over {axis!r} "
-                f"(size {n}); the plan changes what this module computes")
+            return None
         g = all_gather_invariant(t.detach(), axis, axis=dims[0], tiled=True)
-        if name in packed and dims[0] == t.ndim - 1:
+        if merge and name in packed and dims[0] == t.ndim - 1:
             g = _packed_merge(g, dims[0], packed[name], n)
         return g
+
+    def whole(i: int, name: str, t: torch.Tensor, x: torch.Tensor | None) -> tuple:
+        ref_out, ref_in = reference[i][1:] if i < len(reference) else (t, x)
+        out = gathered(name, t, ref_out.shape, True)
+        if out is None:
+            raise ShardingError(
+                f"verify_plan: module {name!r} returns shape {tuple(t.shape)} under the plan "
+                f"but {tuple(ref_out.shape)} unsharded, which is not a split over {axis!r} "
+                f"(size {axis_size(axis)}); the plan changes what this module computes")
+        # (the same shapes on every rank: every rank gathers, or none)
+        inp = (gathered(name, x, ref_in.shape, isinstance(_style_of(apply, name), Rowwise))
+               if x is not None and ref_in is not None else None)
+        return out, inp
     return whole
+
+
+def _style_of(apply, name: str):
+    """The style of the planned module ``name`` (None if the plan has no rule for it)."""
+    hook = apply.plan_hooks.get(name)
+    return None if hook is None else hook.style
+
+
+def _plain_colwise(apply, name: str) -> bool:
+    """Whether the plan splits module ``name``'s output features plainly (no packed
+    blocks) and leaves its output split."""
+    hook = apply.plan_hooks.get(name)
+    style = None if hook is None else hook.style
+    return (isinstance(style, Colwise) and style.blocks == 1 and isinstance(
+        _layout(style.output_layout, hook.axis, "Colwise output_layout"), Shard))
+
+
+def _advice(module, apply, reference, i: int, name: str, input_differs: bool) -> str:
+    """Why module ``name`` (call ``i``), the first whose output differs, does, and
+    the fix: a fused weight split plainly column-wise before it in its parent's code
+    (its output matches once gathered, but the parent splits it into blocks by width,
+    and each rank holds a contiguous slice of the whole, not a slice of each block)."""
+    # whose code went wrong: the parent's, which computed this module's input, or
+    # (the input matching) this module's own, from what its children returned
+    owner = name.rpartition(".")[0] if input_differs else name
+    before = [n for n, *_ in reference[:i] if n and n.rpartition(".")[0] == owner]
+    plain = [n for n in dict.fromkeys(before) if _plain_colwise(apply, n)]
+    pmod = module.get_submodule(owner) if owner else module
+    who = (f"the code of its parent {owner or '(the root)'!r} ({type(pmod).__name__})"
+           if input_differs else f"its own code ({type(pmod).__name__})")
+    if plain:
+        return (f"{'its input already differs: ' if input_differs else ''}{who} computes "
+                f"{'it' if input_differs else 'its output'} from the output of "
+                f"{plain[-1]!r}, which the plan splits by plain 'colwise' (each rank: a "
+                f"contiguous slice of its output features). "
+                f"If that code splits or chunks the output into blocks by width (a fused q, "
+                f"k, v; a fused gate and up), each rank must hold its slice of every block: "
+                f"give {plain[-1]!r} Colwise(packed=3) (the style 'packed_colwise_qkv'; "
+                f"packed=2, 'packed_colwise', for a fused gate_up)")
+    if input_differs:
+        return (f"its input already differs: {who}, which computes it, reduces "
+                f"over a dimension the plan splits (a mean, norm or softmax over split "
+                f"columns or heads), or combines split and unsplit values; give the modules "
+                f"before it rules that keep that dimension whole (a gathering style such as "
+                f"'colwise_gather_output', or 'replicated')")
+    return (f"it, or its parent's code that computes its input, reduces over a dimension "
+            f"the plan splits (a mean, norm or softmax over split columns or heads), or "
+            f"combines split and unsplit values; give it or its children rules that keep "
+            f"that dimension whole (a gathering style such as 'colwise_gather_output', or "
+            f"'replicated')")
 
 
 def _compare_outputs(module, full, apply, local, specs, args, kwargs, rtol):
     skip = _inside_dispatch(apply)
     reference = _run_recorded(module, full, args, kwargs, skip)
-    whole = _whole_fn(apply, [t.shape for _, t in reference])
+    whole = _whole_fn(apply, reference)
     sharded: list = []
 
     def body(p):
-        handles = _record(module, sharded, lambda name, t: whole(len(sharded), name, t),
-                          skip)
+        handles = _record(module, sharded,
+                          lambda name, t, x: whole(len(sharded), name, t, x), skip)
         try:
             with torch.no_grad():
                 apply(p, *args, **kwargs)
@@ -150,7 +220,7 @@ def _compare_outputs(module, full, apply, local, specs, args, kwargs, rtol):
 
     shard_map(body, apply.mesh, in_specs=(specs,), out_specs=P())(local)
     worst = 0.0
-    for i, ((name, ref), (name2, got)) in enumerate(zip(reference, sharded)):
+    for i, ((name, ref, ref_in), (name2, got, got_in)) in enumerate(zip(reference, sharded)):
         if name != name2 or got.shape != ref.shape:
             raise ShardingError(
                 f"verify_plan: under the plan the modules ran in another order or shape "
@@ -160,14 +230,13 @@ def _compare_outputs(module, full, apply, local, specs, args, kwargs, rtol):
         worst = max(worst, err)
         if err > rtol:
             mod = module.get_submodule(name) if name else module
+            input_differs = ref_in is not None and (
+                got_in is None or got_in.shape != ref_in.shape or _error(got_in, ref_in) > rtol)
             raise ShardingError(
                 f"verify_plan: the first module whose output differs under the plan is "
                 f"{name or '(the root)'!r} ({type(mod).__name__}), by {err:.1e} relative "
-                f"(allowed {rtol:.0e}); it, or its parent's code that computes its "
-                f"input, reduces over a dimension the plan splits (a mean, norm or softmax over "
-                f"split columns or heads), or combines split and unsplit values; give it "
-                f"or its children rules that keep that dimension whole (a gathering "
-                f"style such as 'colwise_gather_output', or 'replicated')")
+                f"(allowed {rtol:.0e}); "
+                + _advice(module, apply, reference, i, name, input_differs))
     return worst, len(reference)
 
 
