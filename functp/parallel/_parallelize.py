@@ -9,6 +9,7 @@ from torch import nn
 
 from ..mesh._mesh import Mesh
 from ..mesh._spec import P
+from ._kept import guard_kept
 from ._plans import Parallelized, _checked_mesh, lay_out_plan
 from ._verify import verify_plan
 
@@ -63,7 +64,9 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     module's tensor, a split one's full tensor is released (made meta), and calling
     ``module`` itself raises (``apply`` runs it). A module on the meta device is
     always so: its blocks come back on the meta device with their shapes, for
-    :func:`functp.init_blocks` or :func:`functp.from_pretrained` to fill.
+    :func:`functp.init_blocks` or :func:`functp.from_pretrained` to fill. Either
+    way the module's parameters are not what trains: a ``torch.optim`` optimizer
+    over them raises at its first ``step()``, naming the blocks to use instead.
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
     by the module's dotted parameter names), their specs, and
@@ -93,4 +96,7 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     mesh, _ = _checked_mesh(module, mesh, distributed_config)
     if verify:
         verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
-    return lay_out_plan(module, mesh, plan, axis, distributed_config, keep_module)
+    apply, params, specs = lay_out_plan(module, mesh, plan, axis, distributed_config,
+                                        keep_module)
+    guard_kept(apply)     # (an optimizer over model.parameters() would train nothing)
+    return apply, params, specs

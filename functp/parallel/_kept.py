@@ -1,0 +1,66 @@
+"""The module ``parallelize`` keeps is not the model being trained: its parameters are
+copies (or, with ``keep_module=False``, meta tensors) that ``apply`` never reads. A
+ported DDP script's own ``torch.optim`` optimizer over ``model.parameters()`` would step
+them and train nothing, silently; so an optimizer holding one of them refuses its
+first ``step()``, naming what to build it over instead (the blocks).
+
+DDP and FSDP2 users expect ``model.parameters()`` to be what trains. functp's blocks
+are a separate pytree by design (a pure function over them), so the kept parameters
+cannot be what trains; they stay usable for what they are (the unsharded reference:
+``verify_plan``, a float64 check, sampling after ``load_state_dict`` of the trained
+weights), and the one use that can only be a mistake, stepping them, is refused.
+
+The check is torch's global optimizer step pre-hook (``torch.optim.optimizer.
+register_optimizer_step_pre_hook``), registered once, at the first ``parallelize``:
+each step of any optimizer then reads one dict entry per parameter.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..runtime._errors import ShardingError
+
+__all__ = ["guard_kept"]
+
+_KEPT = "_functp_kept"       # a kept parameter's mark: (apply's module class, its name)
+_registered = False
+
+
+def guard_kept(apply) -> None:
+    """Marks the parameters of ``apply.module`` (kept copies or released meta
+    tensors) so that an optimizer stepping them raises; registers the hook once."""
+    global _registered
+    kind = type(apply.module).__name__
+    ref = weakref.ref(apply)
+    for name, p in apply.module.named_parameters(remove_duplicate=False):
+        p.__dict__[_KEPT] = (kind, name, ref)
+    if not _registered:
+        register_optimizer_step_pre_hook(_refuse_kept)
+        _registered = True
+
+
+def _refuse_kept(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            mark = p.__dict__.get(_KEPT)
+            if mark is not None and mark[2]() is not None:
+                raise _kept_error(type(optimizer).__name__, *mark[:2], p.is_meta)
+
+
+def _kept_error(opt: str, kind: str, name: str, meta: bool) -> ShardingError:
+    what = ("a meta tensor (keep_module=False released it)" if meta else
+            "the copy parallelize left in the module, which apply never reads")
+    return ShardingError(
+        f"{opt}.step(): its parameter {name!r} of the parallelized {kind} is {what}: "
+        f"stepping it trains nothing. Build the optimizer over the blocks parallelize "
+        f"returned, `apply, params, specs = functp.parallelize(model, ...)`: "
+        f"`torch.optim.{opt}(params.values(), ...)` (blocks with .requires_grad_() for a "
+        f"tape step, or gradients put on them with functp.set_grads), and clip their "
+        f"gradients with functp.clip_by_global_norm(grads, max_norm, mesh, specs) "
+        f"(clip_grad_norm_(model.parameters()) clips nothing either). For a param-group split (no weight decay on norms), "
+        f"group the blocks by the same names (params is keyed by the module's parameter "
+        f"names). To train the unsharded module itself as a reference, give that run "
+        f"its own copy (copy.deepcopy(model)). docs/porting.md shows the whole loop")
