@@ -26,6 +26,7 @@ from ..ops import _context
 from ..ops import _lazy
 from ..runtime import _crosscheck
 from ..runtime import _fingerprint
+from ..runtime import _watch
 from ..runtime import _world
 from ..mesh import _layout
 from ..ops import _ops
@@ -203,6 +204,8 @@ def _call(body: _Body, args, kwargs):
             f"(or close over non-tensor options with functools.partial)")
     outer = _context.top()
     if outer is None:
+        if _watch.ENABLED and not _world.SIMULATING:
+            _watch.entered(body)      # (which call each rank is in: runtime/_watch)
         return _run(body, args)
     _check_nesting(body, outer)
     if outer.tracker is not None and outer.tracker.recorder is not None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..runtime import _crosscheck
+from ..runtime import _watch
 from ..runtime import _world
 from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import backend_timeout, resolve_process_group
@@ -308,6 +309,7 @@ def _end_process_group(world) -> None:
             return              # destroyed by the program (and perhaps started again)
         try:
             if getattr(sys, "last_value", None) is None and dist.get_world_size() > 1:
+                _watch.exiting()     # (a peer still in a call is told: runtime/_watch)
                 dist.barrier()
             dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001 - at exit: report, do not raise

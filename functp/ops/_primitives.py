@@ -25,6 +25,7 @@ import torch
 from ..runtime import _comm_log
 from ..runtime import _compile
 from ..runtime import _crosscheck
+from ..runtime import _watch
 from ..runtime import _world
 from ..mesh._mesh import AxisGroup
 from ..runtime._torch_compat import c10d_functional as _ops
@@ -126,10 +127,19 @@ def _record(op: str, g: AxisGroup, x: torch.Tensor, how: str = "",
 
 
 def _wait(t: torch.Tensor, op: str, g: AxisGroup) -> torch.Tensor:
+    if _world.SIMULATING:
+        try:
+            return _world.wait(t)
+        except RuntimeError as e:     # a timeout or a peer gone: say which collective
+            raise _crosscheck.failed(op, g, e) from e
+    if _watch.ENABLED:                # (a long wait is looked into: runtime/_watch)
+        _watch.waiting(op, g)
     try:
-        return _world.wait(t) if _world.SIMULATING else _ops.wait_tensor(t)
-    except RuntimeError as e:     # a timeout or a peer gone: say which collective
-        raise _crosscheck.failed(op, g, e) from e
+        return _ops.wait_tensor(t)
+    except RuntimeError as e:
+        raise _crosscheck.failed(op, g, e, _watch.cause()) from e
+    finally:
+        _watch._s.wait = None
 
 
 def _blocks_to_group_order(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:

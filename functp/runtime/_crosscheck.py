@@ -401,12 +401,17 @@ def mark(mesh, name: str, where: str, leaves: list) -> list:
     return leaves
 
 
-def failed(op: str, g, e: BaseException) -> ShardingError:
-    """The error for a collective whose wait failed (a timeout, a peer gone)."""
+def failed(op: str, g, e: BaseException, cause: str | None = None) -> ShardingError:
+    """The error for a collective whose wait failed (a timeout, a peer gone);
+    ``cause``: what a peer found before it left (``_watch``), said first."""
     try:
         seq = f"#{sequence_number(g.pg())} "
     except Exception:        # noqa: BLE001 - the number is a courtesy
         seq = ""
+    if cause:
+        return agreed(ShardingError(
+            f"{cause} (here: {op} over {g.axes}, collective {seq}of its process group, "
+            f"failed: {_reason(e)})"))
     return agreed(ShardingError(
         f"{op} over {g.axes} (collective {seq}of its process group) failed: {_reason(e)}. "
         f"A rank did not join it within the mesh's timeout, or left. Run with "

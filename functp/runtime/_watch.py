@@ -1,0 +1,190 @@
+"""Ranks in different functp calls, found while they wait (the check mode off).
+
+A script that runs a collective program on some ranks only (``if master_process:
+evaluate()``), or a call the others do not make, leaves every rank waiting in a
+collective its peers never reach, until the mesh's timeout (10 minutes by default),
+each reporting another collective. functp finds it within seconds instead, at no cost
+to a step that does not wait: each rank notes, in two Python attributes, which
+top-level ``shard_map`` call it is in (how many it has entered, which function), and
+whether it is waiting in one of functp's collectives. A daemon thread looks once a
+second: a wait longer than ``FUNCTP_WATCH_S`` (5 s) is posted to the process group's
+store with this rank's call and where it was made (the main thread's stack), and the
+posts of the peers that wait too are read. A peer waiting in another call is a
+divergence: every waiting rank prints the same error (the calls, the ranks in each,
+their source lines) and exits with status 1 — a collective's wait cannot be
+interrupted (gloo's ``abort`` does not end it), and its peers then fail at once
+("connection closed"), raising the posted error. A rank that is merely slow (a
+checkpoint write, outside any functp collective) posts nothing and is waited for as
+before. ``FUNCTP_WATCH=0`` turns the thread off. Not in ``functp.simulate`` (its ranks
+are threads of one process; its own timeout applies) nor while torch.compile traces.
+On NCCL a wait returns at once and a hang shows at the next host sync, outside functp:
+the thread sees no wait there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+__all__ = ["entered", "waiting", "exiting", "cause"]
+
+ENABLED = os.environ.get("FUNCTP_WATCH", "1").strip().lower() not in ("0", "false", "no")
+WAIT_S = float(os.environ.get("FUNCTP_WATCH_S", "5"))
+_PREFIX = "functp/watch/"
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH = None
+
+
+class _State:
+    """This process's place: written by the main thread, read by the watcher."""
+    calls = 0             # top-level shard_map calls entered
+    body = None           # the function of the latest one
+    wait = None           # (since, op, group) while in a functp collective's wait
+    thread = None
+    main = None           # the ident of the thread that waits
+
+
+_s = _State()
+
+
+def entered(body) -> None:
+    """A top-level ``shard_map`` call starts (``body``: its ``_Body``)."""
+    _s.calls += 1
+    _s.body = body
+
+
+def waiting(op: str, g) -> None:
+    """The calling thread is about to wait on collective ``op`` over group ``g``
+    (None: the whole world, at the process's exit)."""
+    _s.wait = (time.monotonic(), op, g)
+    if _s.thread is None:
+        _start()
+
+
+def exiting() -> None:
+    """The process waits for its peers at its exit (functp's exit barrier): a peer
+    still waiting in a call sees that this rank made no more calls."""
+    if ENABLED and _s.thread:
+        _s.body = _EXIT
+        _s.wait = (time.monotonic(), "the barrier at the process's exit", None)
+
+
+class _Exit:
+    name = "no further call: the script ended"
+
+
+_EXIT = _Exit()
+
+
+def _start() -> None:
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        _s.thread = False
+        return
+    _s.main = threading.get_ident()
+    _s.thread = threading.Thread(target=_watch, name="functp-watch", daemon=True)
+    _s.thread.start()
+
+
+def _store():
+    import torch.distributed as dist
+    return dist.distributed_c10d._get_default_store()
+
+
+def _describe(wait) -> dict:
+    """This rank's post: its call, the collective it waits in and its stack."""
+    import torch.distributed as dist
+    since, op, g = wait
+    body = _s.body
+    name = getattr(getattr(body, "f", None), "__qualname__", None) or getattr(body, "name", "?")
+    code = getattr(getattr(body, "f", None), "__code__", None)
+    defined = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "-"
+    frame = sys._current_frames().get(_s.main)
+    lines = []
+    if frame is not None:
+        for fs in traceback.extract_stack(frame):
+            if not fs.filename.startswith(_PKG) and "/torch/" not in fs.filename:
+                lines.append(f"{fs.filename}:{fs.lineno} in {fs.name}: {(fs.line or '').strip()}")
+    if g is None:
+        members, axes = list(range(dist.get_world_size())), []
+    else:
+        members, axes = [g.group_rank(i) for i in range(g.size)], list(g.axes)
+        try:
+            ranks = dist.get_process_group_ranks(g.pg())
+            members = [ranks[m] for m in members]
+        except Exception:   # noqa: BLE001 - the group's members as its own ranks then
+            pass
+    return {"rank": dist.get_rank(), "call": _s.calls, "name": name, "defined": defined,
+            "op": op, "axes": axes, "members": members, "since": since,
+            "where": lines[-3:]}
+
+
+def _watch() -> None:
+    import torch.distributed as dist
+    store, me = _store(), dist.get_rank()
+    posted = None
+    while True:
+        time.sleep(1.0)
+        wait = _s.wait
+        try:
+            if wait is None or time.monotonic() - wait[0] < WAIT_S:
+                if posted is not None:
+                    store.set(f"{_PREFIX}{me}", "")
+                    posted = None
+                continue
+            if posted is not wait:
+                mine = _describe(wait)
+                store.set(f"{_PREFIX}{me}", json.dumps(mine))
+                posted = wait
+            peers = []
+            for r in mine["members"]:
+                if r != me and store.check([f"{_PREFIX}{r}"]):
+                    raw = store.get(f"{_PREFIX}{r}").decode()
+                    if raw:
+                        peers.append(json.loads(raw))
+            other = [p for p in peers if (p["call"], p["name"]) != (mine["call"], mine["name"])]
+            if other:
+                message = _message([mine] + peers)
+                store.set(f"{_PREFIX}error", message)
+                sys.stderr.write(f"[rank {me}] ShardingError: {message}\n")
+                sys.stderr.flush()
+                os._exit(1)
+        except Exception:       # noqa: BLE001 - the store gone (the job ending): stop
+            return
+
+
+def _message(posts: list) -> str:
+    groups: dict = {}
+    for p in sorted(posts, key=lambda p: p["rank"]):
+        groups.setdefault((p["call"], p["name"]), []).append(p)
+    parts = []
+    for (call, name), ps in groups.items():
+        where = "; ".join(ps[0]["where"]) or ps[0]["defined"]
+        if ps[0]["defined"] == "-":          # (at the exit barrier)
+            parts.append(f"ranks {[p['rank'] for p in ps]} made {call} shard_map calls "
+                         f"and wait in {ps[0]['op']} ({where})")
+            continue
+        parts.append(f"ranks {[p['rank'] for p in ps]} wait in {ps[0]['op']} over "
+                     f"{tuple(ps[0]['axes'])} in shard_map call #{call} ({name}, defined "
+                     f"at {ps[0]['defined']}), called from {where}")
+    return ("ranks entered different functp calls and wait for each other (the check "
+            "mode is off; found while waiting): " + " | ".join(parts) + ". Every rank of "
+            "a mesh must make the same shard_map calls in the same order: a collective "
+            "program run on some ranks only (`if rank == 0: evaluate()`) leaves the "
+            "others waiting; run it on every rank and print on one")
+
+
+def cause() -> str | None:
+    """The divergence a peer posted before it exited, if any (for a failed wait)."""
+    if not _s.thread:
+        return None
+    try:
+        store = _store()
+        if store.check([f"{_PREFIX}error"]):
+            return store.get(f"{_PREFIX}error").decode() or None
+    except Exception:       # noqa: BLE001 - no store: no cause to add
+        return None
+    return None

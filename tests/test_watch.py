@@ -1,0 +1,86 @@
+"""Ranks that enter different functp calls (a script's rank-0-only evaluation) get a
+clear error on every rank within seconds with the check mode off, naming the calls,
+the ranks in each and the source lines; a rank that is merely slow (a checkpoint
+write outside any functp call) is waited for (issue 50). Real torchrun processes: the
+watch is of waits in gloo collectives, which simulated ranks do not make."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import torch
+    import functp
+    from functp import P
+
+    torch.set_num_threads(1)
+    mode = sys.argv[1]
+    mesh = functp.make_mesh((2, 2), ("dp", "tp"))
+    rank = functp.process_index()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    apply, params, specs = functp.parallelize(model, mesh, {"0": "colwise", "2": "rowwise"})
+    params = {k: v.requires_grad_() for k, v in params.items()}
+    opt = torch.optim.AdamW(params.values(), lr=1e-2)
+
+    def train_loss(p, x):
+        return functp.pmean(apply(p, x).square().mean(), "dp")
+
+    def estimate_loss(p, x):
+        return functp.pmean(apply(p, x).abs().mean(), "dp")
+
+    train = functp.shard_map(train_loss, mesh, in_specs=(specs, P("dp")), out_specs=P())
+    evaluate = functp.shard_map(estimate_loss, mesh, in_specs=(specs, P("dp")), out_specs=P())
+    x = functp.shard(torch.randn(8, 8), mesh, P("dp"))
+    for step in range(4):
+        if step == 2 and mode == "eval" and rank == 0:   # the script's master_process
+            with torch.no_grad():
+                print("eval loss", evaluate(params, x).item(), flush=True)
+        if step == 2 and mode == "slow" and rank == 1:   # a checkpoint write
+            time.sleep(8)
+        opt.zero_grad()
+        train(params, x).backward()
+        opt.step()
+    print(f"rank {rank} done", flush=True)
+""")
+
+
+def _torchrun(tmp_path, mode: str):
+    script = tmp_path / "script.py"
+    script.write_text(_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "FUNCTP_DEBUG", "FUNCTP_WATCH",
+                        "FUNCTP_WATCH_S")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "4", "--tee", "3", str(script), mode],
+                         capture_output=True, text=True, timeout=240, env=env)
+    return out, time.monotonic() - start
+
+
+def test_a_rank_0_only_evaluation_is_an_error_on_every_rank(tmp_path):
+    out, took = _torchrun(tmp_path, "eval")
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    # every rank says why: the ones that found it print it, the others raise it
+    for r in range(4):
+        lines = [ln for ln in text.splitlines() if ln.startswith(f"[default{r}]:")]
+        assert any("entered different functp calls" in ln for ln in lines), (r, text[-4000:])
+    said = next(ln for ln in text.splitlines() if "entered different functp calls" in ln)
+    assert "script.py" in said and "shard_map call #" in said, said
+    assert re.search(r"ranks \[[0-9, ]+\] wait in", said), said
+    print(f"(the error on every rank after {took:.0f} s, the launch included)")
+
+
+def test_a_slow_rank_is_waited_for(tmp_path):
+    out, _ = _torchrun(tmp_path, "slow")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count(" done") == 4, out.stdout
