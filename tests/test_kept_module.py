@@ -69,3 +69,50 @@ def _train_blocks():
 def test_the_same_optimizer_over_the_blocks_trains_as_the_unsharded_model(run):
     for err in run(2, _train_blocks):
         assert err <= 1e-12, err
+
+
+def _state_dicts():
+    """The script's ``model.state_dict()``: the initial weights before training (as
+    parallelize copied them), refused once the blocks were stepped, read again after
+    the trained weights are loaded into the module (strict)."""
+    mesh = functp.make_mesh((2,), ("tp",))
+    model = _mlp()
+    apply, params, specs = functp.parallelize(model, mesh, _PLAN)
+    before = model.state_dict()["0.weight"].clone()
+    blocks = {k: v.requires_grad_() for k, v in params.items()}
+    opt = torch.optim.SGD(blocks.values(), lr=0.1)
+    step = functp.shard_map(lambda p, x: apply(p, x).square().mean(), mesh,
+                            in_specs=(specs, P()), out_specs=P())
+    step(blocks, torch.ones(2, 8, dtype=torch.float64)).backward()
+    opt.step()
+    try:
+        model.state_dict()
+        refused = None
+    except ShardingError as e:
+        refused = str(e)
+    trained = apply.state_dict({k: v.detach() for k, v in blocks.items()})
+    model.load_state_dict(trained, strict=True)
+    after = model.state_dict()["0.weight"]
+    return refused, float((after - trained["0.weight"]).abs().max()), bool((after != before).any())
+
+
+def test_the_kept_modules_state_dict_is_refused_once_the_blocks_trained(run):
+    for refused, err, changed in run(2, _state_dicts):
+        assert refused is not None and "apply.state_dict(params)" in refused, refused
+        assert err == 0.0 and changed, (err, changed)
+
+
+def _released_state_dict():
+    mesh = functp.make_mesh((2,), ("tp",))
+    model = _mlp()
+    functp.parallelize(model, mesh, _PLAN, keep_module=False)
+    try:
+        model.state_dict()
+    except ShardingError as e:
+        return str(e)
+    return "read"
+
+
+def test_a_released_modules_state_dict_is_refused(run):
+    for msg in run(2, _released_state_dict):
+        assert "meta tensors" in msg, msg

@@ -4,6 +4,7 @@ under its first name, and no buffers, while ``module.load_state_dict`` (strict) 
 every key ``module.state_dict()`` has."""
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -11,7 +12,19 @@ from torch import nn
 
 from ..runtime._errors import ShardingError
 
-__all__ = ["module_state_dict"]
+__all__ = ["module_state_dict", "reading"]
+
+
+class _Reading(threading.local):
+    on = 0      # inside module_state_dict: its module.state_dict() is functp's own
+
+
+_reading = _Reading()
+
+
+def reading() -> bool:
+    """Is functp itself reading a module's state dict (for its keys) on this thread?"""
+    return _reading.on > 0
 
 
 def module_state_dict(module: nn.Module, full: dict[str, Any], what: str) -> dict[str, Any]:
@@ -39,7 +52,12 @@ def module_state_dict(module: nn.Module, full: dict[str, Any], what: str) -> dic
     # every name of each parameter (a tied one has several) -> its first name
     names = {n: canonical[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
     out = {}
-    for key, v in module.state_dict(keep_vars=True).items():
+    _reading.on += 1        # (its keys only: a kept module's stale weights are not read)
+    try:
+        sd = module.state_dict(keep_vars=True)
+    finally:
+        _reading.on -= 1
+    for key, v in sd.items():
         if key in names:
             out[key] = full[names[key]]
         else:           # a buffer: the module's own (the blocks hold none)

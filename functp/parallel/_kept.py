@@ -10,7 +10,13 @@ cannot be what trains; they stay usable for what they are (the unsharded referen
 ``verify_plan``, a float64 check, sampling after ``load_state_dict`` of the trained
 weights), and the one use that can only be a mistake, stepping them, is refused.
 
-The check is torch's global optimizer step pre-hook (``torch.optim.optimizer.
+Likewise ``model.state_dict()`` (the script's checkpoint) once the blocks were
+trained in place, or with the module released: it would save the initial weights (or
+meta tensors); it names ``apply.state_dict(params)``. After
+``model.load_state_dict(apply.state_dict(params))`` the module holds the trained
+weights and its state dict is read as usual.
+
+The optimizer check is torch's global optimizer step pre-hook (``torch.optim.optimizer.
 register_optimizer_step_pre_hook``), registered once, at the first ``parallelize``:
 each step of any optimizer then reads one dict entry per parameter.
 """
@@ -21,6 +27,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..mapping._state_dict import reading
 from ..runtime._errors import ShardingError
 
 __all__ = ["guard_kept"]
@@ -29,17 +36,60 @@ _KEPT = "_functp_kept"       # a kept parameter's mark: (apply's module class, i
 _registered = False
 
 
-def guard_kept(apply) -> None:
+def guard_kept(apply, blocks: dict) -> None:
     """Marks the parameters of ``apply.module`` (kept copies or released meta
-    tensors) so that an optimizer stepping them raises; registers the hook once."""
+    tensors) so that an optimizer stepping them raises, registers that hook once, and
+    makes ``module.state_dict()`` refuse once ``blocks`` were trained in place (or
+    the module was released): it would hold the weights parallelize copied."""
     global _registered
-    kind = type(apply.module).__name__
+    module = apply.module
+    kind = type(module).__name__
     ref = weakref.ref(apply)
-    for name, p in apply.module.named_parameters(remove_duplicate=False):
+    for name, p in module.named_parameters(remove_duplicate=False):
         p.__dict__[_KEPT] = (kind, name, ref)
     if not _registered:
         register_optimizer_step_pre_hook(_refuse_kept)
         _registered = True
+    if getattr(module, "_functp_guarded", None) is None:
+        module.register_state_dict_pre_hook(_refuse_stale)
+        module.register_load_state_dict_post_hook(_synced)
+    # the blocks and their version counters (an optimizer's step, in place, bumps them)
+    module._functp_guarded = (ref, [(weakref.ref(b), b._version) for b in blocks.values()
+                                    if isinstance(b, torch.Tensor)])
+
+
+def _trained(module) -> str | None:
+    """Why ``module``'s own weights are not the trained ones, if they are not."""
+    ref, versions = module._functp_guarded
+    if ref() is None:
+        return None
+    if any(p.is_meta for p in module.parameters()):
+        return "its split parameters were released (meta tensors: keep_module=False)"
+    if any(b() is not None and b()._version != v for b, v in versions):
+        return "the blocks were updated since parallelize copied them"
+    return None
+
+
+def _refuse_stale(module, prefix, keep_vars) -> None:
+    if prefix or reading() or getattr(module, "_functp_guarded", None) is None:
+        return
+    why = _trained(module)
+    if why is not None:
+        raise ShardingError(
+            f"{type(module).__name__}.state_dict(): {why}, so the module holds the "
+            f"weights parallelize started from, not the trained ones. Call "
+            f"`apply.state_dict(params)` (or functp.full_state_dict(params, mesh, specs, "
+            f"module=model)) on every rank: every key of module.state_dict(), ready for "
+            f"load_state_dict and torch.save on one rank; or "
+            f"`model.load_state_dict(apply.state_dict(params))` first to bring the "
+            f"trained weights into the module")
+
+
+def _synced(module, incompatible) -> None:
+    """After ``load_state_dict``: the module holds what was loaded (the trained
+    weights, as a rule): its state dict is what the user asked for."""
+    ref, versions = module._functp_guarded
+    module._functp_guarded = (ref, [(b, b()._version) for b, _ in versions if b() is not None])
 
 
 def _refuse_kept(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

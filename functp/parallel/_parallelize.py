@@ -98,5 +98,5 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
         verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
     apply, params, specs = lay_out_plan(module, mesh, plan, axis, distributed_config,
                                         keep_module)
-    guard_kept(apply)     # (an optimizer over model.parameters() would train nothing)
+    guard_kept(apply, params)     # (an optimizer over model.parameters() trains nothing)
     return apply, params, specs
