@@ -277,3 +277,27 @@ def test_verify_plan_suggests_packed_for_transformers_gpt2_plain_qkv(run):
     pytest.importorskip("transformers")
     message = run(2, _verify_hf_gpt2_plain_qkv)[0]
     assert "'transformer.h.0.attn.c_attn'" in message and "Colwise(packed=3)" in message, message
+
+
+def _outside_compiled():
+    import torch._dynamo
+    torch.manual_seed(0)
+    model = _Embedded().double()
+    mesh = functp.make_mesh((2,), ("tp",))
+    apply, params, specs = functp.parallelize(model, mesh, {"emb": "embedding_rowwise",
+                                                            "out": "replicated"})
+    loss = functp.shard_map(lambda p, i: apply(p, i).square().sum(), mesh,
+                            in_specs=(specs, P()), out_specs=P())
+    torch._dynamo.reset()
+    step = torch.compile(torch.func.grad(loss), fullgraph=True, backend="aot_eager")
+    good = torch.tensor([[0, V - 1, 5]])
+    ref_apply, full = functp.functionalize(model)
+    want = torch.func.grad(lambda p, i: ref_apply(p, i).square().sum())(full, good)
+    torch.testing.assert_close(apply.unshard(step(params, good)), want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match=r"outside the vocabulary \[0, 32\)"):
+        step(params, torch.tensor([[0, V, 5]]))       # the check is in the compiled graph
+    return True
+
+
+def test_an_id_outside_the_vocabulary_raises_in_a_compiled_step(run):
+    assert all(run(2, _outside_compiled, gloo=True, timeout=600))
