@@ -25,13 +25,26 @@ _SCRIPT = textwrap.dedent("""
     mesh = functp.make_mesh((2, 2), ("dp", "tp"))
     rank = functp.process_index()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
-    apply, params, specs = functp.parallelize(model, mesh, {"0": "colwise", "2": "rowwise"})
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+        def forward(self, x, mask=None):
+            h = torch.nn.functional.gelu(self.up(x))
+            return self.down(h if mask is None else h * mask)
+
+    model = MLP()
+    apply, params, specs = functp.parallelize(model, mesh, {"up": "colwise", "down": "rowwise"})
     params = {k: v.requires_grad_() for k, v in params.items()}
     opt = torch.optim.AdamW(params.values(), lr=1e-2)
 
     def train_loss(p, x):
-        return functp.pmean(apply(p, x).square().mean(), "dp")
+        # (mode "mask": a mask given on rank 0 only from the third step on, as a
+        # transformers attention_mask some ranks pass: that rank records anew)
+        mask = torch.ones(8) if mode == "mask" and rank == 0 and step >= 2 else None
+        return functp.pmean(apply(p, x, mask=mask).square().mean(), "dp")
 
     def estimate_loss(p, x):
         return functp.pmean(apply(p, x).abs().mean(), "dp")
@@ -78,6 +91,21 @@ def test_a_rank_0_only_evaluation_is_an_error_on_every_rank(tmp_path):
     assert "script.py" in said and "shard_map call #" in said, said
     assert re.search(r"ranks \[[0-9, ]+\] wait in", said), said
     print(f"(the error on every rank after {took:.0f} s, the launch included)")
+
+
+def test_a_plain_argument_on_some_ranks_only_is_an_error_on_every_rank(tmp_path):
+    # the rank that records anew waits in the replay's agreement, its peers replay on
+    out, _ = _torchrun(tmp_path, "mask")
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    for r in range(4):
+        lines = [ln for ln in text.splitlines() if ln.startswith(f"[default{r}]:")]
+        assert any("entered different functp calls" in ln for ln in lines), (r, text[-4000:])
+    said = next(ln for ln in text.splitlines() if "entered different functp calls" in ln)
+    # (which waits the finder saw depends on timing: rank 0 in the agreement, or a peer
+    # already a call ahead; the advice for the agreement is in every message)
+    assert "apply(p, x, mask=mask)" in said or "in train_loss" in said, said
+    assert "an attention_mask on some ranks only" in said, said
 
 
 def test_a_slow_rank_is_waited_for(tmp_path):

@@ -204,7 +204,8 @@ def _call(body: _Body, args, kwargs):
             f"(or close over non-tensor options with functools.partial)")
     outer = _context.top()
     if outer is None:
-        if _watch.ENABLED and not _world.SIMULATING:
+        if (_watch.ENABLED and not _world.SIMULATING and not _crosscheck.ENABLED
+                and not _compile.dynamo_tracing()):
             _watch.entered(body)      # (which call each rank is in: runtime/_watch)
         return _run(body, args)
     _check_nesting(body, outer)

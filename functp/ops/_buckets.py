@@ -154,17 +154,18 @@ class Buckets:
             _orders[(self.whose, key, self.fresh[key])] = (self.pin, [int(j) for j in rows[0]])
 
 
-def _gather_ints(values: list, key: str, device) -> torch.Tensor:
+_LAYOUT = "all_gather of their layout, before the gradient buckets' all_reduce(sum)"
+
+
+def _gather_ints(values: list, key: str, device, op: str = _LAYOUT) -> torch.Tensor:
     """Every rank's ``values`` (as many on each) over the group ``key``, on
     ``device`` (the group's backend's): ``[group size, len(values)]`` in
-    process-group rank order."""
+    process-group rank order. ``op``: the exchange, as a failed wait names it (a
+    peer gone or late: by default the bucket all-reduce it precedes)."""
     g = group_of(key)
     with DisableFuncTorch(), torch.no_grad():
         t = torch.tensor(values, dtype=torch.int64, device=device)
-        # (a peer gone or late: named as the bucket all-reduce it precedes)
-        out = prim._wait(_c10d.all_gather_into_tensor(t, g.size, g.group_name),
-                         "all_gather of their layout, before the gradient buckets' "
-                         "all_reduce(sum)", g)
+        out = prim._wait(_c10d.all_gather_into_tensor(t, g.size, g.group_name), op, g)
     return out.view(g.size, len(values)).cpu()
 
 

@@ -132,7 +132,8 @@ def _wait(t: torch.Tensor, op: str, g: AxisGroup) -> torch.Tensor:
             return _world.wait(t)
         except RuntimeError as e:     # a timeout or a peer gone: say which collective
             raise _crosscheck.failed(op, g, e) from e
-    if _watch.ENABLED:                # (a long wait is looked into: runtime/_watch)
+    if _watch.ENABLED and not _crosscheck.ENABLED:    # (a long wait is looked into:
+        # runtime/_watch; the check mode finds a divergence before the collective)
         _watch.waiting(op, g)
     try:
         return _ops.wait_tensor(t)

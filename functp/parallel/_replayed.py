@@ -26,7 +26,7 @@ from ..ops._buckets import _gather_ints
 from ..ops._replay import (Record, Recorder, Recording, call_tensors, output_tensors,
                            pop_rule, push_rule, rule_on_top)
 from ..ops._vma import _TAG, EMPTY
-from ..runtime import _compile, _crosscheck, _world
+from ..runtime import _compile, _crosscheck, _watch, _world
 from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import torch_tree_flatten
 
@@ -154,7 +154,7 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
         push_rule(mode)
     if rec is not None and not _crosscheck.ENABLED:
         return run(params)
-    out, new = _record(apply, tr, params, args, kwargs, run)
+    out, new = _record(apply, tr, params, args, kwargs, run, key)
     if rec is None:
         apply._records[key] = new
     elif rec.why is None:
@@ -171,7 +171,7 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
     return out
 
 
-def _record(apply, tr, params: dict, args: tuple, kwargs: dict, run):
+def _record(apply, tr, params: dict, args: tuple, kwargs: dict, run, key: tuple):
     """The call under a recording union rule, every planned module's boundary watched:
     ``(its output, its Record)``."""
     recorder = Recorder(tr, params)
@@ -198,7 +198,7 @@ def _record(apply, tr, params: dict, args: tuple, kwargs: dict, run):
     rec.lift = {h: many for h, ls in rec.lifts.items()
                 if (many := {p: a for p, a in ls.items() if tr.group(a).size > 1})}
     if not _crosscheck.ENABLED:
-        _agree(tr, rec, params)
+        _agree(apply, tr, rec, params, key)
     if rec.why is None:
         for name in rec.lift:          # (a module whose style needs no hook lifts there)
             apply.plan_hooks[name].need_pre()
@@ -220,7 +220,14 @@ def _unseen(hooked: dict, rec: Record) -> None:
                               f"with these arguments")
 
 
-def _agree(tr, rec: Record, params: dict) -> None:
+def _summary(key: tuple) -> str:
+    """A call's key in words, for an error: its plain arguments and how many tensors."""
+    plain = [repr(v) for v in key if isinstance(v, (bool, int, str, type(None)))]
+    tensors = sum(1 for v in key if isinstance(v, tuple) and v and isinstance(v[0], frozenset))
+    return f"{tensors} tensors and the plain values {', '.join(plain[1:]) or 'none'}"
+
+
+def _agree(apply, tr, rec: Record, params: dict, key: tuple) -> None:
     """Every rank of the body replays the same decisions, or none does: one all-gather
     of the record's digest over the body's ranks (not under functp.estimate: no peers)."""
     fr = _context.top()
@@ -230,7 +237,9 @@ def _agree(tr, rec: Record, params: dict) -> None:
         return
     device = next((t.device for t in params.values() if isinstance(t, torch.Tensor)),
                   torch.device("cpu"))
-    rows = _gather_ints([rec.why is None, rec.digest() & 0x7FFFFFFF], g.key, device)
+    rows = _gather_ints([rec.why is None, rec.digest() & 0x7FFFFFFF], g.key, device,
+                        f"{_watch.AGREEMENT} of parallelize({type(apply.module).__name__}) "
+                        f"(this rank's first call with {_summary(key)})")
     if not bool((rows == rows[0]).all()):
         rec.why = rec.why or "the ranks of the body recorded different decisions"
 

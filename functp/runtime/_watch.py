@@ -4,9 +4,9 @@ A script that runs a collective program on some ranks only (``if master_process:
 evaluate()``), or a call the others do not make, leaves every rank waiting in a
 collective its peers never reach, until the mesh's timeout (10 minutes by default),
 each reporting another collective. functp finds it within seconds instead, at no cost
-to a step that does not wait: each rank notes, in two Python attributes, which
-top-level ``shard_map`` call it is in (how many it has entered, which function), and
-whether it is waiting in one of functp's collectives. A daemon thread looks once a
+to a step that does not wait: each rank notes, in a few Python attributes, which
+top-level ``shard_map`` call it is in (how many that made a collective it has
+entered, which function), and whether it is waiting in one of functp's collectives. A daemon thread looks once a
 second: a wait longer than ``FUNCTP_WATCH_S`` (5 s) is posted to the process group's
 store with this rank's call and where it was made (the main thread's stack), and the
 posts of the peers that wait too are read. A peer waiting in another call is a
@@ -15,7 +15,9 @@ their source lines) and exits with status 1 — a collective's wait cannot be
 interrupted (gloo's ``abort`` does not end it), and its peers then fail at once
 ("connection closed"), raising the posted error. A rank that is merely slow (a
 checkpoint write, outside any functp collective) posts nothing and is waited for as
-before. ``FUNCTP_WATCH=0`` turns the thread off. Not in ``functp.simulate`` (its ranks
+before. ``FUNCTP_WATCH=0`` turns the thread off; the check mode (``FUNCTP_DEBUG=1``)
+does without it (it compares every collective before it runs). Not in
+``functp.simulate`` (its ranks
 are threads of one process; its own timeout applies) nor while torch.compile traces.
 On NCCL a wait returns at once and a hang shows at the next host sync, outside functp:
 the thread sees no wait there.
@@ -34,14 +36,18 @@ __all__ = ["entered", "waiting", "exiting", "cause"]
 ENABLED = os.environ.get("FUNCTP_WATCH", "1").strip().lower() not in ("0", "false", "no")
 WAIT_S = float(os.environ.get("FUNCTP_WATCH_S", "5"))
 _PREFIX = "functp/watch/"
+# an exchange every rank of its group enters at the same point of a call (a replay's
+# agreement on its first record): a peer waiting elsewhere in that call diverged
+AGREEMENT = "the replay's agreement"
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH = None
 
 
 class _State:
     """This process's place: written by the main thread, read by the watcher."""
-    calls = 0             # top-level shard_map calls entered
+    calls = 0             # top-level shard_map calls that waited on a collective
     body = None           # the function of the latest one
+    entered = None        # the call just entered, counted at its first wait
     wait = None           # (since, op, group) while in a functp collective's wait
     thread = None
     main = None           # the ident of the thread that waits
@@ -51,14 +57,18 @@ _s = _State()
 
 
 def entered(body) -> None:
-    """A top-level ``shard_map`` call starts (``body``: its ``_Body``)."""
-    _s.calls += 1
-    _s.body = body
+    """A top-level ``shard_map`` call starts (``body``: its ``_Body``). It counts
+    from its first collective: a call that makes none (a rank-local computation on
+    one rank) is not a place its peers must also be."""
+    _s.entered = body
 
 
 def waiting(op: str, g) -> None:
     """The calling thread is about to wait on collective ``op`` over group ``g``
     (None: the whole world, at the process's exit)."""
+    if _s.entered is not None:
+        _s.calls += 1
+        _s.body, _s.entered = _s.entered, None
     _s.wait = (time.monotonic(), op, g)
     if _s.thread is None:
         _start()
@@ -68,7 +78,7 @@ def exiting() -> None:
     """The process waits for its peers at its exit (functp's exit barrier): a peer
     still waiting in a call sees that this rank made no more calls."""
     if ENABLED and _s.thread:
-        _s.body = _EXIT
+        _s.body, _s.entered = _EXIT, None
         _s.wait = (time.monotonic(), "the barrier at the process's exit", None)
 
 
@@ -90,8 +100,8 @@ def _start() -> None:
 
 
 def _store():
-    import torch.distributed as dist
-    return dist.distributed_c10d._get_default_store()
+    from ._torch_compat import default_store
+    return default_store()
 
 
 def _describe(wait) -> dict:
@@ -130,7 +140,10 @@ def _watch() -> None:
         time.sleep(1.0)
         wait = _s.wait
         try:
-            if wait is None or time.monotonic() - wait[0] < WAIT_S:
+            waited = time.monotonic() - wait[0] if wait is not None else 0.0
+            if waited >= 1.0 and store.check([f"{_PREFIX}error"]):
+                _leave(me, store.get(f"{_PREFIX}error").decode(), linger=2.5)
+            if waited < WAIT_S:
                 if posted is not None:
                     store.set(f"{_PREFIX}{me}", "")
                     posted = None
@@ -145,23 +158,34 @@ def _watch() -> None:
                     raw = store.get(f"{_PREFIX}{r}").decode()
                     if raw:
                         peers.append(json.loads(raw))
-            other = [p for p in peers if (p["call"], p["name"]) != (mine["call"], mine["name"])]
+            other = [p for p in peers if (p["call"], p["name"]) != (mine["call"], mine["name"])
+                     or (p["op"] != mine["op"]
+                         and (p["op"].startswith(AGREEMENT) or mine["op"].startswith(AGREEMENT)))]
             if other:
                 message = _message([mine] + peers)
                 store.set(f"{_PREFIX}error", message)
-                sys.stderr.write(f"[rank {me}] ShardingError: {message}\n")
-                sys.stderr.flush()
-                os._exit(1)
+                _leave(me, message, linger=3.5)
         except Exception:       # noqa: BLE001 - the store gone (the job ending): stop
             return
+
+
+def _leave(me: int, message: str, linger: float) -> None:
+    """Prints the error and ends the process (its wait cannot be interrupted),
+    ``linger`` seconds later: every waiting peer reads the posted error within a
+    second, and must have printed it before the first exit makes a launcher (torchrun)
+    end them all."""
+    sys.stderr.write(f"[rank {me}] ShardingError: {message}\n")
+    sys.stderr.flush()
+    time.sleep(linger)
+    os._exit(1)
 
 
 def _message(posts: list) -> str:
     groups: dict = {}
     for p in sorted(posts, key=lambda p: p["rank"]):
-        groups.setdefault((p["call"], p["name"]), []).append(p)
+        groups.setdefault((p["call"], p["name"], p["op"]), []).append(p)
     parts = []
-    for (call, name), ps in groups.items():
+    for (call, name, _), ps in groups.items():
         where = "; ".join(ps[0]["where"]) or ps[0]["defined"]
         if ps[0]["defined"] == "-":          # (at the exit barrier)
             parts.append(f"ranks {[p['rank'] for p in ps]} made {call} shard_map calls "
@@ -170,11 +194,14 @@ def _message(posts: list) -> str:
         parts.append(f"ranks {[p['rank'] for p in ps]} wait in {ps[0]['op']} over "
                      f"{tuple(ps[0]['axes'])} in shard_map call #{call} ({name}, defined "
                      f"at {ps[0]['defined']}), called from {where}")
-    return ("ranks entered different functp calls and wait for each other (the check "
-            "mode is off; found while waiting): " + " | ".join(parts) + ". Every rank of "
+    return ("ranks entered different functp calls (or different points of one) and wait "
+            "for each other (the check mode is off; found while waiting): " + " | ".join(parts) + ". Every rank of "
             "a mesh must make the same shard_map calls in the same order: a collective "
             "program run on some ranks only (`if rank == 0: evaluate()`) leaves the "
-            "others waiting; run it on every rank and print on one")
+            "others waiting; run it on every rank and print on one. Where ranks wait in "
+            f"{AGREEMENT}, they called a parallelized module with other plain arguments "
+            "or other tensors present (an attention_mask on some ranks only): give every "
+            "rank of the body the same ones (a float may differ: it is not keyed)")
 
 
 def cause() -> str | None:
