@@ -116,3 +116,33 @@ def _released_state_dict():
 def test_a_released_modules_state_dict_is_refused(run):
     for msg in run(2, _released_state_dict):
         assert "meta tensors" in msg, msg
+
+
+def _resized():
+    """``model.resize_token_embeddings`` after parallelize: the next call is refused by
+    name (its blocks hold the old rows), where it ran on the new modules' weights."""
+    import warnings
+    pytest.importorskip("transformers")
+    from _hf import VOCAB, _build
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _build("llama")
+    mesh = functp.make_mesh((2,), ("tp",))
+    apply, params, specs = functp.parallelize(model, mesh, "auto")
+    step = functp.shard_map(lambda p, i: apply(p, input_ids=i, use_cache=False).logits.sum(),
+                            mesh, in_specs=(specs, P()), out_specs=P())
+    ids = torch.randint(VOCAB, (2, 4), generator=torch.Generator().manual_seed(0))
+    step(params, ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.resize_token_embeddings(VOCAB + 8, mean_resizing=False)
+    try:
+        step(params, ids)
+    except ShardingError as e:
+        return str(e)
+    return "ran"
+
+
+def test_a_module_resized_after_parallelize_is_refused_by_name(run):
+    for msg in run(2, _resized):
+        assert "config.vocab_size 32 -> 40" in msg and "resize_token_embeddings" in msg, msg

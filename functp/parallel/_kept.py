@@ -30,17 +30,18 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..mapping._state_dict import reading
 from ..runtime._errors import ShardingError
 
-__all__ = ["guard_kept"]
+__all__ = ["guard_kept", "structure", "changed_error"]
 
 _KEPT = "_functp_kept"       # a kept parameter's mark: (apply's module class, its name)
 _registered = False
 
 
-def guard_kept(apply, blocks: dict) -> None:
+def guard_kept(apply, blocks: dict, specs: dict) -> tuple:
     """Marks the parameters of ``apply.module`` (kept copies or released meta
     tensors) so that an optimizer stepping them raises, registers that hook once, and
     makes ``module.state_dict()`` refuse once ``blocks`` were trained in place (or
-    the module was released): it would hold the weights parallelize copied."""
+    the module was released): it would hold the weights parallelize copied.
+    **Returns:** ``(apply, blocks, specs)``, as given."""
     global _registered
     module = apply.module
     kind = type(module).__name__
@@ -56,6 +57,7 @@ def guard_kept(apply, blocks: dict) -> None:
     # the blocks and their version counters (an optimizer's step, in place, bumps them)
     module._functp_guarded = (ref, [(weakref.ref(b), b._version) for b in blocks.values()
                                     if isinstance(b, torch.Tensor)])
+    return apply, blocks, specs
 
 
 def _trained(module) -> str | None:
@@ -114,3 +116,37 @@ def _kept_error(opt: str, kind: str, name: str, meta: bool) -> ShardingError:
         f"group the blocks by the same names (params is keyed by the module's parameter "
         f"names). To train the unsharded module itself as a reference, give that run "
         f"its own copy (copy.deepcopy(model)). docs/porting.md shows the whole loop")
+
+
+def structure(module) -> tuple | None:
+    """What a transformers model's blocks were laid out for: its config's sizes and
+    its embedding modules (``resize_token_embeddings`` swaps both). None for another
+    module (nothing cheap to compare)."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(module, "get_input_embeddings"):
+        return None
+    try:
+        out = module.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        out = None
+    return (getattr(config, "vocab_size", None), getattr(config, "hidden_size", None),
+            getattr(config, "num_hidden_layers", None), id(module.get_input_embeddings()),
+            id(out))
+
+
+def changed_error(module, then: tuple, now: tuple) -> ShardingError:
+    kind = type(module).__name__
+    what = (f"config.vocab_size {then[0]} -> {now[0]}" if then[0] != now[0] else
+            f"config.hidden_size {then[1]} -> {now[1]}" if then[1] != now[1] else
+            f"config.num_hidden_layers {then[2]} -> {now[2]}" if then[2] != now[2] else
+            "its input or output embedding module was replaced")
+    return ShardingError(
+        f"apply of parallelize({kind}): the module changed after parallelize ({what}: "
+        f"model.resize_token_embeddings, a swapped submodule or an edited config); the "
+        f"blocks and their specs are the old module's, so this call would mix the two. "
+        f"Change the module first, then parallelize it (a grown vocabulary: "
+        f"model.resize_token_embeddings(n, mean_resizing=False) on the unsharded model, "
+        f"then functp.parallelize; after functp.from_pretrained, whose module holds no "
+        f"weights, resize a transformers model loaded on one process, save_pretrained it "
+        f"and load that folder), and save_pretrained only a module whose config matches "
+        f"its blocks")

@@ -64,9 +64,8 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     module's tensor, a split one's full tensor is released (made meta), and calling
     ``module`` itself raises (``apply`` runs it). A module on the meta device is
     always so: its blocks come back on the meta device with their shapes, for
-    :func:`functp.init_blocks` or :func:`functp.from_pretrained` to fill. Either
-    way the module's parameters are not what trains: a ``torch.optim`` optimizer
-    over them raises at its first ``step()``, naming the blocks to use instead.
+    :func:`functp.init_blocks` or :func:`functp.from_pretrained` to fill. (An optimizer
+    stepping the module's parameters raises, naming the blocks: they never train.)
 
     **Returns:** ``(apply, params, specs)``: this rank's local blocks (a dict keyed
     by the module's dotted parameter names), their specs, and
@@ -96,7 +95,4 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     mesh, _ = _checked_mesh(module, mesh, distributed_config)
     if verify:
         verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
-    apply, params, specs = lay_out_plan(module, mesh, plan, axis, distributed_config,
-                                        keep_module)
-    guard_kept(apply, params)     # (an optimizer over model.parameters() trains nothing)
-    return apply, params, specs
+    return guard_kept(*lay_out_plan(module, mesh, plan, axis, distributed_config, keep_module))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime import _world
+from ..runtime import _compile, _world
 from ..ops import _context
 from ..ops._collectives import axis_size
 from ..runtime._errors import ShardingError, leaf_text
@@ -31,6 +31,7 @@ from ..mesh._spec import P, normalize_spec
 from . import _replayed
 from ._fsdp_style import FullyShard
 from ._hooks import CallState, PlanHook
+from ._kept import changed_error, structure
 from ._style import Style
 from ._ep import ExpertDispatch
 from ._rules import _param_specs, _tied_styles, match_plan, matches_rule
@@ -100,8 +101,7 @@ class Parallelized:
     ``apply.batch_axes`` the mesh axes to split the batch over (those no rule splits
     a parameter over, or only an expert dispatch or FSDP does, less the axes an
     expert dispatch's tokens are ``shared`` over);
-    ``apply.split_share`` the share of parameter elements the plan splits (what it
-    leaves out is replicated: memory every rank pays in full);
+    ``apply.split_share`` the share of parameter elements the plan splits;
     ``apply.shard(full)`` turns canonical full parameters into this rank's blocks and
     ``apply.unshard(blocks)`` (parameters or their gradients) turns blocks back into
     canonical full tensors: packed weights come back as ``[gate; up]``, not as the
@@ -139,8 +139,9 @@ class Parallelized:
         #: the first call records the union rule's decisions, later calls replay them
         self.replay = True
         self._records: dict = {}
-        # (a transformers model's config: some of its fields are part of a replay's key)
-        self._config = getattr(module, "config", None)
+        # (a transformers config: some of its fields key a replay; what the blocks were
+        # laid out for: a module changed since is refused)
+        self._config, self._structure = getattr(module, "config", None), structure(module)
         # the hooks are registered once, here, and act only while __call__ runs:
         # registering them per call cannot be traced by torch.compile. Each planned
         # module gets a PlanHook, which registers a module hook only where its style
@@ -197,22 +198,8 @@ class Parallelized:
         return self._owners[name][1] if name in self._owners else _REPLICATED
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        fr = _context.top()
-        if fr is not None and fr.mesh is not self.mesh:
-            _same_mesh(self, fr.mesh)
-        for ax in self._plan_axes:
-            n = axis_size(ax)       # raises a clear error outside a shard_map body
-            if n != self.mesh.axis_size(ax):
-                raise ShardingError(
-                    f"apply of parallelize({type(self.module).__name__}) was built for "
-                    f"{ax!r} of size {self.mesh.axis_size(ax)} but runs in a shard_map "
-                    f"where it has size {n}; parallelize with the shard_map's mesh")
-        if self._call.params is not None:
-            raise ShardingError(
-                f"apply of parallelize({type(self.module).__name__}) was called from "
-                f"inside itself; call it once per forward")
-        return _replayed.call(self, params, args, kwargs,
-                              lambda p: self._run(p, args, kwargs))
+        _check_call(self)
+        return _replayed.call(self, params, args, kwargs, lambda p: self._run(p, args, kwargs))
 
     def _run(self, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
         """The module on ``params`` with the plan's hooks on."""
@@ -262,8 +249,7 @@ class Parallelized:
                 for k, v in full.items()}
 
     def unshard(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's blocks (parameters or gradients) -> canonical full tensors, under
-        the same keys (a tied parameter once: :meth:`state_dict` has them all)."""
+        """Blocks (parameters or gradients) -> canonical full tensors (tied: once)."""
         gathered = unshard(local, self.mesh, {k: self.specs[k] for k in local})
         return {k: self._style(k).unshard_param(
                     k, v, self.specs[k], self.mesh.axis_size(self.axes.get(k, self.axis))
@@ -275,6 +261,31 @@ class Parallelized:
         name: its parameter's full tensor; a buffer: the module's), on every rank, for
         ``module.load_state_dict(apply.state_dict(params))`` (strict)."""
         return module_state_dict(self.module, self.unshard(local), "apply.state_dict")
+
+
+def _check_call(apply: Parallelized) -> None:
+    """Raises unless ``apply`` may run here: in a shard_map over its mesh, on the
+    module it laid out, not inside itself."""
+    kind = type(apply.module).__name__
+    fr = _context.top()
+    if fr is not None and fr.mesh is not apply.mesh:
+        _same_mesh(apply, fr.mesh)
+    # (not while Dynamo traces: the module's identity is fixed there, and a guard on
+    # it would recompile nothing but cost)
+    if apply._structure is not None and not _compile.dynamo_tracing():
+        now = structure(apply.module)
+        if now != apply._structure:
+            raise changed_error(apply.module, apply._structure, now)
+    for ax in apply._plan_axes:
+        n = axis_size(ax)       # raises a clear error outside a shard_map body
+        if n != apply.mesh.axis_size(ax):
+            raise ShardingError(
+                f"apply of parallelize({kind}) was built for {ax!r} of size "
+                f"{apply.mesh.axis_size(ax)} but runs in a shard_map where it has size "
+                f"{n}; parallelize with the shard_map's mesh")
+    if apply._call.params is not None:
+        raise ShardingError(f"apply of parallelize({kind}) was called from inside itself; "
+                            f"call it once per forward")
 
 
 def _same_mesh(apply: Parallelized, mesh: Mesh) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from ..ops._collectives import all_gather_invariant, axis_index, axis_size, pvary
+from ..runtime import _compile
 from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import DisableFuncTorch, is_functorch_wrapped, unwrap_functorch
 from ..mesh._layout import packed_slice, uneven
@@ -264,7 +265,7 @@ def _check_ids(ids: torch.Tensor, vocab: int, name: str) -> None:
     them (vmap has no rule for the assert; torch.compile traces the plain call)."""
     ok = ((ids >= 0) & (ids < vocab)).all()
     msg = _outside_message(vocab, name)
-    if is_functorch_wrapped(ok) and not torch.compiler.is_compiling():
+    if not _compile.tracing() and is_functorch_wrapped(ok):
         ok = unwrap_functorch(ok)        # (under vmap: one entry per example)
         with DisableFuncTorch():
             torch._assert_async(ok.all(), msg)
