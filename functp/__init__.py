@@ -37,7 +37,7 @@ from .tools._show import print_ranks, visualize_sharding
 from .tools._simulate import simulate
 from .runtime._world import process_count, process_index
 from .mapping._reshard import global_shapes, reshard
-from .mapping._sharding import pad_to_multiple, shard, unpad, unshard
+from .mapping._sharding import pad_batch, pad_to_multiple, shard, unpad, unshard
 from .mesh._spec import P
 from .parallel._style import Style, register_style
 from .parallel._ep import ExpertDispatch, ExpertParallel, ExpertRouter
@@ -57,7 +57,7 @@ __all__ = [
     "comm_log", "CommEvent", "set_debug", "debug_enabled", "set_overlap",
     "simulate", "estimate", "Estimate", "RankEstimate", "StepTime",
     "Hardware", "calibrate", "rank_meshes", "MeshRanking", "MeshCandidate", "print_ranks", "visualize_sharding", "process_index", "process_count",
-    "reshard", "global_shapes", "pad_to_multiple", "unpad", "to_dtensor", "from_dtensor",
+    "reshard", "global_shapes", "pad_to_multiple", "pad_batch", "unpad", "to_dtensor", "from_dtensor",
     "save", "load", "full_state_dict",
     "grad", "value_and_grad", "global_norm", "clip_by_global_norm", "reduce_unreduced", "MixedPrecision",
     "checkpoint", "remat", "checkpoint_name", "remat_policies", "optimizer_specs",

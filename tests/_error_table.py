@@ -59,7 +59,10 @@ ERRORS = [
           "dimension 0 of size 5 over ('tp',) of size 2, which does not divide it; pad it to "
           "a multiple of 2 with functp.pad_to_multiple before sharding (functp.unpad the "
           "results), or choose sizes divisible by 2: shard_map needs equal blocks on every "
-          "rank, and cannot know a global size from uneven ones (mesh Mesh(dp=2, tp=2; cpu))"),
+          "rank, and cannot know a global size from uneven ones. For a batch whose mean you "
+          "take (a data set's last batch), functp.pad_batch pads it with a 0/1 weight per row: "
+          "psum of the weighted losses over psum of the weights is the exact mean (mesh "
+          "Mesh(dp=2, tp=2; cpu))"),
     Error('functp.shard_map(ident, mesh, in_specs=({"w": None},), out_specs=P())({"w": w})\n',
           "ShardingError",
           "in_specs[0]['w'] is None, which is not a spec; use P() for a replicated value"),

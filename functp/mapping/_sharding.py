@@ -26,7 +26,7 @@ from ._reshard_shapes import check_block, given_shapes, shapes_for
 from ..mesh._tree import leaf_specs
 from ..mesh._spec import P
 
-__all__ = ["shard", "unshard", "pad_to_multiple", "unpad"]
+__all__ = ["shard", "unshard", "pad_to_multiple", "pad_batch", "unpad"]
 
 
 def local_block(x: torch.Tensor, spec: P, mesh: Mesh, path: str = "value") -> torch.Tensor:
@@ -115,6 +115,44 @@ def pad_to_multiple(tree: Any, mesh: Mesh, specs: Any, *, shapes: Any = None) ->
         # ((3, 8), torch.Size([10, 8]))
     """
     return _repad(tree, mesh, specs, shapes, to_padded=True)
+
+
+def pad_batch(batch: Any, mesh: Mesh, axis: str | tuple[str, ...] = "dp") -> tuple[Any, torch.Tensor]:
+    """A batch whose rows (dimension 0) do not divide by ``axis`` (a data set's last
+    batch), zero-padded to a multiple of it, and a weight per row: 1 for a real row,
+    0 for padding. Weighting each row's loss so keeps the mean exact (accelerate's
+    ``even_batches`` repeats rows instead, which a mean would count twice):
+    ``psum((row_loss * w).sum(), axis) / psum(w.sum(), axis)`` is the unpadded batch's
+    mean. Shard both with ``P(axis)`` as usual.
+
+    **Arguments:** ``batch`` – full tensors with the same number of rows (a tensor or
+    a pytree); ``mesh``; ``axis`` – the batch axis (or axes).
+    **Returns:** ``(padded batch, weights)``, ``weights`` of dtype float32 with the
+    padded row count. Example (2 simulated ranks)::
+
+        def last_batch():
+            mesh = functp.make_mesh((2,), ("dp",))
+            x = torch.arange(3.0)                      # 3 rows over 2 ranks
+            (xp,), w = functp.pad_batch((x,), mesh, "dp")
+            loss = functp.shard_map(
+                lambda x, w: functp.psum((x * w).sum(), "dp") / functp.psum(w.sum(), "dp"),
+                mesh, in_specs=(P("dp"), P("dp")), out_specs=P())
+            return loss(*functp.shard((xp, w), mesh, P("dp"))).item()
+
+        print(functp.simulate(last_batch, 2)[0])
+        # prints:
+        # 1.0
+    """
+    leaves = [x for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    rows = {x.shape[0] if x.dim() else None for x in leaves}
+    if len(rows) != 1 or None in rows:
+        raise ShardingError(f"functp.pad_batch: every tensor of the batch needs the same "
+                            f"number of rows (dimension 0); got {sorted(map(str, rows))}")
+    n = rows.pop()
+    spec = P(axis)
+    weights = torch.ones(n, dtype=torch.float32, device=leaves[0].device)
+    return (pad_to_multiple(batch, mesh, optree.tree_map(lambda _: spec, batch)),
+            pad_to_multiple(weights, mesh, spec))
 
 
 def unpad(tree: Any, shapes: Any, *, mesh: Mesh | None = None, specs: Any = None) -> Any:

@@ -202,7 +202,9 @@ def check_even_block(x: torch.Tensor, spec: P, mesh: Mesh, path: str) -> None:
         f"in_specs for {path}, blocks of a global value", n, spec, mesh,
         "with functp.pad_to_multiple before sharding (functp.unpad the results), or "
         "choose sizes divisible by {k}: shard_map needs equal blocks on every rank, and "
-        "cannot know a global size from uneven ones")
+        "cannot know a global size from uneven ones. For a batch whose mean you take (a "
+        "data set's last batch), functp.pad_batch pads it with a 0/1 weight per row: "
+        "psum of the weighted losses over psum of the weights is the exact mean")
 
 
 def mark_uneven(t: torch.Tensor, n: Sequence[int] | None, lay: Layout, mesh: Mesh
