@@ -159,6 +159,17 @@ def test_arguments_inside_containers_on_dp2xtp1(run):
         assert max(errors) <= 1e-10, errors
 
 
+@pytest.mark.parametrize("how", HOWS)
+def test_the_probe_on_gloo_processes(run, how):
+    # (the same cases as above in real processes: containers, a view, a per-rank value)
+    for errors in run(4, _containers, how, "dict", (2, 2), ("dp", "tp"), gloo=True):
+        assert max(errors) <= 1e-10, errors
+    for errors in run(2, _tied_view, how, "transpose", (2,), ("dp",), gloo=True):
+        assert max(errors) <= 1e-10, errors
+    for errors in run(4, _per_rank_scale, how, gloo=True):
+        assert max(errors) <= 1e-10, errors
+
+
 def _unreached(how: str, by: str, depths=(1, 2, 2, 1)):
     """The first call runs one block (depth 1, an attribute or an argument); the
     second runs both: the second block is never decided by its twin's record."""
