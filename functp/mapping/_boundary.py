@@ -1,6 +1,7 @@
 """shard_map's two boundary rules: how inputs enter a body and outputs leave it.
 
-Both give the gradients of the global function (DESIGN.md, "Autodiff contract"):
+Both give the gradients of the global function (the autodiff contract,
+``docs/architecture.md``):
 
 - :class:`VmaRules` (``check_vma=True``): inputs are tagged with the axes their
   spec mentions; a floating input replicated over some axes gets one alias per
