@@ -132,15 +132,21 @@ def _wait(t: torch.Tensor, op: str, g: AxisGroup) -> torch.Tensor:
             return _world.wait(t)
         except RuntimeError as e:     # a timeout or a peer gone: say which collective
             raise _crosscheck.failed(op, g, e) from e
+    w = _watch._s
     if _watch.ENABLED and not _crosscheck.ENABLED:    # (a long wait is looked into:
-        # runtime/_watch; the check mode finds a divergence before the collective)
-        _watch.waiting(op, g)
+        # runtime/_watch; the check mode finds a divergence before the collective.
+        # Inline, no call: the watch thread times the wait by seeing it again)
+        if w.entered is not None:
+            w.calls, w.body, w.entered = w.calls + 1, w.entered, None
+        w.wait = (op, g)
+        if w.thread is None:
+            _watch.start()
     try:
         return _ops.wait_tensor(t)
     except RuntimeError as e:
         raise _crosscheck.failed(op, g, e, _watch.cause()) from e
     finally:
-        _watch._s.wait = None
+        w.wait = None
 
 
 def _blocks_to_group_order(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:

@@ -118,28 +118,49 @@ def _kept_error(opt: str, kind: str, name: str, meta: bool) -> ShardingError:
         f"its own copy (copy.deepcopy(model)). docs/porting.md shows the whole loop")
 
 
-def structure(module) -> tuple | None:
-    """What a transformers model's blocks were laid out for: its config's sizes and
-    its embedding modules (``resize_token_embeddings`` swaps both). None for another
-    module (nothing cheap to compare)."""
-    config = getattr(module, "config", None)
-    if config is None or not hasattr(module, "get_input_embeddings"):
+class Structure:
+    """What a transformers model's blocks were laid out for, checked at each call of
+    ``apply`` with no Python call: its config's sizes (read from the config's own
+    dict: its attribute access is a Python call) and the places of its embedding
+    modules (``resize_token_embeddings`` swaps them in their parents' dicts)."""
+
+    _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers")
+
+    def __init__(self, module) -> None:
+        self.module = module
+        self.config = vars(module.config)
+        self.sizes = tuple(self.config.get(f) for f in self._SIZES)
+        embeddings = [module.get_input_embeddings()]
+        try:
+            embeddings.append(module.get_output_embeddings())
+        except (AttributeError, NotImplementedError):
+            pass
+        self.places = [(parent._modules, name, emb) for emb in embeddings if emb is not None
+                       for parent in module.modules()
+                       for name, child in parent._modules.items() if child is emb]
+
+    def changed(self) -> str | None:
+        """What changed since, in words (None: nothing)."""
+        config = self.config
+        for f, was in zip(self._SIZES, self.sizes):
+            if config.get(f) != was:
+                return f"config.{f} {was} -> {config.get(f)}"
+        for d, name, emb in self.places:
+            if d.get(name) is not emb:
+                return f"its embedding module {name!r} was replaced"
         return None
-    try:
-        out = module.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        out = None
-    return (getattr(config, "vocab_size", None), getattr(config, "hidden_size", None),
-            getattr(config, "num_hidden_layers", None), id(module.get_input_embeddings()),
-            id(out))
 
 
-def changed_error(module, then: tuple, now: tuple) -> ShardingError:
+def structure(module) -> Structure | None:
+    """A transformers model's :class:`Structure`; None for another module (nothing
+    cheap to compare)."""
+    if getattr(module, "config", None) is None or not hasattr(module, "get_input_embeddings"):
+        return None
+    return Structure(module)
+
+
+def changed_error(module, what: str) -> ShardingError:
     kind = type(module).__name__
-    what = (f"config.vocab_size {then[0]} -> {now[0]}" if then[0] != now[0] else
-            f"config.hidden_size {then[1]} -> {now[1]}" if then[1] != now[1] else
-            f"config.num_hidden_layers {then[2]} -> {now[2]}" if then[2] != now[2] else
-            "its input or output embedding module was replaced")
     return ShardingError(
         f"apply of parallelize({kind}): the module changed after parallelize ({what}: "
         f"model.resize_token_embeddings, a swapped submodule or an edited config); the "

@@ -139,9 +139,9 @@ class Parallelized:
         #: the first call records the union rule's decisions, later calls replay them
         self.replay = True
         self._records: dict = {}
-        # (a transformers config: some of its fields key a replay; what the blocks were
-        # laid out for: a module changed since is refused)
-        self._config, self._structure = getattr(module, "config", None), structure(module)
+        # (a transformers config's output fields key a replay; a module changed since
+        # it was laid out is refused)
+        self._config_key, self._structure = _replayed.config_key(module), structure(module)
         # the hooks are registered once, here, and act only while __call__ runs:
         # registering them per call cannot be traced by torch.compile. Each planned
         # module gets a PlanHook, which registers a module hook only where its style
@@ -273,9 +273,9 @@ def _check_call(apply: Parallelized) -> None:
     # (not while Dynamo traces: the module's identity is fixed there, and a guard on
     # it would recompile nothing but cost)
     if apply._structure is not None and not _compile.dynamo_tracing():
-        now = structure(apply.module)
-        if now != apply._structure:
-            raise changed_error(apply.module, apply._structure, now)
+        what = apply._structure.changed()
+        if what is not None:
+            raise changed_error(apply.module, what)
     for ax in apply._plan_axes:
         n = axis_size(ax)       # raises a clear error outside a shard_map body
         if n != apply.mesh.axis_size(ax):

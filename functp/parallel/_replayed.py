@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import re
 
 import optree
@@ -32,9 +33,32 @@ from ..runtime._torch_compat import torch_tree_flatten
 
 _PLAIN = (bool, int, float, str, type(None))
 # a transformers config's fields that choose what the model returns (and so which
-# tensors cross its boundary): a call after one is toggled records anew
-_CONFIG_FIELDS = ("output_attentions", "output_hidden_states", "return_dict", "use_cache",
-                  "_attn_implementation", "_experts_implementation")
+# tensors cross its boundary): a call after one is toggled records anew (read from the
+# config's own dict: its attribute access is a Python call; transformers 5 keeps
+# output_attentions as _output_attentions behind a property)
+_CONFIG_FIELDS = ("output_attentions", "_output_attentions", "output_hidden_states",
+                  "return_dict", "use_cache")
+
+
+def config_key(module):
+    """``f()``: ``module.config``'s output fields, one call; None without a config."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    d = vars(config)
+    fields = [f for f in _CONFIG_FIELDS if f in d]
+    if not fields:
+        return None
+    get = operator.itemgetter(*fields)
+    one = len(fields) == 1
+
+    def read() -> tuple:
+        try:
+            v = get(d)
+        except KeyError:          # (a field deleted since: read them one by one)
+            return tuple(d.get(f) for f in fields)
+        return (v,) if one else v
+    return read
 
 
 def _tracker(apply):
@@ -63,24 +87,20 @@ def _key(tr, params: dict, args: tuple, kwargs: dict) -> tuple:
     holds."""
     get, token = tr.get, tr.token
     parts = [torch.is_grad_enabled(), tuple(params)]
-    seen: dict[int, int] = {}        # id of a tensor leaf -> its place, for views
+    tensors = list(params.values())   # (a view's base is looked up among these)
     # (a parameter's tag read inline where it is this run's: the usual case, no call)
-    for t in params.values():
-        if isinstance(t, torch.Tensor):
-            seen[id(t)] = len(seen)
-            if (tag := t.__dict__.get(_TAG)) is not None and tag[0] == token and t._base is None:
-                parts.append((tag[1], t.requires_grad))
-            else:
-                parts.append((get(t), t.requires_grad, _view_of(t, seen)))
-        else:
-            parts.append(type(t))
+    parts += [((tag[1], t.requires_grad)
+               if (tag := t.__dict__.get(_TAG)) is not None and tag[0] == token
+               and t._base is None else (get(t), t.requires_grad, _view_of(t, tensors)))
+              if isinstance(t, torch.Tensor) else type(t) for t in tensors]
     if args or kwargs:
-        leaves, spec = _flatten((args, kwargs))
+        leaves, spec = _flatten(args, kwargs)
         parts.append(spec)
+        tensors += leaves
         for v in leaves:
             if isinstance(v, torch.Tensor):
-                seen[id(v)] = len(seen)
-                parts.append((get(v), v.requires_grad, v.dtype, v.dim(), _view_of(v, seen)))
+                parts.append((get(v), v.requires_grad, v.dtype, v.dim(),
+                              None if v._base is None else _view_of(v, tensors)))
             elif isinstance(v, float):
                 parts.append(float)
             elif isinstance(v, _PLAIN):
@@ -90,16 +110,30 @@ def _key(tr, params: dict, args: tuple, kwargs: dict) -> tuple:
     return tuple(parts)
 
 
-def _view_of(t: torch.Tensor, seen: dict) -> int | None:
-    """The place of the leaf ``t`` is a view of (-1: of a tensor not among them)."""
+def _view_of(t: torch.Tensor, tensors: list) -> int | None:
+    """The place among ``tensors`` of the tensor ``t`` is a view of (-1: of none of
+    them; None: not a view)."""
     base = t._base
-    return None if base is None else seen.get(id(base), -1)
+    if base is None:
+        return None
+    return next((i for i, x in enumerate(tensors) if x is base), -1)
 
 
-def _flatten(tree) -> tuple[list, object]:
-    """The leaves and structure of a call's arguments: torch's pytrees (tuples,
-    lists, dicts, namedtuples, transformers' ``ModelOutput``), then optree's
-    registered nodes, dataclasses by their fields."""
+def _flatten(args: tuple, kwargs: dict) -> tuple[list, object]:
+    """The leaves and structure of a call's arguments: plain tensors and values as
+    they are (the usual call: no pytree walk); else torch's pytrees (tuples, lists,
+    dicts, namedtuples, transformers' ``ModelOutput``), then optree's registered
+    nodes, dataclasses by their fields."""
+    flat = [*args, *kwargs.values()]
+    for v in flat:
+        if not isinstance(v, (torch.Tensor, *_PLAIN)):
+            break
+    else:
+        return flat, (len(args), *kwargs)
+    return _flatten_tree((args, kwargs))
+
+
+def _flatten_tree(tree) -> tuple[list, object]:
     leaves, spec = torch_tree_flatten(tree)
     if all(isinstance(v, (torch.Tensor, *_PLAIN)) for v in leaves):
         return leaves, spec
@@ -108,7 +142,7 @@ def _flatten(tree) -> tuple[list, object]:
         if isinstance(v, (torch.Tensor, *_PLAIN)):
             out.append(v)
         elif dataclasses.is_dataclass(v) and not isinstance(v, type):
-            sub, sub_spec = _flatten([getattr(v, f.name) for f in dataclasses.fields(v)])
+            sub, sub_spec = _flatten_tree([getattr(v, f.name) for f in dataclasses.fields(v)])
             out.extend(sub)
             specs.append((type(v), sub_spec))
         else:
@@ -145,8 +179,8 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
     pop_rule()
     try:
         key = _key(tr, params, args, kwargs)
-        if apply._config is not None:
-            key += tuple([getattr(apply._config, f, None) for f in _CONFIG_FIELDS])
+        if apply._config_key is not None:
+            key += apply._config_key()
         rec = apply._records.get(key)
         if rec is not None and not _crosscheck.ENABLED and rec.why is None:
             return _replay(apply, tr, rec, params, run)

@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 
-__all__ = ["entered", "waiting", "exiting", "cause"]
+__all__ = ["entered", "waiting", "start", "exiting", "cause"]
 
 ENABLED = os.environ.get("FUNCTP_WATCH", "1").strip().lower() not in ("0", "false", "no")
 WAIT_S = float(os.environ.get("FUNCTP_WATCH_S", "5"))
@@ -65,13 +65,14 @@ def entered(body) -> None:
 
 def waiting(op: str, g) -> None:
     """The calling thread is about to wait on collective ``op`` over group ``g``
-    (None: the whole world, at the process's exit)."""
+    (None: the whole world, at the process's exit). (``ops/_primitives._wait`` does
+    the same inline.) The wait is the tuple ``(op, g)``: the watcher times it by
+    seeing the same tuple at each look."""
     if _s.entered is not None:
-        _s.calls += 1
-        _s.body, _s.entered = _s.entered, None
-    _s.wait = (time.monotonic(), op, g)
+        _s.calls, _s.body, _s.entered = _s.calls + 1, _s.entered, None
+    _s.wait = (op, g)
     if _s.thread is None:
-        _start()
+        start()
 
 
 def exiting() -> None:
@@ -79,7 +80,7 @@ def exiting() -> None:
     still waiting in a call sees that this rank made no more calls."""
     if ENABLED and _s.thread:
         _s.body, _s.entered = _EXIT, None
-        _s.wait = (time.monotonic(), "the barrier at the process's exit", None)
+        _s.wait = ("the barrier at the process's exit", None)
 
 
 class _Exit:
@@ -89,7 +90,8 @@ class _Exit:
 _EXIT = _Exit()
 
 
-def _start() -> None:
+def start() -> None:
+    """Starts the watcher thread (once, in a multi-process run)."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         _s.thread = False
@@ -104,10 +106,10 @@ def _store():
     return default_store()
 
 
-def _describe(wait) -> dict:
+def _describe(wait, since: float) -> dict:
     """This rank's post: its call, the collective it waits in and its stack."""
     import torch.distributed as dist
-    since, op, g = wait
+    op, g = wait
     body = _s.body
     name = getattr(getattr(body, "f", None), "__qualname__", None) or getattr(body, "name", "?")
     code = getattr(getattr(body, "f", None), "__code__", None)
@@ -135,12 +137,15 @@ def _describe(wait) -> dict:
 def _watch() -> None:
     import torch.distributed as dist
     store, me = _store(), dist.get_rank()
-    posted = None
+    posted = seen = None
+    since = 0.0
     while True:
         time.sleep(1.0)
         wait = _s.wait
+        if wait is not seen:          # a new wait (or none) since the last look
+            seen, since = wait, time.monotonic() - 0.5
         try:
-            waited = time.monotonic() - wait[0] if wait is not None else 0.0
+            waited = time.monotonic() - since if wait is not None else 0.0
             if waited >= 1.0 and store.check([f"{_PREFIX}error"]):
                 _leave(me, store.get(f"{_PREFIX}error").decode(), linger=2.5)
             if waited < WAIT_S:
@@ -149,7 +154,7 @@ def _watch() -> None:
                     posted = None
                 continue
             if posted is not wait:
-                mine = _describe(wait)
+                mine = _describe(wait, since)
                 store.set(f"{_PREFIX}{me}", json.dumps(mine))
                 posted = wait
             peers = []
