@@ -146,3 +146,27 @@ def _resized():
 def test_a_module_resized_after_parallelize_is_refused_by_name(run):
     for msg in run(2, _resized):
         assert "config.vocab_size 32 -> 40" in msg and "resize_token_embeddings" in msg, msg
+
+
+def _train_eval():
+    """``model.train()`` / ``model.eval()`` after parallelize still choose how apply
+    runs (apply runs the module): dropout off in eval, exactly the unsharded eval
+    output; on in train."""
+    mesh = functp.make_mesh((2,), ("tp",))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, dtype=torch.float64), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(16, 8, dtype=torch.float64))
+    ref = copy.deepcopy(model).eval()
+    apply, params, specs = functp.parallelize(model, mesh, _PLAN)
+    fwd = functp.shard_map(lambda p, x: apply(p, x), mesh, in_specs=(specs, P()), out_specs=P())
+    x = torch.ones(4, 8, dtype=torch.float64)
+    model.eval()
+    err = float((fwd(params, x) - ref(x)).abs().max())
+    model.train()
+    differs = not torch.equal(fwd(params, x), ref(x))
+    return err, differs
+
+
+def test_train_and_eval_still_choose_how_apply_runs(run):
+    for err, differs in run(2, _train_eval):
+        assert err <= 1e-12 and differs, (err, differs)
