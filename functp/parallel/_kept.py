@@ -32,7 +32,7 @@ from ..runtime._errors import ShardingError
 
 __all__ = ["guard_kept", "structure", "changed_error"]
 
-_KEPT = "_functp_kept"       # a kept parameter's mark: (apply's module class, its name)
+_KEPT = "_functp_kept"   # a kept parameter's mark: (module class, its name, weakref to apply)
 _registered = False
 
 
@@ -112,7 +112,8 @@ def _kept_error(opt: str, kind: str, name: str, meta: bool) -> ShardingError:
         f"`torch.optim.{opt}(params.values(), ...)` (blocks with .requires_grad_() for a "
         f"tape step, or gradients put on them with functp.set_grads), and clip their "
         f"gradients with functp.clip_by_global_norm(grads, max_norm, mesh, specs) "
-        f"(clip_grad_norm_(model.parameters()) clips nothing either). For a param-group split (no weight decay on norms), "
+        f"(clip_grad_norm_(model.parameters()) clips nothing either). For a "
+        f"param-group split (no weight decay on norms), "
         f"group the blocks by the same names (params is keyed by the module's parameter "
         f"names). To train the unsharded module itself as a reference, give that run "
         f"its own copy (copy.deepcopy(model)). docs/porting.md shows the whole loop")

@@ -277,12 +277,9 @@ def _check_call(apply: Parallelized) -> None:
         if what is not None:
             raise changed_error(apply.module, what)
     for ax in apply._plan_axes:
-        n = axis_size(ax)       # raises a clear error outside a shard_map body
-        if n != apply.mesh.axis_size(ax):
-            raise ShardingError(
-                f"apply of parallelize({kind}) was built for {ax!r} of size "
-                f"{apply.mesh.axis_size(ax)} but runs in a shard_map where it has size "
-                f"{n}; parallelize with the shard_map's mesh")
+        # raises a clear error outside a shard_map body, or where ``ax`` is not manual
+        # (its size is the mesh's: the mesh was checked above)
+        axis_size(ax)
     if apply._call.params is not None:
         raise ShardingError(f"apply of parallelize({kind}) was called from inside itself; "
                             f"call it once per forward")

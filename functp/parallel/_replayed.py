@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import functools
 import operator
-import re
 
 import optree
 import torch
@@ -161,11 +160,6 @@ def _opaque(tr, v) -> tuple:
     d = getattr(v, "__dict__", None)
     ts = [t for t in d.values() if isinstance(t, torch.Tensor)] if d else []
     return (type(v), tuple((tr.get(t), t.requires_grad) for t in ts))
-
-
-def generic(name: str) -> str:
-    """``layers.3.mlp`` -> ``layers.*.mlp``: the modules of one kind."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
 
 
 def call(apply, params: dict, args: tuple, kwargs: dict, run):

@@ -160,10 +160,10 @@ def _style_of(apply, name: str):
 def _plain_colwise(apply, name: str) -> bool:
     """Whether the plan splits module ``name``'s output features plainly (no packed
     blocks) and leaves its output split."""
-    hook = apply.plan_hooks.get(name)
-    style = None if hook is None else hook.style
+    style = _style_of(apply, name)
     return (isinstance(style, Colwise) and style.blocks == 1 and isinstance(
-        _layout(style.output_layout, hook.axis, "Colwise output_layout"), Shard))
+        _layout(style.output_layout, apply.plan_hooks[name].axis, "Colwise output_layout"),
+        Shard))
 
 
 def _advice(module, apply, reference, i: int, name: str, input_differs: bool) -> str:

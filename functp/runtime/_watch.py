@@ -6,21 +6,20 @@ collective its peers never reach, until the mesh's timeout (10 minutes by defaul
 each reporting another collective. functp finds it within seconds instead, at no cost
 to a step that does not wait: each rank notes, in a few Python attributes, which
 top-level ``shard_map`` call it is in (how many that made a collective it has
-entered, which function), and whether it is waiting in one of functp's collectives. A daemon thread looks once a
-second: a wait longer than ``FUNCTP_WATCH_S`` (5 s) is posted to the process group's
-store with this rank's call and where it was made (the main thread's stack), and the
-posts of the peers that wait too are read. A peer waiting in another call is a
-divergence: every waiting rank prints the same error (the calls, the ranks in each,
-their source lines) and exits with status 1 — a collective's wait cannot be
-interrupted (gloo's ``abort`` does not end it), and its peers then fail at once
-("connection closed"), raising the posted error. A rank that is merely slow (a
-checkpoint write, outside any functp collective) posts nothing and is waited for as
-before. ``FUNCTP_WATCH=0`` turns the thread off; the check mode (``FUNCTP_DEBUG=1``)
-does without it (it compares every collective before it runs). Not in
-``functp.simulate`` (its ranks
-are threads of one process; its own timeout applies) nor while torch.compile traces.
-On NCCL a wait returns at once and a hang shows at the next host sync, outside functp:
-the thread sees no wait there.
+entered, which function), and whether it is waiting in one of functp's collectives.
+A daemon thread looks once a second: a wait longer than ``FUNCTP_WATCH_S`` (5 s) is
+posted to the process group's store with this rank's call and where it was made (the
+main thread's stack), and the posts of the peers that wait too are read. A peer
+waiting in another call is a divergence: every waiting rank prints the same error (the
+calls, the ranks in each, their source lines) and exits with status 1 — a
+collective's wait cannot be interrupted (gloo's ``abort`` does not end it), and its
+peers then fail at once ("connection closed"), raising the posted error. A rank that
+is merely slow (a checkpoint write, outside any functp collective) posts nothing and
+is waited for as before. ``FUNCTP_WATCH=0`` turns the thread off; the check mode
+(``FUNCTP_DEBUG=1``) does without it (it compares every collective before it runs).
+Not in ``functp.simulate`` (its ranks are threads of one process; its own timeout
+applies) nor while torch.compile traces. On NCCL a wait returns at once and a hang
+shows at the next host sync, outside functp: the thread sees no wait there.
 """
 from __future__ import annotations
 
@@ -31,7 +30,9 @@ import threading
 import time
 import traceback
 
-__all__ = ["entered", "waiting", "start", "exiting", "cause"]
+from . import _world
+
+__all__ = ["state", "entered", "start", "exiting", "cause"]
 
 ENABLED = os.environ.get("FUNCTP_WATCH", "1").strip().lower() not in ("0", "false", "no")
 WAIT_S = float(os.environ.get("FUNCTP_WATCH_S", "5"))
@@ -39,48 +40,38 @@ _PREFIX = "functp/watch/"
 # an exchange every rank of its group enters at the same point of a call (a replay's
 # agreement on its first record): a peer waiting elsewhere in that call diverged
 AGREEMENT = "the replay's agreement"
-_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH = None
+_PKG = _world.PACKAGE_DIR
 
 
 class _State:
-    """This process's place: written by the main thread, read by the watcher."""
+    """This process's place: written by the main thread, read by the watcher.
+    ``ops/_primitives._wait`` writes ``wait`` (and counts ``entered`` into
+    ``calls``) inline, with no call: the watcher times a wait by seeing the same
+    ``(op, group)`` tuple at each look."""
     calls = 0             # top-level shard_map calls that waited on a collective
     body = None           # the function of the latest one
     entered = None        # the call just entered, counted at its first wait
-    wait = None           # (since, op, group) while in a functp collective's wait
-    thread = None
+    wait = None           # (op, group) while in a functp collective's wait
+    thread = None         # the watcher (False: none in this process)
     main = None           # the ident of the thread that waits
 
 
-_s = _State()
+state = _State()
 
 
 def entered(body) -> None:
     """A top-level ``shard_map`` call starts (``body``: its ``_Body``). It counts
     from its first collective: a call that makes none (a rank-local computation on
     one rank) is not a place its peers must also be."""
-    _s.entered = body
-
-
-def waiting(op: str, g) -> None:
-    """The calling thread is about to wait on collective ``op`` over group ``g``
-    (None: the whole world, at the process's exit). (``ops/_primitives._wait`` does
-    the same inline.) The wait is the tuple ``(op, g)``: the watcher times it by
-    seeing the same tuple at each look."""
-    if _s.entered is not None:
-        _s.calls, _s.body, _s.entered = _s.calls + 1, _s.entered, None
-    _s.wait = (op, g)
-    if _s.thread is None:
-        start()
+    state.entered = body
 
 
 def exiting() -> None:
     """The process waits for its peers at its exit (functp's exit barrier): a peer
     still waiting in a call sees that this rank made no more calls."""
-    if ENABLED and _s.thread:
-        _s.body, _s.entered = _EXIT, None
-        _s.wait = ("the barrier at the process's exit", None)
+    if ENABLED and state.thread:
+        state.body, state.entered = _EXIT, None
+        state.wait = ("the barrier at the process's exit", None)
 
 
 class _Exit:
@@ -94,11 +85,11 @@ def start() -> None:
     """Starts the watcher thread (once, in a multi-process run)."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        _s.thread = False
+        state.thread = False
         return
-    _s.main = threading.get_ident()
-    _s.thread = threading.Thread(target=_watch, name="functp-watch", daemon=True)
-    _s.thread.start()
+    state.main = threading.get_ident()
+    state.thread = threading.Thread(target=_watch, name="functp-watch", daemon=True)
+    state.thread.start()
 
 
 def _store():
@@ -106,15 +97,15 @@ def _store():
     return default_store()
 
 
-def _describe(wait, since: float) -> dict:
+def _describe(wait) -> dict:
     """This rank's post: its call, the collective it waits in and its stack."""
     import torch.distributed as dist
     op, g = wait
-    body = _s.body
+    body = state.body
     name = getattr(getattr(body, "f", None), "__qualname__", None) or getattr(body, "name", "?")
     code = getattr(getattr(body, "f", None), "__code__", None)
     defined = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "-"
-    frame = sys._current_frames().get(_s.main)
+    frame = sys._current_frames().get(state.main)
     lines = []
     if frame is not None:
         for fs in traceback.extract_stack(frame):
@@ -129,9 +120,8 @@ def _describe(wait, since: float) -> dict:
             members = [ranks[m] for m in members]
         except Exception:   # noqa: BLE001 - the group's members as its own ranks then
             pass
-    return {"rank": dist.get_rank(), "call": _s.calls, "name": name, "defined": defined,
-            "op": op, "axes": axes, "members": members, "since": since,
-            "where": lines[-3:]}
+    return {"rank": dist.get_rank(), "call": state.calls, "name": name, "defined": defined,
+            "op": op, "axes": axes, "members": members, "where": lines[-3:]}
 
 
 def _watch() -> None:
@@ -141,7 +131,7 @@ def _watch() -> None:
     since = 0.0
     while True:
         time.sleep(1.0)
-        wait = _s.wait
+        wait = state.wait
         if wait is not seen:          # a new wait (or none) since the last look
             seen, since = wait, time.monotonic() - 0.5
         try:
@@ -154,7 +144,7 @@ def _watch() -> None:
                     posted = None
                 continue
             if posted is not wait:
-                mine = _describe(wait, since)
+                mine = _describe(wait)
                 store.set(f"{_PREFIX}{me}", json.dumps(mine))
                 posted = wait
             peers = []
@@ -200,7 +190,8 @@ def _message(posts: list) -> str:
                      f"{tuple(ps[0]['axes'])} in shard_map call #{call} ({name}, defined "
                      f"at {ps[0]['defined']}), called from {where}")
     return ("ranks entered different functp calls (or different points of one) and wait "
-            "for each other (the check mode is off; found while waiting): " + " | ".join(parts) + ". Every rank of "
+            "for each other (the check mode is off; found while waiting): "
+            + " | ".join(parts) + ". Every rank of "
             "a mesh must make the same shard_map calls in the same order: a collective "
             "program run on some ranks only (`if rank == 0: evaluate()`) leaves the "
             "others waiting; run it on every rank and print on one. Where ranks wait in "
@@ -211,7 +202,7 @@ def _message(posts: list) -> str:
 
 def cause() -> str | None:
     """The divergence a peer posted before it exited, if any (for a failed wait)."""
-    if not _s.thread:
+    if not state.thread:
         return None
     try:
         store = _store()
