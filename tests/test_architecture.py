@@ -16,7 +16,8 @@ import functp
 
 ROOT = pathlib.Path(functp.__file__).parent
 # bottom to top: a module may import from its own layer and the ones before it
-LAYERS = ["runtime", "mesh", "ops", "mapping", "io", "parallel", "training", "tools"]
+LAYERS = ["runtime", "mesh", "ops", "mapping", "io", "context_parallel", "pipelines", "parallel",
+          "training", "tools"]
 FILES = sorted(ROOT.rglob("*.py"))
 
 
