@@ -24,6 +24,7 @@ from .mapping._interop import from_dtensor, to_dtensor
 from .mesh._mesh import Mesh, make_mesh
 from .ops._overlap import set_overlap
 from .training._optim import init_optimizer_state, optimizer_specs, set_grads
+from .training._optimizers import adamw, sgd
 from .runtime._precision import MixedPrecision
 from .ops._ragged import RaggedOffsets, ragged_all_to_all, ragged_offsets
 from .training._remat import checkpoint, checkpoint_name, remat, remat_policies
@@ -45,6 +46,8 @@ from .parallel._tp import (Colwise, PrepareInput, PrepareOutput, Replicated, Row
                       SequenceParallel, VocabParallelEmbedding)
 from .parallel._hf import LocalSizes, ParameterRules, TensorParallelExperts
 from .parallel._fsdp_style import FullyShard
+from .context_parallel._attention import attention
+from .context_parallel._layout import cp_positions, cp_shard, cp_unshard
 
 __version__ = "0.1.0"
 
@@ -61,11 +64,12 @@ __all__ = [
     "save", "load", "full_state_dict",
     "grad", "value_and_grad", "global_norm", "clip_by_global_norm", "reduce_unreduced", "MixedPrecision",
     "checkpoint", "remat", "checkpoint_name", "remat_policies", "optimizer_specs",
-    "set_grads", "init_optimizer_state",
+    "set_grads", "init_optimizer_state", "adamw", "sgd",
     "parallelize", "Parallelized", "match_plan", "verify_plan", "register_style", "Style",
     "Replicated",
     "Colwise", "Rowwise", "VocabParallelEmbedding", "SequenceParallel", "PrepareInput",
     "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch", "TensorParallelExperts",
     "LocalSizes", "ParameterRules", "FullyShard",
     "from_pretrained", "init_blocks", "save_pretrained",
+    "attention", "cp_shard", "cp_unshard", "cp_positions",
 ]

@@ -1,0 +1,146 @@
+"""``functp.attention``: softmax attention inside a shard_map body, over a sequence
+whose blocks are split along a ``cp`` axis, with the whole sequence's gradients.
+
+Three strategies, each built from functp's collectives so that the gradients come
+from their transposes:
+
+- ``"allgather"``: K and V are all-gathered (one collective), each rank attends its
+  queries to the whole sequence with torch's SDPA; the backward reduce-scatters the
+  K/V gradients (``all_gather``'s transpose is ``psum_scatter``).
+- ``"ulysses"``: an all-to-all trades heads for sequence (each rank gets
+  ``heads / cp`` heads of the whole sequence), SDPA runs on them, a second
+  all-to-all trades back. The head counts must divide by ``cp``.
+- ``"ring"``: K/V blocks travel around the ring with ``ppermute`` (``_ring``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..runtime._errors import ShardingError
+from ..ops._collectives import all_gather, all_to_all, axis_index, axis_size
+from ._layout import layout_positions
+from ._mask import documents, visible
+from ._ring import ring
+
+__all__ = ["attention", "STRATEGIES"]
+
+STRATEGIES = ("allgather", "ulysses", "ring")
+
+
+def _fail(msg: str) -> None:
+    raise ShardingError(f"functp.attention: {msg}")
+
+
+def _check(q, k, v, axis, strategy, n, balanced, window, position_ids) -> None:
+    """Every bad argument, named with its shape and the fix; the same on every rank
+    (the blocks' shapes are)."""
+    if strategy not in STRATEGIES:
+        _fail(f"strategy={strategy!r} is not one of {STRATEGIES}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            _fail(f"{name} must be a tensor in SDPA's layout (batch, heads, seq, head_dim) "
+                  f"holding this rank's block of the sequence, got "
+                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    b, hq, s, d = q.shape
+    if k.shape[:3] != (b, k.shape[1], s) or v.shape[:3] != k.shape[:3] or k.shape[3] != d:
+        _fail(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must share "
+              f"batch and sequence block (self-attention), k/v their heads, q/k head_dim")
+    if hq % k.shape[1]:
+        _fail(f"q has {hq} heads and k/v {k.shape[1]}: grouped-query attention needs the "
+              f"q heads to be a multiple of the k/v heads")
+    if balanced and s % 2:
+        _fail(f"balanced=True: this rank's block of {s} tokens (q {tuple(q.shape)}) must "
+              f"hold two equal chunks; lay the sequence out with functp.cp_shard (a "
+              f"length that is a multiple of 2 * {axis!r} size = {2 * n}), or pass "
+              f"balanced=False for contiguous blocks")
+    if strategy == "ulysses" and hq % n:
+        _fail(f"strategy='ulysses' splits this rank's {hq} q heads (q {tuple(q.shape)}) "
+              f"over {axis!r} (size {n}), which does not divide them: use a head count "
+              f"that is a multiple of {n} here (with tensor parallelism, of tp x cp in "
+              f"the model), or strategy='allgather' or 'ring'")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        _fail(f"window={window!r} must be a positive int (keys with |i - j| < window)")
+    if position_ids is not None and (position_ids.ndim != 2 or position_ids.shape[1] != s
+                                     or position_ids.shape[0] not in (1, b)):
+        _fail(f"position_ids {tuple(position_ids.shape)} must be this rank's block "
+              f"(batch or 1, {s}), as functp.cp_shard lays them out")
+
+
+def _sdpa(q, k, v, mask, scale):
+    if mask is not None and mask.ndim == 4 and mask.shape[0] != q.shape[0]:
+        mask = mask.expand(q.shape[0], -1, -1, -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _gather_kv(k, v, axis):
+    if k.shape == v.shape:               # one collective for both
+        kv = all_gather(torch.stack([k, v]), axis, axis=3, tiled=True)
+        return kv[0], kv[1]
+    return all_gather(k, axis, axis=2, tiled=True), all_gather(v, axis, axis=2, tiled=True)
+
+
+def _ulysses(q, k, v, axis, n, mask, scale):
+    """Heads <-> sequence: (b, h, s, d) blocks to (b, h / n, n * s, d) and back."""
+    hk = k.shape[1]
+    if hk % n:
+        # fewer k/v heads than ranks: repeat each so that every rank's q heads find
+        # theirs (the q heads divide by n, so by lcm(hk, n)); autograd sums the copies
+        r = n // math.gcd(hk, n)
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    qh = all_to_all(q, axis, 1, 2, tiled=True)
+    if k.shape == v.shape:
+        kv = all_to_all(torch.stack([k, v]), axis, 2, 3, tiled=True)
+        kh, vh = kv[0], kv[1]
+    else:
+        kh, vh = (all_to_all(t, axis, 1, 2, tiled=True) for t in (k, v))
+    return all_to_all(_sdpa(qh, kh, vh, mask, scale), axis, 2, 1, tiled=True)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str = "cp", *,
+              strategy: str = "allgather", causal: bool = False, balanced: bool = True,
+              window: int | None = None, position_ids: torch.Tensor | None = None,
+              scale: float | None = None) -> torch.Tensor:
+    """Softmax attention of this rank's queries over the whole sequence, whose blocks
+    are split over ``axis``; call it inside a shard_map body.
+
+    **Arguments:** ``q``, ``k``, ``v`` – this rank's blocks in SDPA's layout ``(batch,
+    heads, seq, head_dim)`` (spec ``P(None, None, "cp", None)``; heads may also be
+    split over another axis, e.g. ``P(None, "tp", "cp", None)``), ``k``/``v`` with as
+    many heads as ``q`` or a divisor (GQA); ``axis`` – the context-parallel axis;
+    ``strategy`` – ``"allgather"``, ``"ulysses"`` or ``"ring"`` (module docstring;
+    ``docs/long_sequences.md`` says when to pick which); ``causal`` – a causal mask
+    over the tokens' original positions; ``balanced`` – the blocks are in
+    :func:`functp.cp_shard`'s load-balanced layout (the default, as there) rather
+    than contiguous; ``window`` – a sliding window (keys with ``|i - j| < window``);
+    ``position_ids`` – this rank's block ``(batch, seq)`` of packed documents'
+    positions: a document starts where they restart at 0, and no query sees another
+    document's keys; ``scale`` – the score scale (default ``1 / sqrt(head_dim)``).
+
+    **Returns:** this rank's block of the output, ``(batch, heads, seq, head_dim)``;
+    its gradients (tape or ``torch.func.grad``) are the whole sequence's attention's.
+
+    Example (inside a body over ``cp``; ``q``, ``k``, ``v`` from ``functp.cp_shard(...,
+    dim=2)``)::
+
+        out = functp.attention(q, k, v, "cp", strategy="ring", causal=True)
+    """
+    n = axis_size(axis)
+    _check(q, k, v, axis, strategy, n, balanced, window, position_ids)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    me, s = axis_index(axis), q.shape[2]
+    pos = layout_positions(n * s, n, balanced).to(q.device)
+    docs = None if position_ids is None else documents(position_ids, axis, n, balanced)
+    if strategy == "ring":
+        return ring(q, k, v, axis, n, me, pos, scale, causal, window, docs)
+    if strategy == "ulysses":
+        mask = visible(pos, pos, causal=causal, window=window, q_doc=docs, k_doc=docs)
+        return _ulysses(q, k, v, axis, n, mask, scale)
+    q_doc = None if docs is None else docs[:, me * s:(me + 1) * s]
+    mask = visible(pos[me * s:(me + 1) * s], pos, causal=causal, window=window,
+                   q_doc=q_doc, k_doc=docs)
+    kf, vf = _gather_kv(k, v, axis)
+    return _sdpa(q, kf, vf, mask, scale)
