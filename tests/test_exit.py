@@ -18,7 +18,12 @@ _SCRIPT = textwrap.dedent("""
     from functp import P
 
     def after_functp():
+        import threading
         print(f"rank {RANK}: process group live at exit: {dist.is_initialized()}", flush=True)
+        # functp's watcher (runtime/_watch) must be gone too: a daemon thread still in
+        # a store call when the interpreter finalizes aborts the process
+        watching = any(t.name == "functp-watch" for t in threading.enumerate())
+        print(f"rank {RANK}: watcher live at exit: {watching}", flush=True)
 
     RANK = None
     atexit.register(after_functp)
@@ -50,10 +55,12 @@ def test_functp_ends_the_process_group_it_started(tmp_path):
     for r in (0, 1):
         assert f"rank {r}: total 6.0" in out.stdout, out.stdout + out.stderr
         assert f"rank {r}: process group live at exit: False" in out.stdout, out.stdout
+        assert f"rank {r}: watcher live at exit: False" in out.stdout, out.stdout
 
 
 def test_a_program_that_ends_the_group_itself_exits_cleanly(tmp_path):
     out = _torchrun(tmp_path, "--destroy")
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("process group live at exit: False") == 2, out.stdout
+    assert out.stdout.count("watcher live at exit: False") == 2, out.stdout
     assert "could not end the process group" not in out.stderr, out.stderr

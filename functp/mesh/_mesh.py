@@ -306,11 +306,13 @@ def _end_process_group(world) -> None:
     aborted on 2 busy cores, torch 2.11 to 2.15); 10 ms of grace took it to 0 of 16."""
     try:
         if not dist.is_initialized() or dist.group.WORLD is not world:
+            _watch.stop()
             return              # destroyed by the program (and perhaps started again)
         try:
             if getattr(sys, "last_value", None) is None and dist.get_world_size() > 1:
                 _watch.exiting()     # (a peer still in a call is told: runtime/_watch)
                 dist.barrier()
+            _watch.stop()       # before the group and the interpreter go
             dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001 - at exit: report, do not raise
             print(f"functp: could not end the process group at exit: {e!r}",

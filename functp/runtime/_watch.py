@@ -32,7 +32,7 @@ import traceback
 
 from . import _world
 
-__all__ = ["state", "entered", "start", "exiting", "cause"]
+__all__ = ["state", "entered", "start", "exiting", "stop", "cause"]
 
 ENABLED = os.environ.get("FUNCTP_WATCH", "1").strip().lower() not in ("0", "false", "no")
 WAIT_S = float(os.environ.get("FUNCTP_WATCH_S", "5"))
@@ -92,6 +92,21 @@ def start() -> None:
     state.thread.start()
 
 
+_STOP = threading.Event()
+
+
+def stop() -> None:
+    """Ends the watcher before the process group goes (functp's exit handler): a
+    daemon thread still inside a store call when the interpreter finalizes cannot
+    take the GIL back, and the process aborts ("terminate called without an active
+    exception") after a clean run."""
+    t = state.thread
+    if t:
+        _STOP.set()
+        t.join(timeout=5.0)
+        state.thread = False
+
+
 def _store():
     from ._torch_compat import default_store
     return default_store()
@@ -129,8 +144,7 @@ def _watch() -> None:
     store, me = _store(), dist.get_rank()
     posted = seen = None
     since = 0.0
-    while True:
-        time.sleep(1.0)
+    while not _STOP.wait(1.0):
         wait = state.wait
         if wait is not seen:          # a new wait (or none) since the last look
             seen, since = wait, time.monotonic() - 0.5
