@@ -69,10 +69,11 @@ def _check(q, k, v, axis, strategy, n, balanced, window, position_ids) -> None:
               f"(batch or 1, {s}), as functp.cp_shard lays them out")
 
 
-def _sdpa(q, k, v, mask, scale):
+def _sdpa(q, k, v, mask, scale, causal=False):
     if mask is not None and mask.ndim == 4 and mask.shape[0] != q.shape[0]:
         mask = mask.expand(q.shape[0], -1, -1, -1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                          is_causal=causal,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -83,21 +84,35 @@ def _gather_kv(k, v, axis):
     return all_gather(k, axis, axis=2, tiled=True), all_gather(v, axis, axis=2, tiled=True)
 
 
-def _ulysses(q, k, v, axis, n, mask, scale):
-    """Heads <-> sequence: (b, h, s, d) blocks to (b, h / n, n * s, d) and back."""
+def _ulysses(q, k, v, axis, n, pos, scale, causal, window, docs):
+    """Heads <-> sequence: (b, h, s, d) blocks to (b, h / n, n * s, d) and back.
+
+    Between the two, the whole sequence is put into its own order, so that a plain
+    causal mask is SDPA's ``is_causal`` (no ``seq x seq`` mask on any rank, whose
+    memory would not shrink with ``cp``)."""
     hk = k.shape[1]
     if hk % n:
         # fewer k/v heads than ranks: repeat each so that every rank's q heads find
         # theirs (the q heads divide by n, so by lcm(hk, n)); autograd sums the copies
         r = n // math.gcd(hk, n)
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    qh = all_to_all(q, axis, 1, 2, tiled=True)
+    back = torch.argsort(pos)                   # layout order -> the sequence's own
+
+    def whole(t, split, concat):
+        return all_to_all(t, axis, split, concat, tiled=True).index_select(concat, back)
+    qh = whole(q, 1, 2)
     if k.shape == v.shape:
-        kv = all_to_all(torch.stack([k, v]), axis, 2, 3, tiled=True)
+        kv = whole(torch.stack([k, v]), 2, 3)
         kh, vh = kv[0], kv[1]
     else:
-        kh, vh = (all_to_all(t, axis, 1, 2, tiled=True) for t in (k, v))
-    return all_to_all(_sdpa(qh, kh, vh, mask, scale), axis, 2, 1, tiled=True)
+        kh, vh = whole(k, 1, 2), whole(v, 1, 2)
+    natural = torch.arange(len(pos), device=pos.device)
+    doc = None if docs is None else docs.index_select(1, back)
+    plain = causal and window is None and doc is None
+    mask = None if plain else visible(natural, natural, causal=causal, window=window,
+                                      q_doc=doc, k_doc=doc)
+    out = _sdpa(qh, kh, vh, mask, scale, causal=plain).index_select(2, pos)
+    return all_to_all(out, axis, 2, 1, tiled=True)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str = "cp", *,
@@ -137,8 +152,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str = "cp
     if strategy == "ring":
         return ring(q, k, v, axis, n, me, pos, scale, causal, window, docs)
     if strategy == "ulysses":
-        mask = visible(pos, pos, causal=causal, window=window, q_doc=docs, k_doc=docs)
-        return _ulysses(q, k, v, axis, n, mask, scale)
+        return _ulysses(q, k, v, axis, n, pos, scale, causal, window, docs)
     q_doc = None if docs is None else docs[:, me * s:(me + 1) * s]
     mask = visible(pos[me * s:(me + 1) * s], pos, causal=causal, window=window,
                    q_doc=q_doc, k_doc=docs)
