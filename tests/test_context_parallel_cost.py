@@ -1,0 +1,80 @@
+"""What each attention strategy costs, as docs/long_sequences.md says: the bytes a
+rank hands its collectives (comm_log, and functp.estimate's, which is comm_log on
+fake tensors) follow the page's formulas, and the peak memory per rank at cp=4 is
+within 30% of a quarter of the cp=1 run's (issue 53)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import functp
+from functp import P
+
+SPEC = P(None, None, "cp", None)
+
+
+def formula(strategy, n, b, hq, hk, s, d, item):
+    """(forward bytes, gradient-step bytes) of the page's table, without the loss's
+    all-reduce; ``s`` this rank's tokens."""
+    kv = 2 * b * hk * s * d * item
+    if strategy == "allgather":
+        return kv, kv + n * kv                # the gather, then the K/V grads' reduce-scatter
+    if strategy == "ulysses":
+        hk2 = hk if hk % n == 0 else math.lcm(hk, n)
+        fwd = (2 * hq + 2 * hk2) * b * s * d * item
+        return fwd, 2 * fwd
+    return (n - 1) * kv, 2 * (n - 1) * kv
+
+
+def _step(strategy, b, hq, hk, seq, d, dtype, grad=True):
+    n = functp.process_count()
+    mesh = functp.make_mesh((n,), ("cp",))
+    q = functp.cp_shard(torch.randn(b, hq, seq, d, dtype=dtype), mesh, dim=2)
+    k, v = (functp.cp_shard(torch.randn(b, hk, seq, d, dtype=dtype), mesh, dim=2)
+            for _ in range(2))
+
+    def attend(q, k, v):
+        return functp.attention(q, k, v, "cp", strategy=strategy, causal=True)
+    if not grad:
+        return functp.shard_map(attend, mesh, in_specs=(SPEC,) * 3, out_specs=SPEC)(q, k, v)
+    loss = functp.shard_map(lambda *t: functp.psum(attend(*t).square().sum(), "cp"), mesh,
+                            in_specs=(SPEC,) * 3, out_specs=P())
+    return torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def _logged_body(cases):
+    got = []
+    for strategy, hq, hk in cases:
+        shape = (2, hq, hk, 8 * functp.process_count(), 4, torch.float64)
+        with functp.comm_log() as fwd:
+            _step(strategy, *shape, grad=False)
+        with functp.comm_log() as step:
+            _step(strategy, *shape)
+        got.append((fwd.nbytes(), step.nbytes() - step.nbytes("all_reduce"),
+                    step.count("all_reduce")))
+    return got
+
+
+CASES = [(s, hq, hk) for s in ("allgather", "ulysses", "ring") for hq, hk in ((4, 4), (4, 1))]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_logged_bytes_are_the_formulas(run, n):
+    got = run(n, _logged_body, CASES)[0]
+    want = [formula(s, n, 2, hq, hk, 8, 4, 8) + (1,) for s, hq, hk in CASES]
+    assert got == want, list(zip(CASES, got, want))
+
+
+def test_estimate_bytes_and_peak_memory_per_rank():
+    """At 1024 tokens (float32), each strategy's cp=4 peak is within 30% of a quarter
+    of its cp=1 peak, and the estimate's bytes are the formula's."""
+    rows = {}
+    for strategy in ("allgather", "ulysses", "ring"):
+        one = functp.estimate(_step, 1, strategy, 1, 8, 2, 1024, 16, torch.float32)
+        four = functp.estimate(_step, 4, strategy, 1, 8, 2, 1024, 16, torch.float32)
+        rows[strategy] = four.peak_bytes / (one.peak_bytes / 4)
+        comm = four.comm.nbytes() - four.comm.nbytes("all_reduce")
+        assert comm == formula(strategy, 4, 1, 8, 2, 256, 16, 4)[1], (strategy, comm)
+    assert all(0.7 <= r <= 1.3 for r in rows.values()), rows
