@@ -1,18 +1,19 @@
-"""Context parallelism with ring attention: the sequence split over 'cp', key/value
-blocks passed around the ring with ppermute, softmax computed online.
+"""Context parallelism with ring attention: the sequence split over 'cp' in the
+load-balanced layout, key/value blocks passed around the ring by functp.attention.
 
     torchrun --standalone --nproc-per-node 4 examples/ring_attention.py
     python examples/ring_attention.py     # launches the 4 local processes itself
     python examples/ring_attention.py --simulate  # or as 4 simulated ranks in one process
 
-Each rank holds one contiguous block of the sequence (P(None, 'cp')) and computes
-its queries, keys and values. Attention needs every key for every query, so the
-(key, value) blocks travel around the ring: at each of the cp steps a rank attends
-its queries to the block it holds, then passes that block to its right neighbour
-with ppermute and receives one from its left. The softmax over all keys is never
-materialised: a running max, a running denominator and a running weighted sum are
-rescaled as each block arrives (the online softmax of flash attention), which gives
-exactly softmax(QK^T)V in the end (Liu et al., 2023, "Ring Attention").
+functp.cp_shard gives each rank two chunks of the sequence (chunks i and 2cp-1-i of
+2cp: one early, one late, so that causal attention is the same work on every rank)
+and each rank computes its queries, keys and values. Attention needs every key for
+every query: functp.attention(..., strategy="ring") passes the (key, value) blocks
+around the ring with ppermute, each transfer issued before the block in hand is
+computed, and merges the blocks' softmaxes online (Liu et al., 2023, "Ring
+Attention"); the causal mask is built from the tokens' original positions, not
+their places on the rank. strategy="allgather" or "ulysses" give the same numbers
+(docs/long_sequences.md says when to pick which).
 
 The backward of ppermute is the inverse permutation, so torch.func.grad sends the
 key/value gradients back around the ring the other way: no attention backward is
@@ -61,54 +62,16 @@ def merge(o):
     return o.transpose(1, 2).reshape(b, s, h * d)
 
 
-def ring_attention(q, k, v):
-    """Causal attention of this rank's query block to the whole sequence, whose key and
-    value blocks visit this rank one per step. All blocks are (batch, heads, S/cp, d)."""
-    n, me = functp.axis_size("cp"), functp.axis_index("cp")
-    blk = q.shape[-2]
-    right = [(r, (r + 1) % n) for r in range(n)]
-    q = q / math.sqrt(q.shape[-1])
-    q_pos = me * blk + torch.arange(blk)                 # global positions of my queries
-    kv = torch.stack([k, v])                             # one message per step, not two
-    m = l = acc = None                                   # running max, denominator, sum
-    for step in range(n):
-        src = (me - step) % n                            # whose block I hold now
-        s = q @ kv[0].transpose(-1, -2)
-        k_pos = src * blk + torch.arange(blk)
-        s = s.masked_fill(k_pos[None, :] > q_pos[:, None], -torch.inf)   # causal
-        # Blocks from later in the sequence are all masked (src > me) and add nothing,
-        # but they are computed anyway: a rank that skipped them would leave the
-        # blocks it received unused, autograd would then skip its backward ppermutes,
-        # and the ranks waiting in theirs would hang. Same ops on every rank; the
-        # rank only changes the values (here, the mask).
-        # The max only keeps exp() in range: the result does not depend on it, so it
-        # needs no gradient. Step 0 is the diagonal block, where every query sees at
-        # least itself, so m is finite from then on and exp(-inf - m) is 0.
-        m_blk = s.amax(-1, keepdim=True).detach()
-        m_new = m_blk if m is None else torch.maximum(m, m_blk)
-        p = torch.exp(s - m_new)
-        if m is None:
-            l, acc = p.sum(-1, keepdim=True), p @ kv[1]
-        else:
-            scale = torch.exp(m - m_new)                 # rescale what came before
-            l = l * scale + p.sum(-1, keepdim=True)
-            acc = acc * scale + p @ kv[1]
-        m = m_new
-        if step < n - 1:
-            # send my current block right, receive the left neighbour's. Its backward
-            # sends the blocks' gradients left.
-            kv = functp.ppermute(kv, "cp", right)
-    return acc / l
-
-
 def sharded_forward(p, x):
     """The same layer on this rank's tokens: projections are per token, so only the
     attention itself needs the other blocks."""
     q, k, v = heads(x @ p["qkv.weight"].T + p["qkv.bias"])
-    return merge(ring_attention(q, k, v)) @ p["o.weight"].T + p["o.bias"]
+    out = functp.attention(q, k, v, "cp", strategy="ring", causal=True)
+    return merge(out) @ p["o.weight"].T + p["o.bias"]
 
 
-# the layout: the sequence (dim 1) split over 'cp', the weights replicated
+# the layout: the sequence (dim 1) split over 'cp' (functp.cp_shard's load-balanced
+# order), the weights replicated
 SEQ_SPEC = P(None, "cp")
 PARAM_SPECS = P()
 
@@ -133,16 +96,17 @@ def main() -> None:
 
     loss_fn = functp.shard_map(local_loss, mesh, in_specs=(PARAM_SPECS, SEQ_SPEC, SEQ_SPEC),
                                out_specs=P())
-    xl, yl = functp.shard((x, y), mesh, SEQ_SPEC)
+    xl, yl = functp.cp_shard((x, y), mesh)          # two chunks of the sequence each
     with functp.comm_log() as log:
         (g_params, g_x), loss = torch.func.grad_and_value(loss_fn, argnums=(0, 1))(params, xl, yl)
-    g_x = functp.unshard(g_x, mesh, SEQ_SPEC)
+    g_x = functp.cp_unshard(g_x, mesh)              # back in the sequence's own order
 
     (r_params, r_x), ref_loss = torch.func.grad_and_value(
         lambda p, x: mse(apply(p, x), y), argnums=(0, 1))(params, x)
     out = functp.shard_map(sharded_forward, mesh, in_specs=(PARAM_SPECS, SEQ_SPEC),
                            out_specs=SEQ_SPEC)(params, xl)
-    out_err = (functp.unshard(out, mesh, SEQ_SPEC) - apply(params, x)).abs().max().item()
+    out = functp.cp_unshard(out, mesh)
+    out_err = (out - apply(params, x)).abs().max().item()
 
     def report(what, a, b, err):
         match = err < 1e-10
