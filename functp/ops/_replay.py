@@ -35,34 +35,13 @@ import zlib
 
 import torch
 
+from ._call_leaves import call_tensors, output_tensors
 from ._vma import EMPTY, Tracker
-from ._vma_mode import UnionRule
+from ._vma_mode import UnionRule, _tensors as operands
 from ..runtime._torch_compat import (function_mode_at, function_stack_len,
-                                     pop_function_mode, push_function_mode,
-                                     torch_tree_leaves)
+                                     pop_function_mode, push_function_mode)
 
-__all__ = ["Record", "Recorder", "Recording", "rule_on_top", "push_rule", "pop_rule",
-           "output_tensors", "call_tensors"]
-
-
-def call_tensors(args, kwargs) -> list:
-    """A call's tensor arguments in order, one level into lists and tuples (a decoder
-    layer's ``position_embeddings=(cos, sin)``)."""
-    out = []
-    for a in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend([t for t in a if isinstance(t, torch.Tensor)])
-    return out
-
-
-def output_tensors(out) -> list:
-    """A module's output tensors, in order (transformers' ``ModelOutput`` is a pytree of
-    torch's, not of optree's)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    return [t for t in torch_tree_leaves(out) if isinstance(t, torch.Tensor)]
+__all__ = ["Record", "Recorder", "Recording", "rule_on_top", "push_rule", "pop_rule"]
 
 
 def rule_on_top(tr: Tracker) -> bool:
@@ -206,8 +185,9 @@ class Recorder:
         return self.src[i]
 
     def before(self, args, kwargs) -> tuple:
-        """An op is about to run: its tensor inputs' serials."""
-        return tuple([self.serial(t) for t in call_tensors(args, kwargs or {})])
+        """An op is about to run: the serials of the tensor inputs the union rule
+        unifies (its own walk of an op's operands)."""
+        return tuple([self.serial(t) for t in operands(args, kwargs or {})])
 
     def after(self, ins: tuple, out) -> None:
         """The op that read ``ins`` returned ``out``: its outputs' serials, vmas and

@@ -13,24 +13,20 @@ hooks hand their work to :class:`_Recording` / :class:`_Replaying`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import operator
 
-import optree
 import torch
 
 from ..mesh._mesh import Mesh
 from ..ops import _context, _lazy
 from ..ops._buckets import _gather_ints
-from ..ops._replay import (Record, Recorder, Recording, call_tensors, output_tensors,
-                           pop_rule, push_rule, rule_on_top)
+from ..ops._call_leaves import PLAIN, call_tensors, flatten_call, output_tensors
+from ..ops._replay import Record, Recorder, Recording, pop_rule, push_rule, rule_on_top
 from ..ops._vma import _TAG, EMPTY
 from ..runtime import _compile, _crosscheck, _watch, _world
 from ..runtime._errors import ShardingError
-from ..runtime._torch_compat import torch_tree_flatten
 
-_PLAIN = (bool, int, float, str, type(None))
 # a transformers config's fields that choose what the model returns (and so which
 # tensors cross its boundary): a call after one is toggled records anew (read from the
 # config's own dict: its attribute access is a Python call; transformers 5 keeps
@@ -93,7 +89,7 @@ def _key(tr, params: dict, args: tuple, kwargs: dict) -> tuple:
                and t._base is None else (get(t), t.requires_grad, _view_of(t, tensors)))
               if isinstance(t, torch.Tensor) else type(t) for t in tensors]
     if args or kwargs:
-        leaves, spec = _flatten(args, kwargs)
+        leaves, spec = flatten_call(args, kwargs)     # (the recorder's walk too)
         parts.append(spec)
         tensors += leaves
         for v in leaves:
@@ -102,7 +98,7 @@ def _key(tr, params: dict, args: tuple, kwargs: dict) -> tuple:
                               None if v._base is None else _view_of(v, tensors)))
             elif isinstance(v, float):
                 parts.append(float)
-            elif isinstance(v, _PLAIN):
+            elif isinstance(v, PLAIN):
                 parts.append(v)
             else:
                 parts.append(_opaque(tr, v))
@@ -116,42 +112,6 @@ def _view_of(t: torch.Tensor, tensors: list) -> int | None:
     if base is None:
         return None
     return next((i for i, x in enumerate(tensors) if x is base), -1)
-
-
-def _flatten(args: tuple, kwargs: dict) -> tuple[list, object]:
-    """The leaves and structure of a call's arguments: plain tensors and values as
-    they are (the usual call: no pytree walk); else torch's pytrees (tuples, lists,
-    dicts, namedtuples, transformers' ``ModelOutput``), then optree's registered
-    nodes, dataclasses by their fields."""
-    flat = [*args, *kwargs.values()]
-    for v in flat:
-        if not isinstance(v, (torch.Tensor, *_PLAIN)):
-            break
-    else:
-        return flat, (len(args), *kwargs)
-    return _flatten_tree((args, kwargs))
-
-
-def _flatten_tree(tree) -> tuple[list, object]:
-    leaves, spec = torch_tree_flatten(tree)
-    if all(isinstance(v, (torch.Tensor, *_PLAIN)) for v in leaves):
-        return leaves, spec
-    out, specs = [], [spec]
-    for v in leaves:
-        if isinstance(v, (torch.Tensor, *_PLAIN)):
-            out.append(v)
-        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
-            sub, sub_spec = _flatten_tree([getattr(v, f.name) for f in dataclasses.fields(v)])
-            out.extend(sub)
-            specs.append((type(v), sub_spec))
-        else:
-            sub, sub_spec = optree.tree_flatten(v, none_is_leaf=True)
-            if len(sub) == 1 and sub[0] is v:
-                out.append(v)
-            else:
-                out.extend(sub)
-                specs.append((type(v), sub_spec))
-    return out, tuple(specs)
 
 
 def _opaque(tr, v) -> tuple:
