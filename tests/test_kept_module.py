@@ -170,3 +170,93 @@ def _train_eval():
 def test_train_and_eval_still_choose_how_apply_runs(run):
     for err, differs in run(2, _train_eval):
         assert err <= 1e-12 and differs, (err, differs)
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except ShardingError as e:
+        return str(e)
+    return "ran"
+
+
+def _clip_lines(shape, tape: bool, keep: bool):
+    """A ported script's lines over ``model.parameters()`` once the optimizer is over
+    the blocks: each clip, grad-norm log and zeroing raises naming the blocks' way
+    (they did nothing: the kept parameters get no gradients); counting parameters
+    and printing a .grad still work, and the blocks train as the unsharded model."""
+    names = ("dp", "tp") if len(shape) == 2 else ("tp",)
+    mesh = functp.make_mesh(shape, names)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    apply, params, specs = functp.parallelize(model, mesh, _PLAN, keep_module=keep)
+    blocks = {k: v.requires_grad_(tape) for k, v in params.items()}
+    opt = torch.optim.SGD(blocks.values(), lr=0.1)
+    batch = P(names[0]) if len(shape) == 2 else P()
+    step = functp.shard_map(lambda p, x: functp.pmean(apply(p, x).square().mean(), names[0]),
+                            mesh, in_specs=(specs, batch), out_specs=P())
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    local_x = functp.shard(x, mesh, batch)
+    if tape:
+        step(blocks, local_x).backward()
+    else:
+        functp.set_grads(blocks, torch.func.grad(step)(blocks, local_x))
+    lines = {
+        "clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+        "foreach": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True),
+        "clip_grad_value_": lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1.0),
+        "log": lambda: [p.grad.norm() for p in model.parameters() if p.grad is not None],
+        "zero_grad(False)": lambda: model.zero_grad(set_to_none=False),
+    }
+    msgs = {k: _raises(f) for k, f in lines.items()}
+    count = sum(p.numel() for p in model.parameters())
+    shown = repr(model[0].weight.grad)
+    opt.step()
+    model.zero_grad()                          # set_to_none: refused at the next call
+    msgs["zero_grad()"] = _raises(lambda: step(blocks, local_x))
+    ref.zero_grad()
+    ref(x).square().mean().backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    full = apply.unshard({k: v.detach() for k, v in blocks.items()})
+    err = max(float((full[n] - p).abs().max()) for n, p in ref.named_parameters())
+    return msgs, count, shown, err
+
+
+@pytest.mark.parametrize("world,shape,tape,keep", [(2, (2,), True, True), (4, (2, 2), False, True),
+                                                   (4, (2, 2), True, False)])
+def test_clip_and_zero_grad_over_the_kept_module_raise_naming_the_blocks(run, world, shape,
+                                                                        tape, keep):
+    for msgs, count, shown, err in run(world, _clip_lines, shape, tape, keep):
+        for line, msg in msgs.items():
+            if line == "zero_grad()":
+                assert "model.zero_grad()" in msg and "optimizer.zero_grad()" in msg, msg
+            else:
+                assert "of the parallelized Sequential" in msg \
+                    and "functp.clip_by_global_norm" in msg \
+                    and "functp.global_norm" in msg, (line, msg)
+        assert count == 8 * 16 + 16 + 16 * 8 + 8 and "NoGrad('0.weight'" in shown, (count, shown)
+        assert err <= 1e-12, err
+
+
+def _reference_backward():
+    """A backward through the kept module itself (a reference run) gives its
+    parameters their real gradients, which a clip then acts on as on any module;
+    ``model.float()`` moves the kept module with its NoGrad gradients."""
+    mesh = functp.make_mesh((2,), ("tp",))
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    functp.parallelize(model, mesh, _PLAN)
+    model.float(), ref.float()
+    x = torch.ones(2, 8)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    norms = [float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)) for m in (model, ref)]
+    return norms, max(float((p.grad - q.grad).abs().max())
+                      for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_a_backward_through_the_kept_module_gives_its_real_gradients(run):
+    for (norm, ref_norm), err in run(2, _reference_backward):
+        assert norm == ref_norm and norm > 0 and err == 0.0, (norm, ref_norm, err)

@@ -22,17 +22,22 @@ each step of any optimizer then reads one dict entry per parameter.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..mapping._state_dict import reading
 from ..runtime._errors import ShardingError
+from ._kept_tensors import NoGrad, Released, no_grad_of, released_like
 
-__all__ = ["guard_kept", "structure", "changed_error"]
+__all__ = ["guard_kept", "arm", "structure", "changed_error"]
 
 _KEPT = "_functp_kept"   # a kept parameter's mark: (module class, its name, weakref to apply)
+_HOOKED = "_functp_hooked"   # its NoGrad-removing hook is registered
+_ZEROED = "the kept module's gradients were set to None"   # Structure.changed()'s note
 _registered = False
 
 
@@ -40,14 +45,20 @@ def guard_kept(apply, blocks: dict, specs: dict) -> tuple:
     """Marks the parameters of ``apply.module`` (kept copies or released meta
     tensors) so that an optimizer stepping them raises, registers that hook once, and
     makes ``module.state_dict()`` refuse once ``blocks`` were trained in place (or
-    the module was released): it would hold the weights parallelize copied.
+    the module was released): it would hold the weights parallelize copied. Each
+    kept parameter's ``.grad`` is a :class:`NoGrad` (a clip over them raises), and a
+    released embedding or LM head weight a :class:`Released` meta tensor.
     **Returns:** ``(apply, blocks, specs)``, as given."""
     global _registered
     module = apply.module
     kind = type(module).__name__
     ref = weakref.ref(apply)
+    _release_vocab(module, kind)
     for name, p in module.named_parameters(remove_duplicate=False):
         p.__dict__[_KEPT] = (kind, name, ref)
+    arm(module)
+    if apply._structure is not None:
+        apply._structure.watch(module)
     if not _registered:
         register_optimizer_step_pre_hook(_refuse_kept)
         _registered = True
@@ -58,6 +69,53 @@ def guard_kept(apply, blocks: dict, specs: dict) -> tuple:
     module._functp_guarded = (ref, [(weakref.ref(b), b._version) for b in blocks.values()
                                     if isinstance(b, torch.Tensor)])
     return apply, blocks, specs
+
+
+def arm(module) -> None:
+    """A :class:`NoGrad` as the ``.grad`` of each of ``module``'s parameters, and,
+    once per parameter, a hook that takes it away when a backward through the
+    module itself (a reference run) brings a real gradient."""
+    kind = type(module).__name__
+    for name, p in module.named_parameters():
+        p.grad = no_grad_of(p, kind, name)
+        if p.requires_grad and not p.__dict__.get(_HOOKED):
+            p.register_hook(functools.partial(_real_grad, weakref.ref(p)))
+            p.__dict__[_HOOKED] = True
+
+
+def _real_grad(ref, grad):
+    # (before the gradient accumulates: AccumulateGrad then finds no .grad, sets this)
+    p = ref()
+    if p is not None and type(p.grad) is NoGrad:
+        p.grad = None
+
+
+def _release_vocab(module, kind: str) -> None:
+    """A released (meta) embedding or LM head weight of a transformers model becomes
+    a :class:`Released` one: its resize then names functp.resize_token_embeddings."""
+    if not hasattr(module, "get_input_embeddings"):
+        return
+    names = {id(p): n for n, p in module.named_parameters()}
+    for emb in _vocab_modules(module):
+        p = emb._parameters.get("weight")
+        if p is None or not p.is_meta or isinstance(p, Released):
+            continue
+        new = nn.Parameter(released_like(p, kind, names.get(id(p), "weight")),
+                           requires_grad=p.requires_grad)
+        for mod in module.modules():
+            for short, q in list(mod._parameters.items()):
+                if q is p:
+                    mod._parameters[short] = new
+
+
+def _vocab_modules(module) -> list:
+    """The input embedding and the output embedding (LM head) modules, if any."""
+    mods = [module.get_input_embeddings()]
+    try:
+        mods.append(module.get_output_embeddings())
+    except (AttributeError, NotImplementedError):
+        pass
+    return [m for m in mods if m is not None]
 
 
 def _trained(module) -> str | None:
@@ -120,25 +178,27 @@ def _kept_error(opt: str, kind: str, name: str, meta: bool) -> ShardingError:
 
 
 class Structure:
-    """What a transformers model's blocks were laid out for, checked at each call of
-    ``apply`` with no Python call: its config's sizes (read from the config's own
+    """What the blocks were laid out for, checked at each call of ``apply`` with few
+    Python calls: a transformers model's config sizes (read from the config's own
     dict: its attribute access is a Python call) and the places of its embedding
-    modules (``resize_token_embeddings`` swaps them in their parents' dicts)."""
+    modules (``resize_token_embeddings`` swaps them in their parents' dicts); for
+    every module, that its kept parameters' :class:`NoGrad` gradients are still there
+    (``model.zero_grad()`` sets them to None: it zeroed nothing the step uses)."""
 
     _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers")
 
     def __init__(self, module) -> None:
         self.module = module
-        self.config = vars(module.config)
-        self.sizes = tuple(self.config.get(f) for f in self._SIZES)
-        embeddings = [module.get_input_embeddings()]
-        try:
-            embeddings.append(module.get_output_embeddings())
-        except (AttributeError, NotImplementedError):
-            pass
-        self.places = [(parent._modules, name, emb) for emb in embeddings if emb is not None
+        hf = getattr(module, "config", None) is not None and hasattr(module, "get_input_embeddings")
+        self.config = vars(module.config) if hf else {}
+        self.sizes = tuple(self.config.get(f) for f in self._SIZES) if hf else ()
+        self.places = [(parent._modules, name, emb) for emb in (_vocab_modules(module) if hf else ())
                        for parent in module.modules()
                        for name, child in parent._modules.items() if child is emb]
+        self.watched = None        # a kept parameter whose .grad is a NoGrad
+
+    def watch(self, module) -> None:
+        self.watched = next((p for p in module.parameters() if not isinstance(p, Released)), None)
 
     def changed(self) -> str | None:
         """What changed since, in words (None: nothing)."""
@@ -149,26 +209,41 @@ class Structure:
         for d, name, emb in self.places:
             if d.get(name) is not emb:
                 return f"its embedding module {name!r} was replaced"
+        if self.watched is not None and self.watched.grad is None:
+            return _ZEROED
         return None
 
 
-def structure(module) -> Structure | None:
-    """A transformers model's :class:`Structure`; None for another module (nothing
-    cheap to compare)."""
-    if getattr(module, "config", None) is None or not hasattr(module, "get_input_embeddings"):
-        return None
+def structure(module) -> Structure:
+    """``module``'s :class:`Structure`."""
     return Structure(module)
 
 
 def changed_error(module, what: str) -> ShardingError:
     kind = type(module).__name__
+    if what == _ZEROED:
+        arm(module)             # (armed again: one error per such line)
+        return _zeroed_error(kind)
     return ShardingError(
         f"apply of parallelize({kind}): the module changed after parallelize ({what}: "
         f"model.resize_token_embeddings, a swapped submodule or an edited config); the "
         f"blocks and their specs are the old module's, so this call would mix the two. "
-        f"Change the module first, then parallelize it (a grown vocabulary: "
-        f"model.resize_token_embeddings(n, mean_resizing=False) on the unsharded model, "
-        f"then functp.parallelize; after functp.from_pretrained, whose module holds no "
-        f"weights, resize a transformers model loaded on one process, save_pretrained it "
-        f"and load that folder), and save_pretrained only a module whose config matches "
-        f"its blocks")
+        f"A grown vocabulary: `apply, params, specs = functp.resize_token_embeddings("
+        f"apply, params, new_num_tokens)` on every rank, in place of "
+        f"model.resize_token_embeddings (transformers' own resize of the blocks' whole "
+        f"embedding and LM head, laid out again; then build the optimizer); other "
+        f"changes: change the module first, then parallelize it; save_pretrained only a "
+        f"module whose config matches its blocks")
+
+
+def _zeroed_error(kind: str) -> ShardingError:
+    return ShardingError(
+        f"apply of parallelize({kind}): {_ZEROED} since the last call "
+        f"(model.zero_grad(), or optimizer.zero_grad() of an optimizer over "
+        f"model.parameters()): they hold no gradients (apply trains the blocks), so it "
+        f"zeroed nothing and the blocks' gradients would keep accumulating. Zero the "
+        f"blocks' gradients with the optimizer over them, "
+        f"`optimizer = torch.optim.AdamW(params.values(), ...)`, `optimizer.zero_grad()` "
+        f"(or p.grad = None for each block), and remove model.zero_grad(); a "
+        f"reference run of the unsharded module itself gets its own copy "
+        f"(copy.deepcopy(model) before parallelize). docs/porting.md shows the loop")
