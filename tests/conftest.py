@@ -3,7 +3,16 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
+# One intra-op thread per test process (and for the processes it starts): the tests'
+# tensors are tiny, and two pytest workers (-n 2) with two OpenMP threads each on a
+# 2-core machine spin-wait on one another (tests/test_hf_moe.py alone: 88 s with two
+# threads, 57 s with one, serially; 35 s on two workers)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _launcher import Pool  # noqa: E402
@@ -19,7 +28,26 @@ def _pools():
     _POOLS.clear()
 
 
+# The inner loop (README, "Testing"): `pytest -n 2 -m "not slow" tests` leaves out these
+# files, each for what makes it slow; the whole suite runs them all
+SLOW_FILES = {
+    "test_compile.py": "Dynamo and Inductor compiles",
+    "test_examples.py": "the examples, launched as torchrun jobs",
+    "test_docs.py": "every docs page's code, some under torchrun",
+    "test_watch.py": "torchrun jobs that wait for the divergence watcher",
+    "test_exit.py": "torchrun jobs, for the process's exit",
+    "test_estimate.py": "fake-tensor traces of transformers models, against real runs",
+    "test_estimate_host.py": "traced and real steps, counted",
+    "test_estimate_gpu_truth.py": "fake-tensor traces of GPU-sized models",
+    "test_hf_models.py": "every transformers model class, built and run",
+    "test_hf_moe.py": "every transformers MoE class, built and run",
+}
+
+
 def pytest_collection_modifyitems(items):
+    for it in items:
+        if it.path.name in SLOW_FILES:
+            it.add_marker(pytest.mark.slow)
     # tests that discard a gloo pool (run(..., last=True)) go last, so that no test
     # after them pays for starting a new one
     late = [it for it in items if it.get_closest_marker("discards_pool")]
@@ -28,6 +56,7 @@ def pytest_collection_modifyitems(items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "discards_pool: the test ends its gloo pool")
+    config.addinivalue_line("markers", "slow: left out of the inner loop (SLOW_FILES)")
 
 
 @pytest.fixture
