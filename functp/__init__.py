@@ -33,6 +33,7 @@ from .parallel._plans import Parallelized
 from .parallel._verify import verify_plan
 from .parallel._rules import match_plan
 from .parallel._pretrained import from_pretrained, init_blocks, save_pretrained
+from .parallel._resize import resize_token_embeddings
 from .mapping._shard_map import shard_map
 from .tools._show import print_ranks, visualize_sharding
 from .tools._simulate import simulate
@@ -70,6 +71,6 @@ __all__ = [
     "Colwise", "Rowwise", "VocabParallelEmbedding", "SequenceParallel", "PrepareInput",
     "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch", "TensorParallelExperts",
     "LocalSizes", "ParameterRules", "FullyShard",
-    "from_pretrained", "init_blocks", "save_pretrained",
+    "from_pretrained", "init_blocks", "save_pretrained", "resize_token_embeddings",
     "attention", "cp_shard", "cp_unshard", "cp_positions",
 ]

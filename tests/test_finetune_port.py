@@ -88,3 +88,134 @@ def test_a_ported_finetuning_loop_trains_the_blocks_as_the_unsharded_model(run):
         assert "AdamW.step()" in kept and "params.values()" in kept, kept
         assert "apply.state_dict(params)" in stale, stale
         assert same_keys and err <= 1e-10, err
+
+
+# -- a grown vocabulary: functp.resize_token_embeddings --------------------------------
+
+NEW = VOCAB + 8
+
+
+def _sgd(params: dict, grads: dict) -> dict:
+    return {k: (v - 0.1 * grads[k]).detach() for k, v in params.items()}
+
+
+def _grads(apply, specs, mesh, params, ids, dp: bool):
+    batch = P("dp") if dp else P()
+    step = functp.shard_map(
+        lambda p, i: functp.pmean(_lm_loss(apply(p, input_ids=i, use_cache=False).logits, i), "dp")
+        if dp else _lm_loss(apply(p, input_ids=i, use_cache=False).logits, i),
+        mesh, in_specs=(specs, batch), out_specs=P())
+    return torch.func.grad(step)(params, functp.shard(ids, mesh, batch))
+
+
+def _ref_step(ref, ids):
+    named = dict(ref.named_parameters())
+    g = torch.func.grad(lambda p: _lm_loss(torch.func.functional_call(
+        ref, p, (ids,), {"use_cache": False}).logits, ids))(named)
+    with torch.no_grad():
+        for k, p in named.items():
+            p -= 0.1 * g[k]
+
+
+def _max_err(got: dict, want: dict) -> float:
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    return max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+def _resize(tied: bool, mean: bool, shape, keep: bool):
+    """One step, then the vocabulary grown by 8 (the same seed as transformers' own
+    resize of the unsharded model trained alike), then a step on ids that use the new
+    rows: every state-dict key as the unsharded float64 model's, at each point."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _build("llama", tie_word_embeddings=tied)
+        ref = copy.deepcopy(model)
+        dp = len(shape) == 2
+        mesh = functp.make_mesh(shape, ("dp", "tp") if dp else ("tp",))
+        apply, params, specs = functp.parallelize(model, mesh, "auto", keep_module=keep)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(VOCAB, (4, 6), generator=g)
+        params = _sgd(params, _grads(apply, specs, mesh, params, ids, dp))
+        _ref_step(ref, ids)
+        old = apply
+        torch.manual_seed(5 + functp.process_index())   # (rank 0's draw is the one kept)
+        apply, params, specs = functp.resize_token_embeddings(apply, params, NEW,
+                                                              mean_resizing=mean)
+        torch.manual_seed(5)
+        ref.resize_token_embeddings(NEW, mean_resizing=mean)
+        resized = _max_err(apply.state_dict(params), ref.state_dict())
+        stale = _raises(lambda: _grads(old, specs, mesh, params, ids, dp))
+        ids = torch.randint(NEW, (4, 6), generator=g)
+        params = _sgd(params, _grads(apply, specs, mesh, params, ids, dp))
+        _ref_step(ref, ids)
+        trained = _max_err(apply.state_dict(params), ref.state_dict())
+    emb = specs["model.embed_tokens.weight"]
+    return resized, trained, apply.module.config.vocab_size, str(emb), stale
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except ShardingError as e:
+        return str(e)
+    return "ran"
+
+
+@pytest.mark.parametrize("tied,mean,world,shape,keep", [
+    (True, True, 4, (2, 2), True), (False, True, 2, (2,), False),
+    (True, False, 2, (2,), True), (False, False, 4, (2, 2), True)])
+def test_resize_token_embeddings_grows_the_blocks_as_transformers_does(run, tied, mean, world,
+                                                                       shape, keep):
+    for resized, trained, vocab, emb, stale in run(world, _resize, tied, mean, shape, keep):
+        assert resized <= 1e-12 and trained <= 1e-12, (resized, trained)
+        assert vocab == NEW and emb == "P('tp', None)", (vocab, emb)
+        assert "config.vocab_size 32 -> 40" in stale, stale
+
+
+def _from_pretrained(path: str, out: str):
+    """A from_pretrained model (meta module): its own resize_token_embeddings (both
+    initialisations) raises naming functp's, on every rank; functp's resizes as
+    transformers does on the model it loads, a size the split does not divide is
+    refused before anything changes, and save_pretrained writes a config that agrees."""
+    import transformers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mesh = functp.make_mesh((2, 2), ("dp", "tp"))
+        apply, params, specs = functp.from_pretrained(path, mesh)
+        direct = [_raises(lambda: apply.module.resize_token_embeddings(NEW, mean_resizing=m))
+                  for m in (True, False)]
+        odd = _raises(lambda: functp.resize_token_embeddings(apply, params, NEW + 1))
+        torch.manual_seed(5)
+        apply, params, specs = functp.resize_token_embeddings(apply, params, NEW + 1,
+                                                              pad_to_multiple_of=4)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path)
+        torch.manual_seed(5)
+        ref.resize_token_embeddings(NEW + 1, pad_to_multiple_of=4)
+        err = _max_err(apply.state_dict(params), ref.state_dict())
+        functp.save_pretrained(out, params, specs, mesh, apply.module.config)
+    return direct, odd, err
+
+
+def test_a_from_pretrained_models_vocabulary_grows_through_functp(run, tmp_path):
+    import json
+
+    import transformers
+    from safetensors import safe_open
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path, out = str(tmp_path / "tiny"), str(tmp_path / "resized")
+        _build("llama", tie_word_embeddings=False).save_pretrained(path)
+        for direct, odd, err in run(4, _from_pretrained, path, out):
+            for msg in direct:
+                assert "functp.resize_token_embeddings(apply, params, new_num_tokens)" in msg, msg
+            assert "pad_to_multiple_of=2" in odd and "41" in odd, odd
+            assert err <= 1e-12, err
+        with open(f"{out}/config.json") as f:
+            assert json.load(f)["vocab_size"] == 44
+        shapes = {}
+        for name in [f for f in __import__("os").listdir(out) if f.endswith(".safetensors")]:
+            with safe_open(f"{out}/{name}", "pt") as f:
+                shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()})
+        assert shapes["model.embed_tokens.weight"][0] == shapes["lm_head.weight"][0] == 44, shapes
+        back = transformers.AutoModelForCausalLM.from_pretrained(out)
+        assert back.get_input_embeddings().weight.shape[0] == 44
