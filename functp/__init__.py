@@ -28,6 +28,8 @@ from .training._optimizers import adamw, sgd
 from .runtime._precision import MixedPrecision
 from .ops._ragged import RaggedOffsets, ragged_all_to_all, ragged_offsets
 from .training._remat import checkpoint, checkpoint_name, remat, remat_policies
+from .pipelines._pipeline import Pipeline, pipeline
+from .pipelines._schedule import Schedule, pipeline_schedule
 from .parallel._parallelize import parallelize
 from .parallel._plans import Parallelized
 from .parallel._verify import verify_plan
@@ -73,4 +75,5 @@ __all__ = [
     "LocalSizes", "ParameterRules", "FullyShard",
     "from_pretrained", "init_blocks", "save_pretrained", "resize_token_embeddings",
     "attention", "cp_shard", "cp_unshard", "cp_positions",
+    "pipeline", "Pipeline", "pipeline_schedule", "Schedule",
 ]

@@ -1,0 +1,218 @@
+"""One call of a pipelined step on this rank: the schedule's ticks, in order.
+
+Keys: ``("F", vs, m)`` is the activation virtual stage ``vs`` reads for microbatch
+``m``; ``("B", vs, m)`` the gradient of its output. Each rank derives from the table
+which keys travel at which tick end, so sender and receiver agree without asking.
+"""
+from __future__ import annotations
+
+import optree
+import torch
+
+from ..runtime._errors import ShardingError
+from . import _stage
+from ._transfer import exchange, gather_rows
+
+__all__ = ["Run"]
+
+_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+_DIMS = 6            # a boundary's header: its dtype, rank and up to 6 trailing sizes
+
+
+def _transfers(t) -> tuple[dict, dict]:
+    """Per tick end: the ``(src, dst, key)`` transfers, and the boundaries whose first
+    activation is sent (``{tick: [virtual stage]}``), from the table alone."""
+    pp, last = t.stages, t.stages * t.virtual_stages - 1
+    moves: dict = {}
+    firsts: dict = {}
+    for r, acts in enumerate(t.actions):
+        for a in acts:
+            vs, end = r + a.chunk * pp, a.tick + a.ticks - 1
+            if a.kind == "F" and vs < last:
+                moves.setdefault(end, []).append((r, (vs + 1) % pp, ("F", vs + 1, a.microbatch)))
+                if a.microbatch == 0:
+                    firsts.setdefault(end, []).append(vs)
+            elif a.kind == "B" and vs > 0:
+                moves.setdefault(end, []).append((r, (vs - 1) % pp, ("B", vs - 1, a.microbatch)))
+    return {k: sorted(v) for k, v in moves.items()}, firsts
+
+
+class Run:
+    """The state of one call: inputs cut into microbatches, what each forward saved,
+    what arrived and waits to be sent, the gradients summed so far."""
+
+    def __init__(self, step, g, chunks, inputs, targets, n: int):
+        t = self.t = step.schedule
+        self.step, self.g, self.chunks, self.me = step, g, chunks, g.index
+        self.last = t.stages * t.virtual_stages - 1
+        self.xs, self.ys = _cut(inputs, t.microbatches), _cut(targets, t.microbatches)
+        self.rows = [int(optree.tree_leaves(x)[0].shape[0]) for x in self.xs]
+        self.n, self.split = n, t.schedule == "zero_bubble"
+        self.saved, self.inbox, self.outbox = {}, {}, {}
+        self.trail: dict = {}          # virtual stage -> its output's (dtype, trailing shape)
+        self.dtype = None              # what the transfers carry (one dtype per step)
+        self.grads = [None] * len(chunks)
+        self.loss = None
+        self.error = None              # (what, stage, microbatch, shape) met during the ticks
+        self.moves, self.firsts = _transfers(t)
+        step.peak_saved = 0
+
+    def ticks(self) -> None:
+        mine = {a.tick: a for a in self.t.actions[self.me]}
+        for tick in range(self.t.ticks):
+            if tick in mine:
+                self.act(mine[tick])
+            if tick in self.firsts:
+                self.agree_shapes(self.firsts[tick])
+            if tick in self.moves:
+                self.transfer(self.moves[tick])
+
+    def call(self, vs: int, mb: int):
+        fn, with_stage, loss_fn = self.step.stage_fn, self.step._with_stage, self.step.loss_fn
+        y_mb = self.ys[mb]
+
+        def run(p, x):
+            y = fn(p, x, vs) if with_stage else fn(p, x)
+            return loss_fn(y, y_mb) if vs == self.last else y
+        return run
+
+    def act(self, a) -> None:
+        vs, key = self.me + a.chunk * self.t.stages, (a.chunk, a.microbatch)
+        mode = self.step.backward
+        if a.kind == "F":
+            x = self.xs[a.microbatch] if vs == 0 else self.inbox.pop(("F", vs, a.microbatch))
+            s = self.saved[key] = _stage.forward(self.call(vs, a.microbatch),
+                                                 self.chunks[a.chunk], x, mode, self.split)
+            self.step.peak_saved = max(self.step.peak_saved, len(self.saved))
+            if vs == self.last:
+                self.add_loss(s.out, vs, a.microbatch)
+            else:
+                self.outbox[("F", vs + 1, a.microbatch)] = s.out.detach() if isinstance(
+                    s.out, torch.Tensor) else s.out
+        elif a.kind == "B":
+            s = self.saved[key] if self.split else self.saved.pop(key)
+            ct = (torch.tensor(self.rows[a.microbatch] / self.n, dtype=s.out.dtype)
+                  if vs == self.last else self.inbox.pop(("B", vs, a.microbatch)))
+            if ct.shape != s.out.shape:     # a loss or output of the wrong shape, noted
+                ct = torch.zeros_like(s.out)  # already: the step runs on to its error
+            gx, gp = _stage.backward(s, ct, mode, self.split)
+            self.add_grads(a.chunk, gp)
+            if vs > 0:
+                self.outbox[("B", vs - 1, a.microbatch)] = gx
+        else:
+            s = self.saved.pop(key)
+            self.add_grads(a.chunk, _stage.weight_grad(s, self.call(vs, a.microbatch)))
+
+    def add_loss(self, out, vs: int, mb: int) -> None:
+        if not isinstance(out, torch.Tensor) or out.ndim:
+            self.note("loss", vs, mb, getattr(out, "shape", ()))
+            return
+        part = out.detach() * (self.rows[mb] / self.n)
+        self.loss = part if self.loss is None else self.loss + part
+
+    def add_grads(self, chunk: int, gp) -> None:
+        if gp is None:
+            return
+        prev = self.grads[chunk]
+        self.grads[chunk] = gp if prev is None else optree.tree_map(
+            lambda a, b: a if b is None else a + b, prev, gp, none_is_leaf=True)
+
+    def note(self, what: str, vs: int, mb: int, shape) -> None:
+        if self.error is None:
+            self.error = (what, vs, mb, tuple(shape))
+
+    def agree_shapes(self, stages: list[int]) -> None:
+        """The header all-gather at a boundary's first send: every rank learns the
+        shape and dtype each new boundary carries."""
+        row = [-1.0] * (3 + _DIMS)
+        for vs in (vs for vs in stages if vs % self.t.stages == self.me):  # at most one
+            out = self.outbox.get(("F", vs + 1, 0))
+            ok = (isinstance(out, torch.Tensor) and out.dtype in _DTYPES
+                  and 1 <= out.ndim <= _DIMS + 1)
+            dims = list(out.shape[1:]) if ok else []
+            row = [float(vs), float(_DTYPES.index(out.dtype)) if ok else -1.0,
+                   float(out.ndim if ok else -1)] + [float(d) for d in dims]
+            row += [0.0] * (3 + _DIMS - len(row))
+        for r, got in enumerate(gather_rows(row, self.g)):
+            if got[0] < 0:
+                continue
+            vs = int(got[0])
+            if got[1] < 0:
+                raise ShardingError(
+                    f"functp.pipeline: stage {vs} (rank {r}) returned something other than "
+                    f"one floating tensor of rank 1..{_DIMS + 1} with the microbatch on "
+                    f"dimension 0; the activation between stages must be one such tensor")
+            dtype = _DTYPES[int(got[1])]
+            if self.dtype is not None and dtype != self.dtype:
+                raise ShardingError(
+                    f"functp.pipeline: stage {vs} outputs {dtype}, an earlier stage "
+                    f"{self.dtype}; every activation between stages must have one dtype")
+            self.dtype = dtype
+            self.trail[vs] = tuple(int(d) for d in got[3:2 + int(got[2])])
+
+    def shape_of(self, key) -> tuple:
+        kind, vs, mb = key
+        return (self.rows[mb], *self.trail[vs - 1 if kind == "F" else vs])
+
+    def transfer(self, moves: list) -> None:
+        sends, recvs, local = [], [], []
+        for src, dst, key in moves:
+            if src == self.me:
+                out, want = self.outbox.pop(key), self.shape_of(key)
+                if tuple(out.shape) != want or out.dtype != self.dtype:
+                    self.note("shape", key[1] - 1 if key[0] == "F" else key[1] + 1,
+                              key[2], out.shape)
+                    out = torch.zeros(want, dtype=self.dtype)
+                (local if dst == self.me else sends).append((dst, out) if dst != self.me
+                                                            else (key, out))
+            elif dst == self.me:
+                recvs.append((src, key))
+        for key, out in local:
+            self.inbox[key] = out
+        if any(src != dst for src, dst, _ in moves):
+            got = exchange(sends, [(src, self.shape_of(key)) for src, key in recvs],
+                           self.g, self.dtype)
+            for (_, key), x in zip(recvs, got):
+                self.inbox[key] = x
+
+    def close(self) -> torch.Tensor:
+        """The closing all-gather: the loss to every rank, any rank's error to all."""
+        err = self.error
+        shape = list(err[3])[:4] if err else []
+        row = [float(self.loss) if self.loss is not None else 0.0,
+               float(self.loss is not None),
+               {"shape": 1.0, "loss": 2.0}[err[0]] if err else 0.0,
+               float(err[1]) if err else 0.0, float(err[2]) if err else 0.0,
+               float(len(shape))] + [float(d) for d in shape] + [0.0] * (4 - len(shape))
+        rows = gather_rows(row, self.g)
+        for got in rows:
+            if got[2]:
+                _raise_noted(got, self)
+        for chunk, gp in enumerate(self.grads):
+            if gp is None:      # no backward ran for this chunk: zeros
+                self.grads[chunk] = optree.tree_map(torch.zeros_like, self.chunks[chunk])
+        if self.loss is not None:
+            return self.loss
+        held = rows[self.last % self.t.stages]
+        return torch.tensor(held[0], dtype=self.dtype or torch.get_default_dtype())
+
+
+def _raise_noted(got: list[float], run: Run) -> None:
+    vs, mb, shape = int(got[3]), int(got[4]), tuple(int(d) for d in got[6:6 + int(got[5])])
+    if got[2] == 2.0:
+        raise ShardingError(
+            f"functp.pipeline: the last stage's loss_fn returned shape {shape} for "
+            f"microbatch {mb}; it must return a scalar, the microbatch's mean loss")
+    raise ShardingError(
+        f"functp.pipeline: stage {vs}'s output for microbatch {mb} has shape {shape}, "
+        f"but its first microbatch's output fixed {run.trail.get(vs, '?')} after the "
+        f"microbatch's rows (and dtype {run.dtype}); a stage's output may change only in "
+        f"its number of rows")
+
+
+def _cut(tree, m: int) -> list:
+    """The M microbatches of a batch tree: each tensor leaf cut on dimension 0."""
+    leaves, spec = optree.tree_flatten(tree)
+    parts = [torch.tensor_split(x, m) if isinstance(x, torch.Tensor) and x.ndim else [x] * m
+             for x in leaves]
+    return [optree.tree_unflatten(spec, [p[i] for p in parts]) for i in range(m)]
