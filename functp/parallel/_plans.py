@@ -138,7 +138,7 @@ class Parallelized:
         self._withheld = withheld
         #: the first call records the union rule's decisions, later calls replay them
         self.replay = True
-        self._records: dict = {}
+        self._records = _replayed.Records(module)
         # (a transformers config's output fields key a replay; a module changed since
         # it was laid out is refused)
         self._config_key, self._structure = _replayed.config_key(module), structure(module)
@@ -435,11 +435,7 @@ def lay_out_plan(module: nn.Module, mesh: Mesh | None, plan: dict[str, Any] | st
     """:func:`functp.parallelize` without its ``verify`` step (which runs this)."""
     mesh, config = _checked_mesh(module, mesh, distributed_config)
     families = _families(module, mesh, plan, axis, config)
-    apply, local, specs = _lay_out(module, mesh, families, keep_module)
-    # (what laid it out: functp.resize_token_embeddings lays the resized module out so)
-    apply._laid_out = dict(plan=plan, axis=axis, distributed_config=distributed_config,
-                           keep_module=keep_module)
-    return apply, local, specs
+    return _lay_out(module, mesh, families, keep_module)
 
 
 def _checked_mesh(module: nn.Module, mesh: Mesh | None, distributed_config: Any

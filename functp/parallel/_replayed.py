@@ -7,7 +7,9 @@ and of the tensor arguments; the other arguments' values), the first call runs u
 the union rule and records; every rank of the body agrees on the record (one small
 all-gather, once per key) before any rank replays it. Later calls replay it, unless
 the check mode is on (then each call is recorded again and must decide as the first
-did) or ``apply.replay`` is False. While a call is recorded or replayed the plan's
+did) or ``apply.replay`` is False. A forward hook added to or removed from the
+module drops every record (:class:`Records`); a call inside a torch.func transform
+of the body's own is decided per op. While a call is recorded or replayed the plan's
 hooks hand their work to :class:`_Recording` / :class:`_Replaying`.
 """
 from __future__ import annotations
@@ -26,6 +28,8 @@ from ..ops._replay import Record, Recorder, Recording, pop_rule, push_rule, rule
 from ..ops._vma import _TAG, EMPTY
 from ..runtime import _compile, _crosscheck, _watch, _world
 from ..runtime._errors import ShardingError
+from ..runtime._torch_compat import (global_forward_hooks, global_forward_pre_hooks,
+                                     peek_interpreter_stack)
 
 # a transformers config's fields that choose what the model returns (and so which
 # tensors cross its boundary): a call after one is toggled records anew (read from the
@@ -56,9 +60,32 @@ def config_key(module):
     return read
 
 
+class Records(dict):
+    """An ``apply``'s records by key, and what no key holds: the forward hooks of the
+    module's submodules (and torch's global ones) they were recorded under. A hook
+    runs between boundaries, as the module's own code does, so a record is kept only
+    while none is added or removed: then every record is dropped and calls record
+    anew (the new hooks traced). Whether they changed is one comparison of the hook
+    dicts with copies, which costs no Python call."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.live = [d for m in module.modules()
+                     for d in (m._forward_pre_hooks, m._forward_hooks)]
+        self.live += [global_forward_pre_hooks, global_forward_hooks]
+        self.seen = None
+        self.note()
+
+    def note(self) -> None:
+        """The hooks as they are now are those the records were made under (after a
+        record, or after functp registered hooks of its own)."""
+        self.seen = [dict(d) for d in self.live]
+
+
 def _tracker(apply):
     """The vma tracker of the body ``apply`` runs in, if its call may be recorded or
-    replayed here (vma tracked, eager, at the body's own rule)."""
+    replayed here (vma tracked, eager, at the body's own rule, at the body's own
+    torch.func level)."""
     fr = _context.top()
     tr = fr.tracker if fr is not None else None
     if (tr is None or not apply.replay or tr.compiled or tr.replaying
@@ -66,6 +93,11 @@ def _tracker(apply):
         return None
     if tr.recorder is not None:      # inside another planned module's first call
         tr.recorder.fail(f"a parallelized {type(apply.module).__name__} is called inside it")
+        return None
+    # (inside a torch.func transform the body applies around apply, a torch.func.vmap:
+    # its wrapped tensors are not what a record describes, decided per op)
+    interp = peek_interpreter_stack()
+    if interp is not None and interp.level() > tr.level:
         return None
     return tr
 
@@ -135,7 +167,10 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
         key = _key(tr, params, args, kwargs)
         if apply._config_key is not None:
             key += apply._config_key()
-        rec = apply._records.get(key)
+        records = apply._records
+        if records.seen != records.live:      # a forward hook added or removed since
+            records.clear()
+        rec = records.get(key)
         if rec is not None and not _crosscheck.ENABLED and rec.why is None:
             return _replay(apply, tr, rec, params, run)
     finally:
@@ -190,6 +225,7 @@ def _record(apply, tr, params: dict, args: tuple, kwargs: dict, run, key: tuple)
     if rec.why is None:
         for name in rec.lift:          # (a module whose style needs no hook lifts there)
             apply.plan_hooks[name].need_pre()
+    apply._records.note()
     return out, rec
 
 
@@ -284,6 +320,7 @@ def _launch_points_at_use(apply, tr, due: dict, aliased: dict) -> None:
             if id(mod) not in apply._hooked_use:
                 apply._hooked_use.add(id(mod))
                 mod.register_forward_pre_hook(functools.partial(_at_use, st), prepend=True)
+                apply._records.note()
     st.late, st.late_tracker = late, tr
 
 

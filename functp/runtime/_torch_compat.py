@@ -167,6 +167,11 @@ function_mode_at = _need("torch._C._get_function_stack_at", _WHY_REPLAY)
 # transformers' outputs (ModelOutput) are registered with torch's pytree, not optree's
 torch_tree_leaves = _need("torch.utils._pytree.tree_leaves", _WHY_REPLAY)
 torch_tree_flatten = _need("torch.utils._pytree.tree_flatten", _WHY_REPLAY)
+# the module hooks torch runs for every module (a replay's records are kept only while
+# no forward hook is added or removed: parallel/_replayed)
+global_forward_hooks = _need("torch.nn.modules.module._global_forward_hooks", _WHY_REPLAY)
+global_forward_pre_hooks = _need("torch.nn.modules.module._global_forward_pre_hooks",
+                                 _WHY_REPLAY)
 # the default process group's store: where a long wait is posted (runtime/_watch)
 default_store = _need("torch.distributed.distributed_c10d._get_default_store",
                       "naming ranks that wait in different functp calls")
