@@ -435,7 +435,11 @@ def lay_out_plan(module: nn.Module, mesh: Mesh | None, plan: dict[str, Any] | st
     """:func:`functp.parallelize` without its ``verify`` step (which runs this)."""
     mesh, config = _checked_mesh(module, mesh, distributed_config)
     families = _families(module, mesh, plan, axis, config)
-    return _lay_out(module, mesh, families, keep_module)
+    apply, local, specs = _lay_out(module, mesh, families, keep_module)
+    # (what laid it out: functp.resize_token_embeddings lays the resized module out so)
+    apply._laid_out = dict(plan=plan, axis=axis, distributed_config=distributed_config,
+                           keep_module=keep_module)
+    return apply, local, specs
 
 
 def _checked_mesh(module: nn.Module, mesh: Mesh | None, distributed_config: Any
