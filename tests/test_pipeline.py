@@ -57,7 +57,7 @@ def test_schedule_tables_are_valid_and_bounded():
 def test_schedule_text_and_errors():
     assert functp.pipeline_schedule("1f1b", 2, 3).text() == (
         "rank 0: F0 F1 .  .  B0 B0 F2 B1 B1 .  B2 B2\n"
-        "rank 1: .  F0 B0 B0 F1 B1 B1 F2 B2 B2 .  . ")
+        "rank 1: .  F0 B0 B0 F1 B1 B1 F2 B2 B2 .  .")
     with pytest.raises(functp.ShardingError, match="schedule='pipedream'"):
         functp.pipeline_schedule("pipedream", 2, 3)
     with pytest.raises(functp.ShardingError, match="virtual_stages=2 needs"):

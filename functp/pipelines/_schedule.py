@@ -178,7 +178,7 @@ class Schedule:
             return "." if a is None else f"{a.kind}{a.microbatch}" + (f".{a.chunk}" if v else "")
         cells = [[cell(a) for a in row] for row in self.grid()]
         width = max(len(c) for row in cells for c in row)
-        return "\n".join(f"rank {r}: " + " ".join(c.ljust(width) for c in row)
+        return "\n".join((f"rank {r}: " + " ".join(c.ljust(width) for c in row)).rstrip()
                          for r, row in enumerate(cells))
 
     def plot(self, path: str | None = None):
@@ -233,8 +233,9 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
     Example::
 
         print(functp.pipeline_schedule("1f1b", 2, 3).text())
-        # rank 0: F0 F1 .  B0 B0 F2 B1 B1 .  B2 B2
-        # rank 1: .  F0 B0 B0 F1 B1 B1 F2 B2 B2 .
+        # prints:
+        # rank 0: F0 F1 .  .  B0 B0 F2 B1 B1 .  B2 B2
+        # rank 1: .  F0 B0 B0 F1 B1 B1 F2 B2 B2 .  .
     """
     if schedule not in SCHEDULES:
         raise ShardingError(f"functp.pipeline: schedule={schedule!r} is not one of "
