@@ -115,6 +115,36 @@ def _ulysses(q, k, v, axis, n, pos, scale, causal, window, docs):
     return all_to_all(out, axis, 2, 1, tiled=True)
 
 
+def _allgather(q, k, v, axis, n, me, pos, scale, causal, window, docs, balanced):
+    """This rank's queries over the gathered K/V. Under a causal mask each query chunk
+    (two in the load-balanced layout) attends only to the keys it can see, K/V in the
+    sequence's own order cut to the chunk's prefix (and to its window): about half
+    the work and the mask of a whole ``s x seq`` block."""
+    kf, vf = _gather_kv(k, v, axis)
+    s = q.shape[2]
+    if not causal:
+        q_doc = None if docs is None else docs[:, me * s:(me + 1) * s]
+        mask = visible(pos[me * s:(me + 1) * s], pos, causal=False, window=window,
+                       q_doc=q_doc, k_doc=docs)
+        return _sdpa(q, kf, vf, mask, scale)
+    back = torch.argsort(pos)
+    kf, vf = kf.index_select(2, back), vf.index_select(2, back)
+    doc = None if docs is None else docs.index_select(1, back)
+    c = s // 2 if balanced else s
+    starts = (me * c, (2 * n - 1 - me) * c) if balanced else (me * s,)
+    outs = []
+    for i, start in enumerate(starts):
+        lo = 0 if window is None else max(0, start - window + 1)
+        end = start + c
+        q_pos = torch.arange(start, end, device=pos.device)
+        mask = visible(q_pos, torch.arange(lo, end, device=pos.device), causal=True,
+                       window=window, q_doc=None if doc is None else doc[:, start:end],
+                       k_doc=None if doc is None else doc[:, lo:end])
+        outs.append(_sdpa(q[:, :, i * c:(i + 1) * c], kf[:, :, lo:end], vf[:, :, lo:end],
+                          mask, scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str = "cp", *,
               strategy: str = "allgather", causal: bool = False, balanced: bool = True,
               window: int | None = None, position_ids: torch.Tensor | None = None,
@@ -153,8 +183,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str = "cp
         return ring(q, k, v, axis, n, me, pos, scale, causal, window, docs)
     if strategy == "ulysses":
         return _ulysses(q, k, v, axis, n, pos, scale, causal, window, docs)
-    q_doc = None if docs is None else docs[:, me * s:(me + 1) * s]
-    mask = visible(pos[me * s:(me + 1) * s], pos, causal=causal, window=window,
-                   q_doc=q_doc, k_doc=docs)
-    kf, vf = _gather_kv(k, v, axis)
-    return _sdpa(q, kf, vf, mask, scale)
+    return _allgather(q, k, v, axis, n, me, pos, scale, causal, window, docs, balanced)
