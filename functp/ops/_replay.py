@@ -51,12 +51,11 @@ def rule_on_top(tr: Tracker) -> bool:
     return n > 0 and tr.mode is not None and function_mode_at(n - 1) is tr.mode
 
 
-def push_rule(mode) -> None:
-    push_function_mode(mode)
-
-
-def pop_rule() -> None:
-    pop_function_mode()
+# the rule put back on / taken off the torch-function stack: torch's own calls bound
+# to these names (a wrapper would be one more Python call at every acting hook of a
+# replayed call)
+push_rule = push_function_mode
+pop_rule = pop_function_mode
 
 
 def _axes(v: frozenset) -> tuple:
