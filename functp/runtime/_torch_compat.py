@@ -123,6 +123,25 @@ top_saved_tensors_hooks = _need("torch._C._autograd._top_saved_tensors_default_h
 DisableFuncTorch = _need("torch._C._DisableFuncTorch",
                          "plain tensors under torch.func (printing, fingerprints, rng)")
 
+# -- foreach ops: one call over a list of tensors (functp.adamw / sgd), which Inductor
+# fuses into few kernels and CUDA launches as few; the same ops torch.optim's foreach
+# steps use
+_WHY_FOREACH = "functp.adamw and functp.sgd's update over a list of blocks"
+foreach_add = _need("torch._foreach_add", _WHY_FOREACH)
+foreach_add_ = _need("torch._foreach_add_", _WHY_FOREACH)
+foreach_mul = _need("torch._foreach_mul", _WHY_FOREACH)
+foreach_mul_ = _need("torch._foreach_mul_", _WHY_FOREACH)
+foreach_div = _need("torch._foreach_div", _WHY_FOREACH)
+foreach_div_ = _need("torch._foreach_div_", _WHY_FOREACH)
+foreach_sub = _need("torch._foreach_sub", _WHY_FOREACH)
+foreach_sub_ = _need("torch._foreach_sub_", _WHY_FOREACH)
+foreach_lerp = _need("torch._foreach_lerp", _WHY_FOREACH)
+foreach_lerp_ = _need("torch._foreach_lerp_", _WHY_FOREACH)
+foreach_addcmul_ = _need("torch._foreach_addcmul_", _WHY_FOREACH)
+foreach_sqrt = _need("torch._foreach_sqrt", _WHY_FOREACH)
+foreach_maximum = _need("torch._foreach_maximum", _WHY_FOREACH)
+foreach_maximum_ = _need("torch._foreach_maximum_", _WHY_FOREACH)
+
 
 def unwrap_functorch(x: torch.Tensor) -> torch.Tensor:
     """The plain tensor under every torch.func wrapper (grad's, vmap's, functionalize's:
