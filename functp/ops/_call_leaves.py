@@ -62,7 +62,11 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, object]:
 
 def _flatten_tree(tree) -> tuple[list, object]:
     leaves, spec = torch_tree_flatten(tree)
-    if all(_kind(v.__class__) < 2 for v in leaves):
+    for v in leaves:         # (a model's output: tensors and values, no call per leaf)
+        cls = v.__class__
+        if cls not in _TENSOR_TYPES and cls not in _PLAIN_TYPES and _kind(cls) == 2:
+            break
+    else:
         return leaves, spec
     out, specs = [], [spec]
     for v in leaves:
@@ -103,7 +107,8 @@ def call_tensors(args: tuple, kwargs: dict) -> list:
                 out.append(a)
             elif kind == 2:          # a container: the whole walk
                 return [t for t in flatten_call(args, kwargs)[0]
-                        if _kind(t.__class__) == 1]
+                        if t.__class__ in _TENSOR_TYPES or (
+                            t.__class__ not in _PLAIN_TYPES and isinstance(t, torch.Tensor))]
     return out
 
 
