@@ -31,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..mapping._state_dict import reading
 from ..runtime._errors import ShardingError
+from ..runtime._torch_compat import FakeTensor
 from ._kept_tensors import NoGrad, Released, no_grad_of, released_like
 
 __all__ = ["guard_kept", "arm", "structure", "changed_error"]
@@ -77,6 +78,8 @@ def arm(module) -> None:
     module itself (a reference run) brings a real gradient."""
     kind = type(module).__name__
     for name, p in module.named_parameters():
+        if isinstance(p, FakeTensor):
+            continue        # functp.estimate's trace: no script line runs on its module
         p.grad = no_grad_of(p, kind, name)
         if p.requires_grad and not p.__dict__.get(_HOOKED):
             p.register_hook(functools.partial(_real_grad, weakref.ref(p)))
@@ -198,7 +201,8 @@ class Structure:
         self.watched = None        # a kept parameter whose .grad is a NoGrad
 
     def watch(self, module) -> None:
-        self.watched = next((p for p in module.parameters() if not isinstance(p, Released)), None)
+        self.watched = next((p for p in module.parameters()
+                             if not isinstance(p, (Released, FakeTensor))), None)
 
     def changed(self) -> str | None:
         """What changed since, in words (None: nothing)."""
