@@ -193,6 +193,20 @@ ERRORS = [
           "(a vocabulary padded so, as Megatron's make-vocab-size-divisible-by), or "
           "choose heads, experts or hidden sizes divisible by 2, or give that module the "
           "'replicated' style; plan rule '' -> 'colwise' (mesh Mesh(dp=2, tp=2; cpu))"),
+    Error('model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))\n'
+          'apply, params, specs = functp.parallelize(model, mesh, {"0": "colwise", "1": "rowwise"})\n'
+          'torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n',
+          "ShardingError",
+          "linalg_vector_norm() on the .grad of '0.weight' of the parallelized Sequential: "
+          "the module parallelize kept gets no gradients (apply trains the blocks it "
+          "returned), so this line would read or change nothing that trains; "
+          "clip_grad_norm_(model.parameters(), max_norm) would clip nothing. Over the "
+          "blocks instead, `apply, params, specs = functp.parallelize(model, ...)`: "
+          "grads = {k: p.grad for k, p in params.items()}; clip with `grads, norm = "
+          "functp.clip_by_global_norm(grads, max_norm, mesh, specs)` and "
+          "`functp.set_grads(params, grads)`; log `functp.global_norm(grads, mesh, specs)`; "
+          "zero with the optimizer over the blocks (optimizer.zero_grad()). "
+          "docs/porting.md shows the whole loop"),
     # -- meshes
     Error('functp.make_mesh((8,), ("x",))\n',
           "ShardingError",
