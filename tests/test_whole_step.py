@@ -246,3 +246,161 @@ def _ep_body(shape, names, way):
                          ids=["dp2_ep2-func_grad", "ep2_tp2-tape"])
 def test_an_expert_parallel_plan_trains_as_the_unsharded_moe(run, shape, names, way):
     run(math.prod(shape), _ep_body, shape, names, way)
+
+
+# -- compiled: one graph, no host read, the eager step's values and collectives ----------
+
+
+class _Census:
+    """A backend that counts the graphs Dynamo makes, and in the forward/backward graphs
+    AOTAutograd makes of them the collectives and host reads (test_compile's census:
+    aot_eager, or Inductor with a counting pre-pass)."""
+
+    def __init__(self, inductor: bool = False):
+        from test_compile import _GraphCensus
+        self.census = _GraphCensus("inductor" if inductor else "aot_eager")
+        self.graphs, self.collectives, self.syncs = 0, self.census.collectives, self.census.syncs
+        if inductor:
+            from torch._inductor.compile_fx import compile_fx as inner
+        else:
+            inner = self.census.backend
+
+        def backend(gm, example_inputs):
+            self.graphs += 1
+            return inner(gm, example_inputs)
+        self.backend = backend
+
+
+def _train_step(step, opt, mesh, specs, way: str, donate: bool):
+    grads_of = _grads_by(way, step)
+
+    def train_step(params, state, x, y):
+        if way == "functp.value_and_grad":
+            loss, g = functp.value_and_grad(step)(params, x, y)
+        else:
+            loss, g = step(params, x, y).detach(), grads_of(params, x, y)
+        g, norm = functp.clip_by_global_norm(g, MAX_NORM, mesh, specs)
+        params, state = opt.update(params, g, state, donate=donate)
+        return loss, norm, params, state
+    return train_step
+
+
+def _compiled_case(layout, way, donate, inductor=False, requires_grad=False):
+    """Two steps of the compiled train step against two eager ones: one graph compiled
+    once (the second call reuses it), no graph break, no host read, the eager step's
+    collectives; the values to 1e-10."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    mesh, local, specs, batch_spec = _program(layout, (2,))
+    step = functp.shard_map(local, mesh, in_specs=(specs, batch_spec, batch_spec), out_specs=P())
+    opt = functp.adamw(lambda s: 1e-2 * torch.clamp((s + 1) / 2, max=1.0), weight_decay=0.1)
+    params = functp.shard(_mlp_params(), mesh, specs)
+    if requires_grad:          # nn.Parameter-like leaves
+        params = {k: v.requires_grad_() for k, v in params.items()}
+    batches = [functp.shard(b, mesh, batch_spec) for b in _batches(2)]
+    eager_step = _train_step(step, opt, mesh, specs, way, False)
+    p, s = params, opt.init(params)
+    eager = []
+    with functp.comm_log() as log:
+        for x, y in batches:
+            out = eager_step(p, s, x, y)
+            p, s = out[2], out[3]
+            eager.append(optree.tree_map(torch.clone, out))
+    torch._dynamo.reset()
+    counters.clear()
+    census = _Census(inductor)
+    compiled = torch.compile(_train_step(step, opt, mesh, specs, way, donate), fullgraph=True,
+                             backend=census.backend)
+    p = optree.tree_map(lambda v: v.detach().clone().requires_grad_(requires_grad), params)
+    s = opt.init(p)
+    what = f"{layout} {way} donate={donate} inductor={inductor}"
+    old = torch._dynamo.config.trace_autograd_ops
+    torch._dynamo.config.trace_autograd_ops = way == "tape"   # autograd.grad in the graph
+    try:
+        with census.census:
+            for (x, y), want in zip(batches, eager):
+                out = compiled(p, s, x, y)
+                if donate:
+                    assert all(a is b for a, b in zip(optree.tree_leaves(out[2]),
+                                                      optree.tree_leaves(p))), what
+                p, s = out[2], out[3]
+                if requires_grad and not donate:     # (a new tensor that needs no grad recompiles)
+                    p = optree.tree_map(lambda v: v.requires_grad_(), p)
+                assert_tree_close(out, want, what)
+    finally:
+        torch._dynamo.config.trace_autograd_ops = old
+    assert census.graphs == 1, f"{what}: {census.graphs} graphs"
+    assert not counters["graph_break"], f"{what}: {dict(counters['graph_break'])}"
+    assert not census.syncs, f"{what}: host reads {census.syncs}"
+    assert len(census.collectives) == len(log) // 2, (
+        f"{what}: the graph issues {sorted(census.collectives)}, an eager step "
+        f"{log.summary()} / 2")
+    return p, s, opt, specs
+
+
+def _checkpointed(path, p, s, opt, specs):
+    """The compiled tp step's state saved, loaded on an fsdp mesh: the same numbers, and
+    the next step from it bit for bit the step from the state moved in memory."""
+    tp = functp.make_mesh((2,), ("tp",))
+    functp.save(path, {"params": p, "opt": s}, tp, {"params": specs, "opt": opt.specs(specs)})
+    mesh, local, fspecs, batch_spec = _program("fsdp", (2,))
+    layout = {"params": fspecs, "opt": opt.specs(fspecs)}
+    loaded = functp.load(path, mesh, layout)
+    full = functp.unshard({"params": p, "opt": s}, tp, {"params": specs, "opt": opt.specs(specs)})
+    moved = functp.shard(full, mesh, layout)
+    assert_tree_close(loaded, moved, "loaded state", tol=dict(rtol=0, atol=0))
+    step = functp.shard_map(local, mesh, in_specs=(fspecs, batch_spec, batch_spec), out_specs=P())
+    train = _train_step(step, opt, mesh, fspecs, "torch.func.grad", False)
+    x, y = functp.shard(_batches(3)[2], mesh, batch_spec)
+    a = train(loaded["params"], loaded["opt"], x, y)
+    b = train(moved["params"], moved["opt"], x, y)
+    assert_tree_close(a, b, "resumed step", tol=dict(rtol=0, atol=0))
+    assert loaded["opt"]["step"].item() == 2
+
+
+def _compiled_body(path):
+    # every way of taking gradients on tp=2 (aot_eager: what functp adds is decided
+    # before the backend runs), the fsdp program, leaves that require grad, and one
+    # Inductor case with donated buffers
+    for way in ("torch.func.grad", "functp.value_and_grad", "tape"):
+        got = _compiled_case("tp", way, donate=way == "functp.value_and_grad")
+    _compiled_case("fsdp", "torch.func.grad", donate=True, requires_grad=True)
+    _compiled_case("tp", "functp.value_and_grad", donate=False, requires_grad=True)
+    _compiled_case("tp", "functp.value_and_grad", donate=True, inductor=True)
+    _checkpointed(path, *got)
+
+
+def test_the_compiled_train_step_is_one_graph_equal_to_the_eager_step(run, tmp_path):
+    run(2, _compiled_body, str(tmp_path / "ckpt"), gloo=True, timeout=600)
+
+
+# -- compile breadth: functp.value_and_grad of leaves that require grad ----------------------
+
+
+def _attention_loss(p, x):
+    q, k = x @ p["q"], x @ p["k"]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, x).square().sum()
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+                    reason="Dynamo traces functorch's layer depth from torch 2.13")
+def test_compiled_value_and_grad_of_leaves_that_require_grad_asks_no_double_backward():
+    # nn.Parameters require grad: torch.func.grad_and_value of them compiled traces the
+    # backward of the backward, which SDPA's CPU flash attention does not have
+    # ("derivative for ..._flash_attention_for_cpu_backward is not implemented"); at
+    # the top, functp.value_and_grad differentiates detached leaves, as its tape does eager
+    import torch._dynamo
+    p = {"q": torch.randn(8, 8, requires_grad=True), "k": torch.randn(8, 8, requires_grad=True)}
+    x = torch.randn(1, 2, 4, 8)
+    torch._dynamo.reset()
+    value, grads = torch.compile(functp.value_and_grad(_attention_loss), fullgraph=True,
+                                 backend="aot_eager")(p, x)
+    want_value, want = functp.value_and_grad(_attention_loss)(p, x)
+    assert_tree_close((value, grads), (want_value, want), "compiled", dict(rtol=1e-5, atol=1e-5))
+    assert not value.requires_grad and not any(g.requires_grad for g in grads.values())
+    # nested in a torch.func transform it stays attached: a Hessian's diagonal
+    w = randn(3, seed=4)
+    f = lambda w: (w.sin() ** 2).sum()                                   # noqa: E731
+    hess = lambda w: torch.func.grad(lambda v: functp.value_and_grad(f)(v)[1].sum())(w)  # noqa: E731
+    assert_tree_close(torch.compile(hess, fullgraph=True, backend="aot_eager")(w),
+                      2 * torch.cos(2 * w), "d/dw sum(grad) under compile")

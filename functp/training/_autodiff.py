@@ -33,6 +33,29 @@ def _nested() -> bool:
     return _compile.tracing() or _depth() > 0 or _context.top() is not None
 
 
+# Dynamo traces functorch's layer-depth query from torch 2.13 (0 at the top, 1 inside a
+# torch.func.grad it traces); 2.11/2.12 cannot, so there a compiled call keeps the
+# caller's leaves attached
+_DEPTH_TRACED = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+def _compiled_at_top() -> bool:
+    """Dynamo traces this call outside any torch.func transform and shard_map body:
+    nothing differentiates through its result (eager, the tape gives detached
+    results), so the differentiated leaves may be detached first."""
+    return (_DEPTH_TRACED and _compile.dynamo_tracing() and _depth() == 0
+            and _context.top() is None)
+
+
+def _detached(args: tuple, nums: tuple[int, ...]) -> tuple:
+    # grad_and_value of leaves that require grad (nn.Parameters do) returns gradients
+    # that require grad themselves: AOTAutograd then traces a joint graph whose
+    # backward differentiates the backward (double backward: SDPA's CPU flash
+    # attention has none), which nobody asked for
+    return tuple(optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, a)
+                 if i in nums else a for i, a in enumerate(args))
+
+
 def _argnums(argnums, n: int, name: str) -> tuple[int, ...]:
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if not nums or not all(isinstance(i, int) and -n <= i < n for i in nums):
@@ -68,6 +91,8 @@ def value_and_grad(fn: Callable, argnums: int | tuple[int, ...] = 0, *,
     def wrapped(*args, **kwargs):
         nums = _argnums(argnums, len(args), "value_and_grad")
         if _nested():
+            if _compiled_at_top():
+                args = _detached(args, nums)
             g, v = torch.func.grad_and_value(fn, argnums, has_aux=has_aux)(*args, **kwargs)
             return v, g
         return _tape(fn, nums, not isinstance(argnums, int), has_aux, args, kwargs)
