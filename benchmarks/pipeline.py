@@ -1,0 +1,128 @@
+"""functp.pipeline against torch.distributed.pipelining on the same model and
+microbatches: GPipe, 1F1B, interleaved 1F1B and (interleaved) zero-bubble.
+
+    torchrun --standalone --nproc-per-node 4 benchmarks/pipeline.py [--steps 10]
+
+Each stage is a run of residual tanh layers (D x D, float32); the batch is cut into
+M microbatches. Per schedule, both libraries run the same step on the same weights,
+alternated (functp then torch, then torch then functp) for ``--steps`` rounds; rank
+0 prints each one's median step time, their ratio (functp / torch), each library's
+loss (they must agree) and functp's table bubble and activations held (rank 0).
+CPU gloo times are noisy and host-bound at these sizes: read ratios, not seconds.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import functp
+
+D, ROWS, M, LAYERS_PER_VS = 256, 16, 8, 2
+STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 10
+
+
+class Block(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(n, D, D) / D ** 0.5)
+
+    def forward(self, x):
+        for i in range(self.w.shape[0]):
+            x = x + torch.tanh(x @ self.w[i])
+        return x
+
+
+def mse(y, t):
+    return ((y - t) ** 2).mean()
+
+
+def layers(w, x):
+    for i in range(w.shape[0]):
+        x = x + torch.tanh(x @ w[i])
+    return x
+
+
+def torch_schedule(name, blocks, pp, rank):
+    from torch.distributed import pipelining as tp
+    stages = [tp.PipelineStage(b, rank + j * pp, pp * len(blocks), torch.device("cpu"))
+              for j, b in enumerate(blocks)]
+    cls = {"gpipe": tp.ScheduleGPipe, "1f1b": tp.Schedule1F1B,
+           "interleaved": tp.ScheduleInterleaved1F1B,
+           "zero_bubble": tp.ScheduleInterleavedZeroBubble}[name]
+    return cls(stages if len(blocks) > 1 or name in ("interleaved", "zero_bubble")
+               else stages[0], M, loss_fn=mse), stages
+
+
+def torch_step(sched, stages, x, y, pp, rank):
+    for s in stages:
+        s.submod.zero_grad(set_to_none=True)
+    losses = []
+    kw = {}
+    if rank == 0:
+        kw["x"] = x
+    if rank == pp - 1:
+        kw.update(target=y, losses=losses)
+    sched.step(*([kw.pop("x")] if "x" in kw else []), **kw)
+    return sum(losses) / len(losses) if losses else None
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    mesh = functp.make_mesh((functp.process_count(),), ("pp",))
+    pp, rank = mesh.shape["pp"], functp.process_index()
+    rows = []
+    for name in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
+        v = 2 if name in ("interleaved", "zero_bubble") else 1
+        fschedule = "zero_bubble" if name == "zero_bubble" else name
+        fv = 1 if name == "zero_bubble" else v       # functp's zero-bubble is not looped
+        torch.manual_seed(0)
+        full = [Block(LAYERS_PER_VS) for _ in range(pp * v)]
+        mine = [copy.deepcopy(full[rank + j * pp]) for j in range(v)]
+        x, y = torch.randn(M * ROWS, D), torch.randn(M * ROWS, D)
+        sched, stages = torch_schedule(name, mine, pp, rank)
+        # functp: the same weights (its zero-bubble on pp stages of 2 chunks' layers)
+        # (zero-bubble: functp's rank r runs virtual stages 2r and 2r+1 as one stage)
+        fw = ([b.w.detach() for b in mine] if fv > 1 else
+              torch.cat([full[v * rank + j].w.detach() for j in range(v)]))
+        step = functp.pipeline(layers, mesh, microbatches=M, schedule=fschedule,
+                               loss_fn=mse, virtual_stages=fv)
+        times = {"functp": [], "torch": []}
+        for i in range(STEPS + 1):
+            order = ("functp", "torch") if i % 2 == 0 else ("torch", "functp")
+            for who in order:
+                dist.barrier()
+                t0 = time.perf_counter()
+                if who == "functp":
+                    floss, _ = step(fw, x, y)
+                else:
+                    tloss = torch_step(sched, stages, x, y, pp, rank)
+                dt = time.perf_counter() - t0
+                if i:                                  # (the first round warms up)
+                    times[who].append(dt)
+        med = {k: statistics.median(v_) for k, v_ in times.items()}
+        rows.append((name, med["functp"], med["torch"], floss.item(),
+                     None if tloss is None else float(tloss.detach()), step.schedule.bubble,
+                     step.peak_saved))
+    if rank == pp - 1:
+        for r in rows:
+            print(f"{r[0]:12s} loss functp {r[3]:.6f} torch {r[4]:.6f}", flush=True)
+    dist.barrier()
+    if rank == 0:
+        print(f"pp={pp}, M={M}, {ROWS} rows x D={D} per microbatch, "
+              f"{LAYERS_PER_VS} layers per virtual stage, {STEPS} rounds, medians")
+        print(f"{'schedule':12s} {'functp ms':>10s} {'torch ms':>10s} {'ratio':>6s} "
+              f"{'bubble':>7s} {'held':>5s}")
+        for name, f, t, _, _, bubble, held in rows:
+            print(f"{name:12s} {f * 1e3:10.1f} {t * 1e3:10.1f} {f / t:6.2f} "
+                  f"{bubble:7.3f} {held:5d}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
