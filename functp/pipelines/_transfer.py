@@ -11,8 +11,12 @@ collectives (no autograd: the schedule computes its gradients itself), recorded 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..mesh._mesh import AxisGroup
+from ..runtime import _comm_log
+from ..runtime import _crosscheck
+from ..runtime import _world
 from ..ops import _primitives as prim
 from ..runtime._torch_compat import c10d_functional as _c10d
 
@@ -24,7 +28,38 @@ def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, tuple
     """Sends each ``(peer index, tensor)`` of ``sends`` and receives one tensor of
     each ``(peer index, shape)`` of ``recvs`` (both in the order the peers agreed:
     the schedule's), all in ``dtype``. **Returns:** the received tensors, in
-    ``recvs``' order."""
+    ``recvs``' order. Point-to-point between the pairs that exchange; in the check
+    mode (whose fingerprint is a collective over the group) and under
+    ``functp.simulate`` (whose groups torch's point-to-point calls do not know) one
+    all-to-all."""
+    if not (_crosscheck.ENABLED or _world.SIMULATING):
+        return _pairs(sends, recvs, g, dtype)
+    return _all_to_all(sends, recvs, g, dtype)
+
+
+def _pairs(sends, recvs, g: AxisGroup, dtype) -> list[torch.Tensor]:
+    """Batched isend/irecv: only the ranks that exchange wait for each other (an
+    all-to-all made every rank of the axis meet at every tick end)."""
+    if _comm_log._local.active:        # one event per tick on every rank, as before
+        _comm_log.record("permute", g.axes, sum(t.numel() * t.element_size()
+                                                for _, t in sends))
+    pg = g.pg()
+    ops, out = [], []
+    for peer, t in sends:
+        ops.append(dist.P2POp(dist.isend, t.to(dtype).contiguous(),
+                              dist.get_global_rank(pg, g.group_rank(peer)), pg))
+    for peer, shape in recvs:
+        buf = torch.empty(shape, dtype=dtype)
+        out.append(buf)
+        ops.append(dist.P2POp(dist.irecv, buf,
+                              dist.get_global_rank(pg, g.group_rank(peer)), pg))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return out
+
+
+def _all_to_all(sends, recvs, g: AxisGroup, dtype) -> list[torch.Tensor]:
     send_splits, recv_splits = [0] * g.size, [0] * g.size
     by_peer: dict[int, list[torch.Tensor]] = {}
     for peer, t in sends:
