@@ -6,6 +6,7 @@ compiled: the table of issue 39, on a GPU or (tiny sizes) on this CPU.
     python benchmarks/gpu_step.py --compile                # each variant compiled too
     python benchmarks/gpu_step.py --device cuda --size full --compile   # the GPU table
     python benchmarks/gpu_step.py --configs host --no-vma  # + check_vma=False steps
+    python benchmarks/gpu_step.py --configs host --whole-step --compile   # + clip, AdamW
 
 Variants (each ``eager`` and, with ``--compile``, ``torch.compile(fullgraph=True)``
 with Inductor): ``plain tape`` (the module, ``backward``; over several processes
@@ -187,6 +188,54 @@ def functp_steps(model, ids, world: int, no_vma: bool = False) -> dict:
     return made
 
 
+def whole_steps(plain_model, model, ids, world: int) -> dict:
+    """The whole training step (gradients, a global-norm clip at 1.0, AdamW): the plain
+    model's tape step with ``clip_grad_norm_`` and ``torch.optim.AdamW(foreach=True)``
+    (compiled: the model; torch.optim's step breaks a graph on purpose, so it runs
+    eagerly after the compiled backward), against functp's train step of
+    ``functp.value_and_grad``, ``clip_by_global_norm`` and ``functp.adamw(...).update(
+    donate=True)`` (compiled: the whole step, one graph)."""
+    mesh = functp.make_mesh((world, 1), ("dp", "tp"), device_type=ids.device.type)
+
+    def plain(wrap):
+        model_copy = copy.deepcopy(plain_model)
+        fwd = wrap(lambda i: lm_loss(model_copy(i, use_cache=False).logits, i))
+        opt = torch.optim.AdamW(model_copy.parameters(), lr=1e-4, foreach=True)
+
+        def step():
+            loss = fwd(ids)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model_copy.parameters(), 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step
+
+    def whole(wrap):
+        # (functionalize, not parallelize: on 2026-12-02's main a parallelized Llama's
+        # shard_map does not compile in one process, "Unsupported output type for
+        # nonstrict_trace-ed function", whole step or not; a replicated dp body here)
+        apply, params = functp.functionalize(copy.deepcopy(model))
+        params, specs = {k: v.detach() for k, v in params.items()}, P()
+        body = functp.shard_map(
+            lambda p, i: functp.pmean(lm_loss(apply(p, i, use_cache=False).logits, i), "dp"),
+            mesh, in_specs=(specs, P("dp")), out_specs=P())
+        opt = functp.adamw(1e-4)
+        state = {"params": params, "opt": opt.init(params)}
+
+        def train_step(p, s, i):
+            loss, g = functp.value_and_grad(body)(p, i)
+            g, _ = functp.clip_by_global_norm(g, 1.0, mesh, specs)
+            return (loss, *opt.update(p, g, s, donate=True))
+        f = wrap(train_step)
+
+        def step():
+            loss, state["params"], state["opt"] = f(state["params"], state["opt"], ids)
+            return loss
+        return step
+    return {"plain whole step (AdamW foreach)": plain, "functp whole step (adamw)": whole}
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -227,6 +276,9 @@ def run_config(name: str, c: dict, args, world: int) -> list[dict]:
     # (functp's on a copy: its plan hooks are not on the plain model)
     makers = {**plain_steps(model, ids, world),
               **functp_steps(copy.deepcopy(model), ids, world, args.no_vma)}
+    if args.whole_step:
+        makers = {k: v for k, v in makers.items() if k == "plain tape"}
+        makers.update(whole_steps(model, copy.deepcopy(model), ids, world))
     modes = ["eager"] + (["compiled"] if args.compile else [])
     rows = []
     for mode in modes:
@@ -298,6 +350,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds of all variants in turn (each variant's best median kept)")
+    ap.add_argument("--whole-step", action="store_true",
+                    help="the whole train step instead (gradients, clip, AdamW): plain "
+                         "with torch.optim against functp's with functp.adamw")
     ap.add_argument("--no-vma", action="store_true",
                     help="also functp's tape and func.grad steps with check_vma=False")
     args = ap.parse_args()
