@@ -133,9 +133,12 @@ def _wait(t: torch.Tensor, op: str, g: AxisGroup) -> torch.Tensor:
         except RuntimeError as e:     # a timeout or a peer gone: say which collective
             raise _crosscheck.failed(op, g, e) from e
     w = _watch.state
-    if _watch.ENABLED and not _crosscheck.ENABLED:    # (a long wait is looked into:
-        # runtime/_watch; the check mode finds a divergence before the collective.
-        # Inline, no call: the watch thread times the wait by seeing it again)
+    if _watch.ENABLED and not _crosscheck.ENABLED and not _compile.dynamo_tracing():
+        # (a long wait is looked into: runtime/_watch; the check mode finds a
+        # divergence before the collective. Inline, no call: the watch thread times the
+        # wait by seeing it again. Not traced: Dynamo would guard on the watch's state,
+        # and a compiled step, a collective outside a body such as clip_by_global_norm's,
+        # recompiled after any eager functp call had set it)
         if w.entered is not None:
             w.calls, w.body, w.entered = w.calls + 1, w.entered, None
         w.wait = (op, g)
