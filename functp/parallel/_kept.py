@@ -198,11 +198,14 @@ class Structure:
         self.places = [(parent._modules, name, emb) for emb in (_vocab_modules(module) if hf else ())
                        for parent in module.modules()
                        for name, child in parent._modules.items() if child is emb]
-        self.watched = None        # a kept parameter whose .grad is a NoGrad
+        # a kept parameter whose .grad is a NoGrad, by weak reference (the module
+        # holds it; torch.compile's search for a step's constants need not meet it)
+        self.watched = None
 
     def watch(self, module) -> None:
-        self.watched = next((p for p in module.parameters()
-                             if not isinstance(p, (Released, FakeTensor))), None)
+        p = next((p for p in module.parameters()
+                  if not isinstance(p, (Released, FakeTensor))), None)
+        self.watched = None if p is None else weakref.ref(p)
 
     def changed(self) -> str | None:
         """What changed since, in words (None: nothing)."""
@@ -213,7 +216,8 @@ class Structure:
         for d, name, emb in self.places:
             if d.get(name) is not emb:
                 return f"its embedding module {name!r} was replaced"
-        if self.watched is not None and self.watched.grad is None:
+        watched = self.watched() if self.watched is not None else None
+        if watched is not None and watched.grad is None:
             return _ZEROED
         return None
 

@@ -270,9 +270,10 @@ def _check_call(apply: Parallelized) -> None:
     fr = _context.top()
     if fr is not None and fr.mesh is not apply.mesh:
         _same_mesh(apply, fr.mesh)
-    # (not while Dynamo traces: the module's identity is fixed there, and a guard on
-    # it would recompile nothing but cost)
-    if apply._structure is not None and not _compile.dynamo_tracing():
+    # (not while torch.compile traces, Dynamo or AOTAutograd running the body on fake
+    # tensors: the module's identity is fixed there, a guard on it would recompile
+    # nothing but cost, and a kept parameter's .grad is not the eager one's)
+    if apply._structure is not None and not _compile.tracing():
         what = apply._structure.changed()
         if what is not None:
             raise changed_error(apply.module, what)
