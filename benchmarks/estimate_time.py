@@ -95,7 +95,7 @@ def dp_mlp(mesh, h=H, f=F):
 
 
 def pipeline(mesh):
-    """examples/pipeline.py's GPipe schedule over 'pp' (8 layers of 1024 in 2 stages,
+    """examples/pipeline.py's hand-written GPipe over 'pp' (8 layers of 1024 in 2 stages,
     4 microbatches of 64), torch.func.grad, SGD."""
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
     import pipeline as example
@@ -103,7 +103,7 @@ def pipeline(mesh):
     specs = {"w": P("pp"), "b": P("pp")}
     p = functp.shard({"w": torch.randn(layers, d, d) / d ** 0.5, "b": torch.zeros(layers, d)},
                      mesh, specs)
-    grad = torch.func.grad(functp.shard_map(example.gpipe_loss, mesh,
+    grad = torch.func.grad(functp.shard_map(example.gpipe_by_hand, mesh,
                                             in_specs=(specs, P(), P()), out_specs=P()))
     return _sgd(grad, p, torch.randn(4, 64, d), torch.randn(4, 64, d))
 

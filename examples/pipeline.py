@@ -61,6 +61,27 @@ def mse(out, y):
     return ((out - y) ** 2).mean()
 
 
+def gpipe_by_hand(p, microbatches, targets):
+    """The same model's loss by a GPipe forward written by hand over 'pp' with ppermute
+    (docs/howto.md's), its backward derived by torch.func.grad: what functp.pipeline
+    replaces, kept because functp.estimate traces it (tests/test_estimate.py,
+    benchmarks/estimate_time.py). ``microbatches``, ``targets``: (M, batch/M, D).
+    Every stage runs the same ops at every tick; the stage index only picks values."""
+    n, stage = functp.axis_size("pp"), functp.axis_index("pp")
+    m = microbatches.shape[0]
+    first, last = torch.tensor(stage == 0), torch.tensor(stage == n - 1)
+    state, finished = torch.zeros_like(microbatches[0]), []
+    for t in range(m + n - 1):
+        state = torch.where(first, microbatches[min(t, m - 1)], state)
+        state = run_layers(p["w"], p["b"], state)
+        if t >= n - 1:
+            finished.append(state)
+        if t < m + n - 2:
+            state = functp.ppermute(state, "pp", [(s, s + 1) for s in range(n - 1)])
+    loss = mse(torch.stack(finished), targets)
+    return functp.psum(torch.where(last, loss, 0.0), "pp")
+
+
 SCHEDULE = (sys.argv[sys.argv.index("--schedule") + 1] if "--schedule" in sys.argv
             else "1f1b")
 

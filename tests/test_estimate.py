@@ -95,26 +95,6 @@ def hf_llama_adamw(n, steps=2):
     return params
 
 
-def _gpipe_loss(p, microbatches, targets):
-    """A GPipe forward over 'pp' written by hand with ppermute (docs/howto.md's), the
-    loss of the whole batch; ``microbatches``, ``targets``: (M, batch/M, D). Every
-    stage runs the same ops at every tick, the stage index only picks values."""
-    import pipeline
-    n, stage = functp.axis_size("pp"), functp.axis_index("pp")
-    m = microbatches.shape[0]
-    first, last = torch.tensor(stage == 0), torch.tensor(stage == n - 1)
-    state, finished = torch.zeros_like(microbatches[0]), []
-    for t in range(m + n - 1):
-        state = torch.where(first, microbatches[min(t, m - 1)], state)
-        state = pipeline.run_layers(p["w"], p["b"], state)
-        if t >= n - 1:
-            finished.append(state)
-        if t < m + n - 2:
-            state = functp.ppermute(state, "pp", [(s, s + 1) for s in range(n - 1)])
-    loss = pipeline.mse(torch.stack(finished), targets)
-    return functp.psum(torch.where(last, loss, 0.0), "pp")
-
-
 def pipeline_by_hand(n):
     """examples/pipeline.py's model in a GPipe written by hand over 'pp' (ppermute
     between stages), one torch.func.grad step and an SGD update. (functp.pipeline's
@@ -125,7 +105,7 @@ def pipeline_by_hand(n):
     mesh = functp.make_mesh((n,), ("pp",))
     _, params = functp.functionalize(pipeline.Stack())
     local = functp.shard(params, mesh, pipeline.SPECS)
-    step = torch.func.grad(functp.shard_map(_gpipe_loss, mesh, in_specs=(
+    step = torch.func.grad(functp.shard_map(pipeline.gpipe_by_hand, mesh, in_specs=(
         pipeline.SPECS, P(), P()), out_specs=P()))
     x = torch.randn(pipeline.MICRO, pipeline.BATCH // pipeline.MICRO, pipeline.D)
     grads = step(local, x, torch.randn_like(x))
