@@ -98,6 +98,8 @@ def _release_vocab(module, kind: str) -> None:
     a :class:`Released` one: its resize then names functp.resize_token_embeddings."""
     if not hasattr(module, "get_input_embeddings"):
         return
+    if isinstance(torch.empty(0, device="meta"), FakeTensor):
+        return          # functp.estimate's trace: no script line runs on its module
     names = {id(p): n for n, p in module.named_parameters()}
     for emb in _vocab_modules(module):
         p = emb._parameters.get("weight")

@@ -38,6 +38,7 @@ __all__ = ["NoGrad", "Released", "no_grad_of", "released_like"]
 # what a NoGrad lets through: metadata, moves with its module, pickling, printing
 _NOGRAD_PASS = frozenset((
     "__get__", "__set__", "size", "dim", "numel", "nelement", "stride", "element_size",
+    "storage_offset", "untyped_storage", "data_ptr",
     "is_floating_point", "is_complex", "is_contiguous", "get_device", "requires_grad_",
     "detach", "detach_", "to", "double", "float", "half", "bfloat16", "cuda", "cpu",
     "_has_compatible_shallow_copy_type", "__reduce_ex__", "__setstate__", "__format__",
@@ -70,7 +71,9 @@ class NoGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
         mine = _first(args, NoGrad)
-        if name not in _NOGRAD_PASS:
+        # (queries pass: torch.compile reads a module's parameters' .grad's metadata
+        # with _is_view(), is_conj() and the like when it guards on them)
+        if name not in _NOGRAD_PASS and not name.startswith(("is_", "_is_")):
             raise no_grad_error(name, *(mine._where if mine is not None else cls._where))
         out = super().__torch_function__(func, types, args, kwargs or {})
         if isinstance(out, NoGrad) and mine is not None:
