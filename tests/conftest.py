@@ -41,6 +41,14 @@ SLOW_FILES = {
     "test_estimate_gpu_truth.py": "fake-tensor traces of GPU-sized models",
     "test_hf_models.py": "every transformers model class, built and run",
     "test_hf_moe.py": "every transformers MoE class, built and run",
+    "test_crosscheck.py": "gloo processes that time out on purpose",
+    "test_paths_errors.py": "gloo processes with a stalled peer",
+    "test_reliability.py": "gloo processes that raise on some ranks",
+    "test_simulate.py": "simulate against gloo processes, bitwise",
+    "test_checkpoint.py": "checkpoints written and read across processes and meshes",
+    "test_models.py": "the bundled models trained against unsharded ones",
+    "test_pretrained.py": "transformers checkpoint folders, written and loaded",
+    "test_fsdp_groups.py": "FSDP groups on gloo processes and estimated",
 }
 
 

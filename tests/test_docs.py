@@ -370,7 +370,9 @@ def test_readme_commands_run_files_that_exist():
     # the second runs the tests; every script a command names is in the repository
     commands = _commands(README)
     assert commands[0].strip().endswith("python examples/train_lm.py"), commands[0]
-    assert any(c.strip().endswith("python3 -m pytest -q tests") for c in commands), commands
+    assert any(c.strip().endswith("python3 -m pytest -q -n 2 tests") for c in commands), commands
+    # and it is the command CI runs (.ci/run's suite(), on its test paths)
+    assert '-m pytest -q -n 2 "$@"' in open(os.path.join(ROOT, ".ci", "run")).read()
     scripts = [s for c in commands for s in re.findall(r"python3? (\S+\.py)", c)]
     assert scripts, commands
     for script in scripts:
