@@ -167,9 +167,13 @@ def _watch() -> None:
                     raw = store.get(f"{_PREFIX}{r}").decode()
                     if raw:
                         peers.append(json.loads(raw))
-            other = [p for p in peers if (p["call"], p["name"]) != (mine["call"], mine["name"])
-                     or (p["op"] != mine["op"]
-                         and (p["op"].startswith(AGREEMENT) or mine["op"].startswith(AGREEMENT)))]
+            # a peer waits for this rank elsewhere: a divergence. A peer in another
+            # call that waits on a group without this rank is merely behind (its own
+            # group's slow rank): not one
+            other = [p for p in peers if me in p["members"] and (
+                (p["call"], p["name"]) != (mine["call"], mine["name"])
+                or (p["op"] != mine["op"]
+                    and (p["op"].startswith(AGREEMENT) or mine["op"].startswith(AGREEMENT))))]
             if other:
                 message = _message([mine] + peers)
                 store.set(f"{_PREFIX}error", message)
