@@ -370,6 +370,10 @@ def _compiled_body(path):
     _checkpointed(path, *got)
 
 
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+                    reason="torch 2.11's Dynamo cannot trace the whole step (\"Polyfill handler "
+                           "<method-wrapper '__eq__' of function object> does not have a "
+                           "traceable function\"); 2.13 and 2.15 do")
 def test_the_compiled_train_step_is_one_graph_equal_to_the_eager_step(run, tmp_path):
     run(2, _compiled_body, str(tmp_path / "ckpt"), gloo=True, timeout=600)
 
