@@ -117,3 +117,13 @@ class LivePeak(torch.utils._python_dispatch.TorchDispatchMode):
         self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
         return out
+
+
+def error_text(fn) -> str:
+    """The message of the ShardingError ``fn()`` raises, or ``"ran"`` if it raises none
+    (a rank's body returns it, so the test compares every rank's)."""
+    try:
+        fn()
+    except functp.ShardingError as e:
+        return str(e)
+    return "ran"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import functp
+from _oracle import error_text
 from functp import P, ShardingError
 
 pytest.importorskip("transformers")
@@ -144,21 +145,13 @@ def _resize(tied: bool, mean: bool, shape, keep: bool):
         torch.manual_seed(5)
         ref.resize_token_embeddings(NEW, mean_resizing=mean)
         resized = _max_err(apply.state_dict(params), ref.state_dict())
-        stale = _raises(lambda: _grads(old, specs, mesh, params, ids, dp))
+        stale = error_text(lambda: _grads(old, specs, mesh, params, ids, dp))
         ids = torch.randint(NEW, (4, 6), generator=g)
         params = _sgd(params, _grads(apply, specs, mesh, params, ids, dp))
         _ref_step(ref, ids)
         trained = _max_err(apply.state_dict(params), ref.state_dict())
     emb = specs["model.embed_tokens.weight"]
     return resized, trained, apply.module.config.vocab_size, str(emb), stale
-
-
-def _raises(fn) -> str:
-    try:
-        fn()
-    except ShardingError as e:
-        return str(e)
-    return "ran"
 
 
 @pytest.mark.parametrize("tied,mean,world,shape,keep", [
@@ -182,9 +175,9 @@ def _from_pretrained(path: str, out: str):
         warnings.simplefilter("ignore")
         mesh = functp.make_mesh((2, 2), ("dp", "tp"))
         apply, params, specs = functp.from_pretrained(path, mesh)
-        direct = [_raises(lambda: apply.module.resize_token_embeddings(NEW, mean_resizing=m))
+        direct = [error_text(lambda: apply.module.resize_token_embeddings(NEW, mean_resizing=m))
                   for m in (True, False)]
-        odd = _raises(lambda: functp.resize_token_embeddings(apply, params, NEW + 1))
+        odd = error_text(lambda: functp.resize_token_embeddings(apply, params, NEW + 1))
         torch.manual_seed(5)
         apply, params, specs = functp.resize_token_embeddings(apply, params, NEW + 1,
                                                               pad_to_multiple_of=4)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import functp
+from _oracle import error_text
 from functp import P, ShardingError
 
 
@@ -172,14 +173,6 @@ def test_train_and_eval_still_choose_how_apply_runs(run):
         assert err <= 1e-12 and differs, (err, differs)
 
 
-def _raises(fn) -> str:
-    try:
-        fn()
-    except ShardingError as e:
-        return str(e)
-    return "ran"
-
-
 def _clip_lines(shape, tape: bool, keep: bool):
     """A ported script's lines over ``model.parameters()`` once the optimizer is over
     the blocks: each clip, grad-norm log and zeroing raises naming the blocks' way
@@ -208,12 +201,12 @@ def _clip_lines(shape, tape: bool, keep: bool):
         "log": lambda: [p.grad.norm() for p in model.parameters() if p.grad is not None],
         "zero_grad(False)": lambda: model.zero_grad(set_to_none=False),
     }
-    msgs = {k: _raises(f) for k, f in lines.items()}
+    msgs = {k: error_text(f) for k, f in lines.items()}
     count = sum(p.numel() for p in model.parameters())
     shown = repr(model[0].weight.grad)
     opt.step()
     model.zero_grad()                          # set_to_none: refused at the next call
-    msgs["zero_grad()"] = _raises(lambda: step(blocks, local_x))
+    msgs["zero_grad()"] = error_text(lambda: step(blocks, local_x))
     ref.zero_grad()
     ref(x).square().mean().backward()
     with torch.no_grad():
