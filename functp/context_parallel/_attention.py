@@ -25,7 +25,7 @@ from ._layout import layout_positions
 from ._mask import documents, visible
 from ._ring import ring
 
-__all__ = ["attention", "STRATEGIES"]
+__all__ = ["attention", "attend", "STRATEGIES"]
 
 STRATEGIES = ("allgather", "ulysses", "ring")
 
@@ -175,10 +175,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str = "cp
     """
     n = axis_size(axis)
     _check(q, k, v, axis, strategy, n, balanced, window, position_ids)
+    docs = None if position_ids is None else documents(position_ids, axis, n, balanced)
+    return attend(q, k, v, axis, strategy=strategy, causal=causal, balanced=balanced,
+                  window=window, docs=docs, scale=scale)
+
+
+def attend(q, k, v, axis: str, *, strategy: str, causal: bool, balanced: bool,
+           window: int | None, docs: torch.Tensor | None, scale: float | None,
+           checked: bool = True) -> torch.Tensor:
+    """:func:`attention` with the documents already known: ``docs`` is every token's
+    document ``(batch, seq)`` over the whole sequence in the layout's order (equal ids
+    see each other), or ``None``; for a caller that holds whole sequences
+    (``parallel/_cp``: a transformers model's padding and packed documents)."""
+    n = axis_size(axis)
+    if not checked:
+        _check(q, k, v, axis, strategy, n, balanced, window, None)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     me, s = axis_index(axis), q.shape[2]
     pos = layout_positions(n * s, n, balanced).to(q.device)
-    docs = None if position_ids is None else documents(position_ids, axis, n, balanced)
     if strategy == "ring":
         return ring(q, k, v, axis, n, me, pos, scale, causal, window, docs)
     if strategy == "ulysses":

@@ -38,6 +38,7 @@ from ._rules import _param_specs, _tied_styles, match_plan, matches_rule
 from ._hf import (_auto_ep_plan, _auto_plan, _check_expert_shards, _efsdp, _mesh_for_config,
                   _overridden, _resolve_config)
 from ._tp import OUTSIDE_VOCAB, Replicated
+from ._cp import context_parallel_of
 
 __all__ = ["Parallelized", "lay_out_plan"]
 
@@ -114,8 +115,7 @@ class Parallelized:
     def __init__(self, module: nn.Module, mesh: Mesh, axis: Any, specs: dict[str, P],
                  owners: dict[str, tuple[str, Style]], hooked: list, withheld: list[str],
                  axes: dict[str, Any] | None = None, planned: list | None = None):
-        self.module, self.mesh, self.axis = module, mesh, axis
-        self.specs = specs
+        self.module, self.mesh, self.axis, self.specs = module, mesh, axis, specs
         #: the plan axis (or axis tuple) of each covered parameter
         self.axes = dict(axes or {n: axis for n in owners})
         # (each checked against the shard_map's mesh on every call)
@@ -129,8 +129,7 @@ class Parallelized:
         #: parameters an FSDP family kept replicated, with the reason
         self.fsdp_replicated = {n: owners[n][1].reason(sizes[n]) for n in owners
                                 if isinstance(owners[n][1], FullyShard) and not specs[n].axes}
-        self._owners = owners
-        self._hooked = hooked
+        self._owners, self._hooked = owners, hooked
         sizes = {n: p.numel() for n, p in module.named_parameters()}
         split = sum(sizes[n] for n, s in specs.items() if n in sizes and s.axes)
         #: the share of the module's parameter elements the plan splits over ``axis``
@@ -147,8 +146,7 @@ class Parallelized:
         # module gets a PlanHook, which registers a module hook only where its style
         # acts (Style.acts) or an action is added (add_pre)
         self._call = CallState()
-        self._released = False
-        self._refusing = False
+        self._released = self._refusing = False
         #: name -> the :class:`PlanHook` of each module a plan rule covers: where
         #: its boundary work during ``apply`` happens
         self.plan_hooks: dict[str, PlanHook] = {}
@@ -161,6 +159,7 @@ class Parallelized:
         # those given a pre-hook that makes their parameters' gradient launch points)
         self._owner_of: dict | None = None
         self._hooked_use: set = set()
+        self.context_parallel = None      #: parallel/_cp's ContextParallel on a cp axis
 
     def __repr__(self) -> str:
         return (f"Parallelized({type(self.module).__name__} over '{self.axis}' of {self.mesh}, "
@@ -199,6 +198,8 @@ class Parallelized:
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         _check_call(self)
+        if self.context_parallel is not None:       # (whole sequences in: parallel/_cp)
+            return self.context_parallel(self, params, args, kwargs)
         return _replayed.call(self, params, args, kwargs, lambda p: self._run(p, args, kwargs))
 
     def _run(self, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
@@ -435,8 +436,12 @@ def lay_out_plan(module: nn.Module, mesh: Mesh | None, plan: dict[str, Any] | st
                  ) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
     """:func:`functp.parallelize` without its ``verify`` step (which runs this)."""
     mesh, config = _checked_mesh(module, mesh, distributed_config)
-    families = _families(module, mesh, plan, axis, config)
+    rules, cp = context_parallel_of(mesh, plan)
+    families = _families(module, mesh, rules, axis, config)
     apply, local, specs = _lay_out(module, mesh, families, keep_module)
+    if cp is not None:       # the sequence split over cp: not a batch axis
+        apply.context_parallel = cp.bind(module, mesh, specs)
+        apply.batch_axes = tuple(a for a in apply.batch_axes if a != cp.axis)
     # (what laid it out: functp.resize_token_embeddings lays the resized module out so)
     apply._laid_out = dict(plan=plan, axis=axis, distributed_config=distributed_config,
                            keep_module=keep_module)
@@ -637,7 +642,7 @@ def _auto_families(module: nn.Module, mesh: Mesh, axis: str, config: dict | None
         return _config_families(module, mesh, config)
     use_tp, use_ep = axis in mesh.axis_names, "ep" in mesh.axis_names
     use_fsdp = "fsdp" in mesh.axis_names
-    if not (use_tp or use_ep or use_fsdp):
+    if not (use_tp or use_ep or use_fsdp or "cp" in mesh.axis_names):
         _need_axis(mesh, axis)
     families = []
     ep_plan = _auto_ep_plan(module, ExpertDispatch(shared=(axis,) if use_tp else ()),
