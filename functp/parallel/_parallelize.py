@@ -10,6 +10,7 @@ from torch import nn
 from ..mesh._mesh import Mesh
 from ..mesh._spec import P
 from ._kept import guard_kept
+from ._pp import lay_out_stages, pipelined
 from ._plans import Parallelized, _checked_mesh, lay_out_plan
 from ._verify import verify_plan
 
@@ -18,7 +19,7 @@ __all__ = ["parallelize"]
 
 def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any] | str = "auto",
                 *, axis: str = "tp", verify: bool = False, distributed_config: Any = None,
-                keep_module: bool = True
+                keep_module: bool = True, stages: list[int] | None = None
                 ) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
     """Applies a tensor- (and expert-) parallel ``plan`` to ``module`` over ``mesh``.
 
@@ -76,8 +77,9 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     rules that matched nothing. A module without a rule that shares a weight with
     one the plan splits (a tied embedding) gets the style that splits it the same
     way (``embedding_rowwise`` for an LM head split over the vocabulary), or a
-    clear error. Other mesh axes (``dp``) are left to you: parameters are
-    replicated over them.
+    clear error. Other mesh axes (``dp``) are left to you (replicated over them); a
+    ``pp`` axis splits a transformers model into stages (``stages``: layers per stage;
+    ``apply`` is then a :class:`functp.PipelineStages`: ``docs/pipelines.md``).
 
     Model code must take local sizes from tensors (``view(b, s, -1, head_dim)``),
     as transformers' models do, since a rank holds only its heads.
@@ -92,7 +94,15 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
         grads = torch.func.grad(loss)(params, torch.randn(4, 8))
         apply.unshard(grads)["0.weight"].shape       # (32, 8): the full gradient
     """
+    return _laid_out(module, mesh, plan, axis, verify, distributed_config, keep_module, stages)
+
+
+def _laid_out(module, mesh, plan, axis, verify, distributed_config, keep_module, stages):
+    """parallelize's steps: the mesh; pipeline stages on a ``pp`` axis (``_pp``), else
+    the plan verified when asked and laid out."""
     mesh, _ = _checked_mesh(module, mesh, distributed_config)
+    if pipelined(mesh, stages, verify, distributed_config):
+        return lay_out_stages(module, mesh, plan, axis, stages, keep_module)
     if verify:
         verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
     return guard_kept(*lay_out_plan(module, mesh, plan, axis, distributed_config, keep_module))

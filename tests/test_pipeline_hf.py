@@ -1,0 +1,179 @@
+"""A transformers model split into pipeline stages by ``parallelize`` on a mesh with a
+``pp`` axis (functp/parallel/_pp.py): every schedule's loss and every gradient against
+the unsharded float64 model (1e-10), a tied embedding's gradient summed over its two
+stages, the model's tensor-parallel plan beside pp, a user's split, and the errors."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import functp
+
+pytest.importorskip("transformers")
+import _hf  # noqa: E402
+
+SCHEDULES = [("gpipe", None), ("1f1b", None), ("zero_bubble", None),
+             ("interleaved", "v2")]
+
+
+def _data(n=6):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(3, _hf.VOCAB, (n, _hf.SEQ), generator=g),
+            torch.randint(_hf.VOCAB, (n, _hf.SEQ), generator=g))
+
+
+def _reference(model, ids, tgt):
+    apply, full = functp.functionalize(model)
+    return torch.func.grad_and_value(
+        lambda p: _hf._lm_loss(apply(p, input_ids=ids, use_cache=False).logits, tgt))(full)
+
+
+def _body(cases, shape, names, layers=4):
+    """Each case ``(schedule, tied, stages, backward, microbatches)``: the largest error
+    of the loss and of this rank's gradients (gathered over tp) against the unsharded
+    model's, and which parameters this rank held."""
+    out = []
+    for sched, tied, stages, mode, m in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = _hf._build("llama", num_hidden_layers=layers, tie_word_embeddings=tied)
+        ids, tgt = _data()
+        ref_g, ref_l = _reference(model, ids, tgt)
+        mesh = functp.make_mesh(shape, names)
+        apply, params, specs = functp.parallelize(model, mesh, "auto", stages=stages)
+        step = apply.pipeline(microbatches=m, loss_fn=_hf._lm_loss, schedule=sched,
+                              backward=mode)
+        loss, grads = step(params, ids, tgt)
+        full = apply.unshard(grads)
+        chunks = full if isinstance(full, list) else [full]
+        err, held = abs(loss.item() - ref_l.item()), []
+        for c in chunks:
+            for k, g in c.items():
+                want = ref_g["model.embed_tokens.weight" if tied and k == "lm_head.weight" else k]
+                err = max(err, (g - want).abs().max().item())
+                held.append(k)
+        out.append((sched, tied, mode, err, sorted(held)))
+    return out
+
+
+def _layers_held(held):
+    return sorted({int(k.split(".")[2]) for k in held if k.startswith("model.layers.")})
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_every_schedule_on_two_stages(run, tied):
+    cases = [(s, tied, [1, 1, 1, 1] if v else None, mode, m) for s, v in SCHEDULES
+             for mode, m in (("tape", 3), ("func", 4))]
+    results = run(2, _body, cases, (2,), ("pp",))
+    for rank, rows in enumerate(results):
+        for (sched, _, mode, err, held) in rows:
+            assert err < 1e-10, (rank, sched, tied, mode, err)
+            want = ([0, 2] if rank == 0 else [1, 3]) if sched == "interleaved" else \
+                ([0, 1] if rank == 0 else [2, 3])
+            assert _layers_held(held) == want, (sched, rank, held)
+            assert ("model.embed_tokens.weight" in held) == (rank == 0)
+            assert ("lm_head.weight" in held) == (rank == 1)
+
+
+def test_four_stages_tied_and_uneven(run):
+    # 6 layers balanced over 4 stages: 2, 2, 1, 1; the middle stages join the tied
+    # gradient's exchange with nothing to send
+    cases = [("1f1b", True, None, "tape", 5), ("zero_bubble", True, None, "func", 4),
+             ("gpipe", True, [3, 0, 1, 2], "tape", 4)]
+    results = run(4, _body, cases, (4,), ("pp",), 6)
+    for rank, rows in enumerate(results):
+        for i, (sched, _, mode, err, held) in enumerate(rows):
+            assert err < 1e-10, (rank, sched, mode, err)
+            spans = [[0, 1], [2, 3], [4], [5]] if i < 2 else [[0, 1, 2], [], [3], [4, 5]]
+            assert _layers_held(held) == spans[rank], (rank, sched, held)
+
+
+def test_tensor_parallel_plan_beside_pp(run):
+    # (pp, tp) = (2, 2): each stage laid out by Llama's tp plan, the tied embedding
+    # split over the vocabulary on both of its stages
+    cases = [("1f1b", True, None, "tape", 3), ("zero_bubble", True, None, "func", 3),
+             ("interleaved", False, [1, 1, 1, 1], "tape", 2), ("gpipe", False, [3, 1], "func", 3)]
+    results = run(4, _body, cases, (2, 2), ("pp", "tp"))
+    for rank, rows in enumerate(results):
+        for (sched, tied, mode, err, held) in rows:
+            assert err < 1e-10, (rank, sched, tied, mode, err)
+            assert ("model.embed_tokens.weight" in held) == (rank // 2 == 0)
+
+
+def _blocks_body():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _hf._build("llama", num_hidden_layers=4, tie_word_embeddings=True)
+    mesh = functp.make_mesh((2, 2), ("pp", "tp"))
+    apply, params, specs = functp.parallelize(model, mesh, "auto")
+    return (repr(apply), {k: tuple(v.shape) for k, v in params.items()
+                          if "embed" in k or "lm_head" in k or "layers.0.mlp.up" in k
+                          or "layers.2.mlp.up" in k},
+            {k: repr(s) for k, s in specs.items() if "embed" in k or "lm_head" in k})
+
+
+def test_stage_blocks_and_specs(run):
+    out = run(4, _blocks_body)
+    assert out[0][0] == "PipelineStages(LlamaForCausalLM, stage 0 of 2, decoder layers 0..1)"
+    assert out[3][0] == "PipelineStages(LlamaForCausalLM, stage 1 of 2, decoder layers 2..3)"
+    # vocabulary 32 split over tp=2 on both holders; the MLP's 32 columns too
+    assert out[0][1] == {"model.embed_tokens.weight": (16, 32),
+                         "model.layers.0.mlp.up_proj.weight": (16, 32)}
+    assert out[2][1] == {"lm_head.weight": (16, 32), "model.layers.2.mlp.up_proj.weight": (16, 32)}
+    assert out[0][2] == {"model.embed_tokens.weight": "P('tp', None)"}
+    assert out[2][2] == {"lm_head.weight": "P('tp', None)"}
+
+
+def test_on_gloo_processes(run):
+    # the point-to-point transfers and the tied gradient's exchange between processes
+    cases = [("1f1b", True, None, "tape", 3), ("zero_bubble", True, None, "func", 3)]
+    for rank, rows in enumerate(run(4, _body, cases, (2, 2), ("pp", "tp"), gloo=True)):
+        for (sched, _, mode, err, _) in rows:
+            assert err < 1e-10, (rank, sched, mode, err)
+
+
+# -- what is refused, with the reason, on every rank -----------------------------------------
+
+def _error_body(case):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _hf._build("llama", num_hidden_layers=4)
+    mesh = functp.make_mesh((2, 2) if case == "dp" else (2,), ("pp", "dp") if case == "dp"
+                            else ("pp",))
+    try:
+        if case == "sum":
+            functp.parallelize(model, mesh, "auto", stages=[3, 2])
+        elif case == "count":
+            functp.parallelize(model, mesh, "auto", stages=[4, 0, 0])
+        elif case == "too_few":
+            functp.parallelize(model, mesh, "auto", stages=[1] * 8)
+        elif case == "no_plan":
+            functp.parallelize(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh, {})
+        elif case == "dp":
+            functp.parallelize(model, mesh, "auto")
+        elif case == "interleaved":
+            apply, params, _ = functp.parallelize(model, mesh, "auto")
+            apply.pipeline(microbatches=2, loss_fn=_hf._lm_loss, schedule="interleaved")
+        elif case == "verify":
+            functp.parallelize(model, mesh, "auto", verify=True)
+    except functp.ShardingError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case, says", [
+    ("sum", r"stages=\[3, 2\] must give the number of decoder layers of each of the 2 "
+            r"pipeline stages .* summing to the model's 4 layers"),
+    ("count", r"stages=\[4, 0, 0\] must list the decoder layers of each pipeline stage: pp=2"),
+    ("too_few", r"stages=\[1, 1, 1, 1, 1, 1, 1, 1\] must give .* summing to the model's 4"),
+    ("no_plan", r"Sequential has no transformers pipeline plan .* functp.pipeline"),
+    ("dp", r"may have one other axis, the plan's 'tp' .* \['dp'\]"),
+    ("interleaved", r"schedule='interleaved'.*1 virtual stage.*stages=\) with pp x v"),
+    ("verify", r"verify= and distributed_config= are not built for pipelines"),
+])
+def test_refused_on_every_rank(run, case, says):
+    import re
+    out = run(2 if case != "dp" else 4, _error_body, case)
+    assert all(o is not None and re.search(says, o) for o in out), out
