@@ -572,8 +572,87 @@ def test_nested_transforms_and_remat_inside_the_planned_call(run, how):
     # (before: under torch.func.vmap in the body the replayed calls were 17% off; a
     # call inside any torch.func transform the body applies is decided per op now)
     for kind, status in (("vmap", []), ("jacrev", []),
-                         ("remat", ["decided per op: functp.checkpoint is called inside "
+                         ("remat", ["decided per op: functp.checkpoint ran inside "
                                     "the module"])):
         for errors, diffs, got in run(4, _transformed, how, kind):
             assert max(errors) <= 1e-10 and max(diffs) <= 1e-12, (kind, errors, diffs)
             assert got == status, (kind, got)
+
+
+# -- a plain argument that differs per rank, with NCCL's waits (issue 49's hang) --------
+
+_AGREEMENT_SCRIPT = """
+import sys, time
+import torch
+import functp
+from functp import P
+
+torch.set_num_threads(1)
+mesh = functp.make_mesh((2,), ("tp",))
+rank = functp.process_index()
+torch.manual_seed(0)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x, heads=1):
+        return self.down(torch.relu(self.up(x))) * heads
+
+
+apply, params, specs = functp.parallelize(MLP(), mesh, {"up": "colwise", "down": "rowwise"})
+x = torch.randn(4, 8)
+for call in range(2):
+    heads = 2 if call == 1 and rank == 0 else 1      # rank 0 records its call #2 anew
+    step = functp.shard_map(lambda p, xb: apply(p, xb, heads=heads).sum(), mesh,
+                            in_specs=(specs, P()), out_specs=P())
+    with torch.no_grad():
+        print(f"rank {rank} call {call}", float(step(params, x)), flush=True)
+# rank 1 replayed call #2 and went on. On NCCL no wait of its own blocks; it stops at
+# the next host sync of a result that never comes, outside functp: here, a sleep
+print(f"rank {rank} blocked outside functp", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_rank_that_replayed_while_a_peer_agrees_is_found_without_waiting(tmp_path):
+    """Rank 0 records a call anew (another plain argument) and waits in the replay's
+    agreement; rank 1 replayed that call and is blocked outside functp, as on NCCL,
+    where a collective's wait returns at once: no rank waits in a functp collective
+    but rank 0, and every rank still fails, naming the call and both arguments.
+    (Before: rank 0 waited until the mesh's timeout, 10 minutes.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "script.py"
+    script.write_text(_AGREEMENT_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "FUNCTP_DEBUG", "FUNCTP_WATCH")}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    env["FUNCTP_WATCH_S"] = "2"
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "2", "--tee", "3", str(script)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                           start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        out, err = job.communicate()
+        pytest.fail("the ranks hung (rank 0 in the replay's agreement, rank 1 outside "
+                    "functp):\n" + (out + err)[-3000:])
+    text = out + err
+    assert job.returncode != 0, text[-3000:]
+    assert "rank 1 blocked outside functp" in text, text[-3000:]
+    for r in range(2):
+        said = [ln for ln in text.splitlines()
+                if ln.startswith(f"[default{r}]:") and "ShardingError" in ln]
+        assert said, (r, text[-3000:])
+        msg = said[0]
+        assert "entered different functp calls" in msg and "replay's agreement" in msg, msg
+        assert "replayed planned call #2" in msg, msg
+        assert "plain values 2" in msg and "plain values 1" in msg, msg

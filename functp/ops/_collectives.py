@@ -91,7 +91,7 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
         if one:
             out = t.clone()
         else:
-            if _waits.forward and not tr.replaying:
+            if _waits.forward and (tr.replay is None or tr.replay.recorder is not None):
                 _lazy.allow(tr)
             out = op(t, g.key, *args)
         tr.set(out, rule.result(v, g.axis_set))

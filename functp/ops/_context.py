@@ -37,6 +37,10 @@ class Frame:
 class _Local(threading.local):      # per thread: functp.simulate runs a rank per thread
     def __init__(self) -> None:
         self.stack: list[Frame] = []
+        # frames entered so far and what the latest was: a planned call's recorder
+        # (ops/_replay) sees by them that user code ran in a frame of its own inside it
+        self.entered = 0
+        self.what: str | None = None
 
 
 _local = _Local()
@@ -60,11 +64,18 @@ def top() -> Frame | None:
     return _local.stack[-1] if _local.stack else None
 
 
+def entered() -> tuple[int, str | None]:
+    """How many frames this thread has entered (:func:`frame`, :func:`reentered`), and
+    what the latest was. Example: ``entered()`` is ``(3, "functp.checkpoint")``."""
+    return _local.entered, _local.what
+
+
 @contextlib.contextmanager
 def frame(mesh: Mesh, check_vma: bool, tracker: Any = None, manual: tuple[str, ...] = (),
           groups: dict | None = None):
     """Binds a body's mesh axes while it runs. ``groups``: a cache of resolved axis
     groups that the caller keeps across calls with the same mesh and manual axes."""
+    _local.entered, _local.what = _local.entered + 1, "a shard_map body"
     _local.stack.append(Frame(mesh, check_vma, tracker, manual or mesh.axis_names,
                         {} if groups is None else groups))
     try:
@@ -74,12 +85,14 @@ def frame(mesh: Mesh, check_vma: bool, tracker: Any = None, manual: tuple[str, .
 
 
 @contextlib.contextmanager
-def reentered(fr: Frame | None):
+def reentered(fr: Frame | None, what: str = "a recompute"):
     """``fr`` current again (a recompute in a backward that runs after its body
-    returned); nothing for ``None``."""
+    returned, or ``what`` runs the user's code apart: functp.checkpoint's first run,
+    a parallelized call inside another); nothing for ``None``."""
     if fr is None:
         yield None
         return
+    _local.entered, _local.what = _local.entered + 1, what
     _local.stack.append(fr)
     try:
         yield fr

@@ -35,13 +35,14 @@ import zlib
 
 import torch
 
-from ._call_leaves import call_tensors, output_tensors
+from . import _context
+from ._call_leaves import output_tensors
 from ._vma import EMPTY, Tracker
-from ._vma_mode import UnionRule, _tensors as operands
+from ._vma_mode import UnionRule, join, _tensors as operands
 from ..runtime._torch_compat import (function_mode_at, function_stack_len,
                                      pop_function_mode, push_function_mode)
 
-__all__ = ["Record", "Recorder", "Recording", "rule_on_top", "push_rule", "pop_rule"]
+__all__ = ["Record", "Recorder", "Recording", "Scope", "rule_on_top", "push_rule", "pop_rule"]
 
 
 def rule_on_top(tr: Tracker) -> bool:
@@ -150,6 +151,7 @@ class Recorder:
         self.trace: list = []               # ("op", ins, outs, in_hook, running) | boundary
         self.lifts: dict = {}               # root -> axes its pvary'd values needed
         self.in_hook = 0                    # inside a style's prepare_input/output
+        self.frames = _context.entered()[0]     # (a frame entered since: nested code)
 
     def fail(self, why: str) -> None:
         if self.rec.why is None:
@@ -255,6 +257,7 @@ class Recorder:
         its trace; a parameter the call did not use gets the axes of the activations
         ``acts`` it lacks (as any use inside the module would give it)."""
         rec = self.rec
+        _nested(self)
         if self.running:
             self.fail("a planned module's forward did not return through its hooks")
         for root, axes in self.lifts.items():
@@ -277,6 +280,17 @@ class Recorder:
         if rec.why is None:
             _boundary_vmas(self)
         return rec
+
+def _nested(r: Recorder) -> None:
+    """User code ran in a frame of its own inside the call (a shard_map body,
+    functp.checkpoint, another parallelized call): its tags, its entry aliases or its
+    recompute are made apart from the trace, and a replay (no mode inside the module)
+    would leave them undecided. The root cause, so the reason given whatever the trace
+    made of its ops."""
+    frames, what = _context.entered()
+    if frames != r.frames:
+        r.rec.why = f"{what} ran inside the module"
+
 
 def _rerun(r: Recorder, result: tuple) -> None:
     """The trace run again with the record's decisions (see :class:`Recorder`): fails
@@ -307,7 +321,7 @@ def _rerun(r: Recorder, result: tuple) -> None:
         if e[0] == "op":
             _, ins, outs, in_hook, running = e
             vs = [seen(i, running) for i in ins]
-            u = EMPTY.union(*vs)
+            u = join(vs) if vs else EMPTY        # (the union rule's own join)
             if not in_hook and any(r.grad[i] and v != u for i, v in zip(ins, vs)):
                 r.fail(f"an op inside the module would need a pvary to {sorted(u)} in a "
                        f"replay (the module's own code, no boundary)")
@@ -350,6 +364,8 @@ class Recording(UnionRule):
         super().__init__(tracker)
         tracker.mode = mode          # (the caller makes this the tracker's mode)
         self.recorder = recorder
+        # (the rule decides an in-place write here: see _write)
+        self._write_in_place = self._write
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         rec = self.recorder
@@ -360,6 +376,17 @@ class Recording(UnionRule):
         rec.after(ins, out)
         return out
 
+    def _write(self, t: torch.Tensor, union: frozenset) -> None:
+        """An in-place op writes a value varying over ``union`` into ``t``: a tensor
+        that needs a gradient made more varying in place is a decision inside the
+        module that no boundary sees (one that needs none changes only its tag, and
+        the trace follows the op's result)."""
+        root = t if t._base is None else t._base
+        if root.requires_grad and union - self.tr.get(root):
+            self.recorder.fail("a tensor that needs a gradient is written in place with "
+                               "a value varying over more axes")
+        self.tr.pvary_inplace(t, union)
+
     def hook_functions(self, ts) -> None:
         self.recorder.fail("a custom autograd Function mixes values of different vmas")
         super().hook_functions(ts)
@@ -367,3 +394,40 @@ class Recording(UnionRule):
     def _autograd_grad(self, func, args, kwargs):
         self.recorder.fail("torch.autograd.grad is called inside the module")
         return super()._autograd_grad(func, args, kwargs)
+
+
+class Scope:
+    """The replay's state while one planned call is recorded (``recorder`` given: the
+    call runs under a :class:`Recording` rule, put on the torch-function stack in place
+    of the body's) or replayed (no recorder): the tracker's ``replay`` while the
+    ``with`` block runs, and ``hooks`` the plan's hooks' handler (``call.vma``), both
+    set here and cleared here, whatever the block raises. Nothing else carries it.
+
+    Example::
+
+        with Scope(tr, call_state, _Replaying(tr, rec)):
+            out = run(aliased)
+    """
+
+    def __init__(self, tr: Tracker, call, hooks, recorder: Recorder | None = None) -> None:
+        self.tr, self.call, self.hooks, self.recorder = tr, call, hooks, recorder
+        self.mode = None       # the body's rule, while a Recording one stands in
+
+    def __enter__(self) -> "Scope":
+        tr = self.tr
+        if self.recorder is not None:
+            self.mode = tr.mode
+            rule = Recording(tr, self.recorder)
+            pop_rule()
+            push_rule(rule)
+            tr.mode = rule
+        tr.replay, self.call.vma = self, self.hooks
+        return self
+
+    def __exit__(self, *exc) -> None:
+        tr = self.tr
+        tr.replay, self.call.vma = None, None
+        if self.recorder is not None:
+            pop_rule()
+            push_rule(self.mode)
+            tr.mode = self.mode

@@ -259,10 +259,9 @@ class Tracker(Tags):
         # Python calls on every lookup.
         self._pvaried: dict[int, tuple] = {}    # id -> (tensor, {axes: pvary'd tensor})
         self._paused = 0
-        # a planned module's first call, recording the rule's decisions (ops/_replay),
-        # or a later call replaying them (no per-op mode: no forward result held)
-        self.recorder = None
-        self.replaying = False
+        # the planned call now recorded or replayed (an ops/_replay.Scope, which sets
+        # and clears it): None outside one
+        self.replay = None
         interp = _peek()       # the torch.func level the body's own tensors live at
         self.level = interp.level() if interp is not None else -1
 
@@ -321,8 +320,9 @@ class Tracker(Tags):
         missing = frozenset(axes) - v
         if not missing:
             return t
-        if self.recorder is not None and not self._paused:    # the union rule's
-            self.recorder.implicit(t, missing)
+        sc = self.replay
+        if sc is not None and sc.recorder is not None and not self._paused:
+            sc.recorder.implicit(t, missing)     # (a decision of the call recorded)
         cached = self._pvaried.get(id(t))
         if cached is not None and missing in cached[1]:
             return cached[1][missing]
@@ -382,11 +382,6 @@ class Tracker(Tags):
         """Before ``t`` (or a view of it) is mutated by a more varying value."""
         root = t if t._base is None else t._base
         missing = frozenset(axes) - self.get(root)
-        if missing and self.recorder is not None and root.requires_grad:
-            # (one that needs no gradient changes only its tag: the recorder's trace
-            # follows the op's result)
-            self.recorder.fail("a tensor that needs a gradient is written in place with "
-                               "a value varying over more axes")
         if missing and (root.is_floating_point() or root.is_complex()):
             with self.paused():
                 _ops.PvaryInplace.apply(root, self.group(missing).key)

@@ -80,6 +80,18 @@ def _tensors(args, kwargs) -> list[torch.Tensor]:
     return out
 
 
+def join(vmas: list) -> frozenset:
+    """The union rule's join: an op's result varies over the union of its tensor
+    inputs' vmas, and each input that varies over less (``v != union``) is pvary'd
+    to it first. ``ops/_replay``'s re-run of a recorded call applies this same
+    function, so the rule and the check of a record cannot drift apart.
+
+    **Arguments:** the inputs' vmas (at least one). **Returns:** their union.
+    Example: ``join([frozenset({"dp"}), frozenset({"tp"})])`` is ``{"dp", "tp"}``.
+    """
+    return vmas[0].union(*vmas[1:]) if len(vmas) > 1 else vmas[0]
+
+
 def _replace(x, new: dict[int, torch.Tensor]):
     if isinstance(x, torch.Tensor):
         return new.get(id(x), x)
@@ -151,6 +163,9 @@ class UnionRule(_CustomFunctions, TorchFunctionMode):
         self.tr = tracker
         tracker.mode = self
         self._eager = False
+        # an in-place op's input made as varying as the value written into it (bound:
+        # a recording rule decides there whether the call can be replayed)
+        self._write_in_place = tracker.pvary_inplace
 
     # A torch.compile'd function the body calls runs eagerly, so that this rule sees
     # its ops (Dynamo would trace this mode, and cannot read the tags): _compile.
@@ -180,14 +195,14 @@ class UnionRule(_CustomFunctions, TorchFunctionMode):
             return args, kwargs, EMPTY
         get = self.tr.get
         vmas = [get(t) for t in ts]
-        union = vmas[0].union(*vmas[1:]) if len(vmas) > 1 else vmas[0]
+        union = join(vmas)
         if not union or all(v is union or v == union for v in vmas):
             return args, kwargs, union
         if not torch.is_grad_enabled():
             self.nograd_mixed(ts, vmas)
             return args, kwargs, union
         if inplace and isinstance(args[0], torch.Tensor):
-            self.tr.pvary_inplace(args[0], union)
+            self._write_in_place(args[0], union)
         new = {id(t): self.tr.pvary(t, union) for t, v in zip(ts, vmas)
                if v != union and not (inplace and t is args[0])}
         args = tuple(_replace(a, new) for a in args)
@@ -269,7 +284,7 @@ class UnionRule(_CustomFunctions, TorchFunctionMode):
             return self._general(func, args, {})
         tr = self.tr
         vmas = [tr.get(a) if a.__class__ in _TENSOR_TYPES else None for a in args]
-        union = EMPTY.union(*[v for v in vmas if v is not None])
+        union = join([v for v in vmas if v is not None])
         args = [a if v is None or v == union else tr.pvary(a, union)
                 for a, v in zip(args, vmas)]
         out = func(*args)

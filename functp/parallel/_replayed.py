@@ -24,7 +24,7 @@ from ..mesh._mesh import Mesh
 from ..ops import _context, _lazy
 from ..ops._buckets import _gather_ints
 from ..ops._call_leaves import PLAIN, call_tensors, flatten_call, output_tensors
-from ..ops._replay import Record, Recorder, Recording, pop_rule, push_rule, rule_on_top
+from ..ops._replay import Record, Recorder, Scope, pop_rule, push_rule, rule_on_top
 from ..ops._vma import _TAG, EMPTY
 from ..runtime import _compile, _crosscheck, _watch, _world
 from ..runtime._errors import ShardingError
@@ -82,17 +82,13 @@ class Records(dict):
         self.seen = [dict(d) for d in self.live]
 
 
-def _tracker(apply):
-    """The vma tracker of the body ``apply`` runs in, if its call may be recorded or
-    replayed here (vma tracked, eager, at the body's own rule, at the body's own
-    torch.func level)."""
-    fr = _context.top()
+def _tracker(fr, apply):
+    """The vma tracker of the body ``apply`` runs in (frame ``fr``), if its call may be
+    recorded or replayed here (vma tracked, eager, at the body's own rule, at the
+    body's own torch.func level, not inside another planned call)."""
     tr = fr.tracker if fr is not None else None
-    if (tr is None or not apply.replay or tr.compiled or tr.replaying
+    if (tr is None or not apply.replay or tr.compiled or tr.replay is not None
             or _compile.tracing() or not rule_on_top(tr)):
-        return None
-    if tr.recorder is not None:      # inside another planned module's first call
-        tr.recorder.fail(f"a parallelized {type(apply.module).__name__} is called inside it")
         return None
     # (inside a torch.func transform the body applies around apply, a torch.func.vmap:
     # its wrapped tensors are not what a record describes, decided per op)
@@ -156,8 +152,14 @@ def _opaque(tr, v) -> tuple:
 
 def call(apply, params: dict, args: tuple, kwargs: dict, run):
     """``run(params)`` (the module under the plan) recorded, replayed or as it is."""
-    tr = _tracker(apply)
+    fr = _context.top()
+    tr = _tracker(fr, apply)
     if tr is None:
+        if fr is not None and fr.tracker is not None and fr.tracker.replay is not None:
+            # inside another planned call: in a frame of its own, which that call's
+            # recorder sees (its hooks are not that call's boundaries)
+            with _context.reentered(fr, f"a parallelized {type(apply.module).__name__}"):
+                return run(params)
         return run(params)
     # the rule off the stack first: under it, every tensor attribute read (requires
     # grad, a view's base) is a call of the rule
@@ -167,6 +169,10 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
         key = _key(tr, params, args, kwargs)
         if apply._config_key is not None:
             key += apply._config_key()
+        # (counted on every rank alike: a peer left in this call's agreement finds a
+        # rank that replayed it by the count, without a collective: runtime/_watch)
+        w = _watch.state
+        w.planned, w.key = w.planned + 1, key
         records = apply._records
         if records.seen != records.live:      # a forward hook added or removed since
             records.clear()
@@ -198,20 +204,11 @@ def _record(apply, tr, params: dict, args: tuple, kwargs: dict, run, key: tuple)
     """The call under a recording union rule, every planned module's boundary watched:
     ``(its output, its Record)``."""
     recorder = Recorder(tr, params)
-    mode, st = tr.mode, apply._call
-    rule = Recording(tr, recorder)
-    pop_rule()
-    push_rule(rule)
-    tr.mode, tr.recorder, st.vma = rule, recorder, _Recording(recorder)
-    try:
-        with contextlib.ExitStack() as watching:
-            for hook in apply.plan_hooks.values():
-                watching.enter_context(hook.watched())
-            out = run(params)
-    finally:
-        pop_rule()
-        push_rule(mode)
-        tr.mode, tr.recorder, st.vma = mode, None, None
+    with Scope(tr, apply._call, _Recording(recorder), recorder), \
+            contextlib.ExitStack() as watching:
+        for hook in apply.plan_hooks.values():
+            watching.enter_context(hook.watched())
+        out = run(params)
     acts = EMPTY.union(*[tr.get(t) for t in call_tensors(args, kwargs)])
     rec = recorder.finish(out, params, acts)
     _unseen(apply.plan_hooks, rec)
@@ -261,9 +258,19 @@ def _agree(apply, tr, rec: Record, params: dict, key: tuple) -> None:
         return
     device = next((t.device for t in params.values() if isinstance(t, torch.Tensor)),
                   torch.device("cpu"))
-    rows = _gather_ints([rec.why is None, rec.digest() & 0x7FFFFFFF], g.key, device,
-                        f"{_watch.AGREEMENT} of parallelize({type(apply.module).__name__}) "
-                        f"(this rank's first call with {_summary(key)})")
+    op = (f"{_watch.AGREEMENT} of parallelize({type(apply.module).__name__}) "
+          f"(this rank's first call with {_summary(key)})")
+    # A peer that replayed this call never enters this exchange: the watch finds it
+    # by the call's number (runtime/_watch), also on NCCL, where no wait blocks and
+    # the host sync of the result below is where this rank waits
+    w = _watch.state
+    w.describe = _summary
+    w.agreed.add(w.planned)
+    w.agreeing = (op, g)
+    try:
+        rows = _gather_ints([rec.why is None, rec.digest() & 0x7FFFFFFF], g.key, device, op)
+    finally:
+        w.agreeing = None
     if not bool((rows == rows[0]).all()):
         rec.why = rec.why or "the ranks of the body recorded different decisions"
 
@@ -285,12 +292,12 @@ def _replay(apply, tr, rec: Record, params: dict, run):
     st = apply._call
     if due:
         _launch_points_at_use(apply, tr, due, aliased)
-    tr.replaying, st.vma = True, _Replaying(tr, rec)
     try:
-        out = run(aliased)
+        with Scope(tr, st, _Replaying(tr, rec)):
+            out = run(aliased)
     finally:
         # (the tracker let go: it holds the step's aliases and cached pvarys)
-        tr.replaying, st.vma, st.late, st.late_tracker = False, None, None, None
+        st.late, st.late_tracker = None, None
     outs = output_tensors(out)
     if len(outs) != len(rec.result):
         raise _changed(type(apply.module).__name__, "its result", len(rec.result), len(outs))

@@ -195,7 +195,7 @@ def relayout(x: Any, src: Placement | None, dst: Placement | None, axis: str, *,
              or isinstance(dst, Replicate) and isinstance(src, (Shard, Partial)))
     if moves and axis_size(axis) == 1:
         tr = current("relayout").tracker
-        if tr is None or tr.replaying:
+        if tr is None or tr.replay is not None and tr.replay.recorder is None:
             # over one rank every move is the identity, forward and backward: no
             # collective op, no autograd node (as Megatron's reductions return their
             # input at a tensor-parallel size of 1). Only the vma type would change,

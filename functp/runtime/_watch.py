@@ -20,6 +20,16 @@ is waited for as before. ``FUNCTP_WATCH=0`` turns the thread off; the check mode
 Not in ``functp.simulate`` (its ranks are threads of one process; its own timeout
 applies) nor while torch.compile traces. On NCCL a wait returns at once and a hang
 shows at the next host sync, outside functp: the thread sees no wait there.
+
+One divergence is found without the peers waiting (so on NCCL too): a replay's
+agreement (``parallel/_replayed``), which a rank enters when it records a
+parallelized call anew. Each rank counts its parallelized calls (``planned``: an
+attribute write per call, the same count on every rank of one program) and notes
+which ones it agreed at; a rank in the agreement past ``FUNCTP_WATCH_S`` posts the
+call's number, and every peer's thread (which looks for such a post once a second
+once it has made a parallelized call) that made that call *without* the agreement
+(it replayed it: another plain argument, another tensor present) says so, and every
+rank fails as above, naming both calls' arguments.
 """
 from __future__ import annotations
 
@@ -54,6 +64,12 @@ class _State:
     wait = None           # (op, group) while in a functp collective's wait
     thread = None         # the watcher (False: none in this process)
     main = None           # the ident of the thread that waits
+    # parallelized calls (parallel/_replayed writes these: attribute writes only)
+    planned = 0           # made so far, recorded or replayed
+    key = None            # the latest one's replay key, in words by describe(key)
+    describe = None
+    agreed: set = set()   # the numbers of those this rank entered the agreement at
+    agreeing = None       # (op, group) while in one, its host sync included (NCCL)
 
 
 state = _State()
@@ -136,7 +152,23 @@ def _describe(wait) -> dict:
         except Exception:   # noqa: BLE001 - the group's members as its own ranks then
             pass
     return {"rank": dist.get_rank(), "call": state.calls, "name": name, "defined": defined,
-            "op": op, "axes": axes, "members": members, "where": lines[-3:]}
+            "op": op, "axes": axes, "members": members, "where": lines[-3:],
+            "planned": state.planned}
+
+
+def _replayed(post: dict) -> dict | None:
+    """This rank's post if it made the parallelized call a peer waits in the replay's
+    agreement for (``post``) without entering it: None if it did not (it is behind,
+    or it takes part)."""
+    n = post.get("planned", 0)
+    if post["op"].startswith(AGREEMENT) and state.planned >= n and n not in state.agreed:
+        mine = _describe((post["op"], None))
+        words = state.describe(state.key) if state.describe and state.key else "?"
+        mine.update(op=f"replayed planned call #{n} instead (its latest a call with "
+                       f"{words})", axes=post["axes"], members=post["members"],
+                    replayed=True)
+        return mine
+    return None
 
 
 def _watch() -> None:
@@ -145,21 +177,27 @@ def _watch() -> None:
     posted = seen = None
     since = 0.0
     while not _STOP.wait(1.0):
-        wait = state.wait
+        wait = state.agreeing or state.wait
         if wait is not seen:          # a new wait (or none) since the last look
             seen, since = wait, time.monotonic() - 0.5
         try:
             waited = time.monotonic() - since if wait is not None else 0.0
             if waited >= 1.0 and store.check([f"{_PREFIX}error"]):
                 _leave(me, store.get(f"{_PREFIX}error").decode(), linger=2.5)
+            if state.planned and (wait is None or wait is not state.agreeing):
+                _look_for_agreement(store, me)
             if waited < WAIT_S:
                 if posted is not None:
                     store.set(f"{_PREFIX}{me}", "")
+                    if posted[0].startswith(AGREEMENT):
+                        store.set(f"{_PREFIX}agreement", "")
                     posted = None
                 continue
             if posted is not wait:
                 mine = _describe(wait)
                 store.set(f"{_PREFIX}{me}", json.dumps(mine))
+                if wait is state.agreeing:     # (its peers look for it: see _replayed)
+                    store.set(f"{_PREFIX}agreement", json.dumps(mine))
                 posted = wait
             peers = []
             for r in mine["members"]:
@@ -182,6 +220,22 @@ def _watch() -> None:
             return
 
 
+def _look_for_agreement(store, me: int) -> None:
+    """A peer waits in a replay's agreement for a call this rank replayed: every rank
+    is told (the error posted) and this one leaves."""
+    if not store.check([f"{_PREFIX}agreement"]):
+        return
+    raw = store.get(f"{_PREFIX}agreement").decode()
+    post = json.loads(raw) if raw else None
+    if post is None or post["rank"] == me or me not in post["members"]:
+        return
+    mine = _replayed(post)
+    if mine is not None:
+        message = _message([post, mine])
+        store.set(f"{_PREFIX}error", message)
+        _leave(me, message, linger=3.5)
+
+
 def _leave(me: int, message: str, linger: float) -> None:
     """Prints the error and ends the process (its wait cannot be interrupted),
     ``linger`` seconds later: every waiting peer reads the posted error within a
@@ -200,6 +254,10 @@ def _message(posts: list) -> str:
     parts = []
     for (call, name, _), ps in groups.items():
         where = "; ".join(ps[0]["where"]) or ps[0]["defined"]
+        if ps[0].get("replayed"):          # (no wait: it went on, see _replayed)
+            parts.append(f"ranks {[p['rank'] for p in ps]} {ps[0]['op']} and went on, "
+                         f"now in shard_map call #{call} ({name}), at {where}")
+            continue
         if ps[0]["defined"] == "-":          # (at the exit barrier)
             parts.append(f"ranks {[p['rank'] for p in ps]} made {call} shard_map calls "
                          f"and wait in {ps[0]['op']} ({where})")

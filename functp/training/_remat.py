@@ -399,11 +399,10 @@ def checkpoint(fn: Callable | None = None, *, policy: Callable | None = None) ->
             # nothing to differentiate, or inside another checkpointed call, whose
             # recompute covers this one
             return fn(*args)
+        # (its first run in a frame of its own: a planned call's recorder sees it, as
+        # the recompute runs the union rule again, over inputs a replay leaves untagged)
         fr = _context.top()
         tracker = fr.tracker if fr is not None else None
-        if tracker is not None and tracker.recorder is not None:
-            # its recompute runs the union rule again, over inputs a replay leaves untagged
-            tracker.recorder.fail("functp.checkpoint is called inside the module")
         rng = _rng_state()
         # (keeping nothing needs no record of the ops, only of the generators used)
         rec = _Record() if keep is not remat_policies.nothing_saveable else None
@@ -412,7 +411,7 @@ def checkpoint(fn: Callable | None = None, *, policy: Callable | None = None) ->
         _local.recording.append(rec)
         try:
             with torch.no_grad(), gens, rec if rec is not None else contextlib.nullcontext():
-                with reads:
+                with reads, _context.reentered(fr, "functp.checkpoint"):
                     out = fn(*args)
         finally:
             _local.recording.pop()
