@@ -285,13 +285,13 @@ def _train_step(step, opt, mesh, specs, way: str, donate: bool):
     return train_step
 
 
-def _compiled_case(layout, way, donate, inductor=False, requires_grad=False):
+def _compiled_case(layout, way, donate, inductor=False, requires_grad=False, shape=(2,)):
     """Two steps of the compiled train step against two eager ones: one graph compiled
     once (the second call reuses it), no graph break, no host read, the eager step's
     collectives; the values to 1e-10."""
     import torch._dynamo
     from torch._dynamo.utils import counters
-    mesh, local, specs, batch_spec = _program(layout, (2,))
+    mesh, local, specs, batch_spec = _program(layout, shape)
     step = functp.shard_map(local, mesh, in_specs=(specs, batch_spec, batch_spec), out_specs=P())
     opt = functp.adamw(lambda s: 1e-2 * torch.clamp((s + 1) / 2, max=1.0), weight_decay=0.1)
     params = functp.shard(_mlp_params(), mesh, specs)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 import types
 import warnings
@@ -174,7 +175,18 @@ def opaque(run: Callable, name: str, f: Callable | None = None) -> Opaque | None
             if tracing():
                 check_traceable(out, name)
             return out
-        except ShardingError as e:
+        except Exception as e:
+            if tracing() and _data_dependent(e):
+                error = untraceable(name, e)
+                warnings.warn(str(error), stacklevel=2)
+                if _one_graph():
+                    # Dynamo answers any other error of this call with only "Unsupported
+                    # output type for nonstrict_trace-ed function"; this one it passes on
+                    # with its text (see untraceable)
+                    raise error from e
+                raise       # (a graph break: without fullgraph=True the body runs eagerly)
+            if not isinstance(e, ShardingError):
+                raise
             if tracing():
                 # with fullgraph=True Dynamo reports only "Unsupported output type for
                 # nonstrict_trace-ed function", without this error's text
@@ -195,6 +207,57 @@ _DATA_DEPENDENT = (
 
 def _hint(e: Exception) -> str:
     return _DATA_DEPENDENT if "data-dependent" in str(e) else ""
+
+
+def _data_dependent(e: BaseException) -> bool:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    return isinstance(e, GuardOnDataDependentSymNode) or isinstance(
+        e.__cause__, GuardOnDataDependentSymNode)
+
+
+@functools.cache
+def _untraceable_type() -> type:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    class UntraceableBody(ShardingError, GuardOnDataDependentSymNode):
+        """A compiled shard_map body whose Python branches on a tensor's values. Also a
+        GuardOnDataDependentSymNode: the one error of a ``nonstrict_trace`` call whose
+        text Dynamo shows (as a UserError made from it), so that the user reads this
+        message, not "Unsupported output type"."""
+
+        def __init__(self, message: str, cond: Any = None):
+            ShardingError.__init__(self, message)
+            self.cond = cond
+    return UntraceableBody
+
+
+def untraceable(name: str, e: BaseException) -> ShardingError:
+    """The error for a compiled body ``name`` that raised the data-dependent ``e``
+    (a ShardingError from a planned module, or torch's own): the module, the cause and
+    the fix, first."""
+    found = re.search(r"module '([^']*)' \((\w+)\) raised", str(e))
+    where = f"module {found[1]!r} ({found[2]}) of it " if found else ""
+    raw = e.__cause__ if isinstance(e, ShardingError) and e.__cause__ is not None else e
+    return _untraceable_type()(
+        f"torch.compile(fullgraph=True) cannot make one graph of the shard_map body "
+        f"{name!r}: {where}branches on a tensor's values ({type(raw).__name__}: "
+        f"{str(raw).strip().splitlines()[0] if str(raw).strip() else ''}); the plan is "
+        f"not the cause (the unsharded model compiled with fullgraph=True fails the same "
+        f"way). transformers' MoE experts with experts_implementation='eager' loop over "
+        f"the experts that got tokens: build the model with "
+        f"experts_implementation='batched_mm'. Otherwise write the branch with torch ops "
+        f"(torch.where, torch.cond), or compile without fullgraph=True (the body then "
+        f"runs eagerly)", getattr(raw, "cond", None))
+
+
+def _one_graph() -> bool:
+    """Is Dynamo tracing with ``fullgraph=True`` (where a graph break is an error)?"""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+    except Exception:           # noqa: BLE001 - not in a Dynamo trace (or another torch)
+        return False
+    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
 
 
 def call_opaque(body: Opaque | None, args: tuple, name: str):
