@@ -31,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..mapping._state_dict import reading
 from ..runtime._errors import ShardingError
-from ..runtime._torch_compat import FakeTensor
+from ..runtime._torch_compat import under_fake_mode
 from ._kept_tensors import NoGrad, Released, no_grad_of, released_like
 
 __all__ = ["guard_kept", "arm", "structure", "changed_error"]
@@ -76,10 +76,10 @@ def arm(module) -> None:
     """A :class:`NoGrad` as the ``.grad`` of each of ``module``'s parameters, and,
     once per parameter, a hook that takes it away when a backward through the
     module itself (a reference run) brings a real gradient."""
+    if under_fake_mode():
+        return          # functp.estimate's trace: no script line runs on its module
     kind = type(module).__name__
     for name, p in module.named_parameters():
-        if isinstance(p, FakeTensor):
-            continue        # functp.estimate's trace: no script line runs on its module
         p.grad = no_grad_of(p, kind, name)
         if p.requires_grad and not p.__dict__.get(_HOOKED):
             p.register_hook(functools.partial(_real_grad, weakref.ref(p)))
@@ -98,7 +98,7 @@ def _release_vocab(module, kind: str) -> None:
     a :class:`Released` one: its resize then names functp.resize_token_embeddings."""
     if not hasattr(module, "get_input_embeddings"):
         return
-    if isinstance(torch.empty(0, device="meta"), FakeTensor):
+    if under_fake_mode():
         return          # functp.estimate's trace: no script line runs on its module
     names = {id(p): n for n, p in module.named_parameters()}
     for emb in _vocab_modules(module):
@@ -205,8 +205,8 @@ class Structure:
         self.watched = None
 
     def watch(self, module) -> None:
-        p = next((p for p in module.parameters()
-                  if not isinstance(p, (Released, FakeTensor))), None)
+        p = None if under_fake_mode() else next(
+            (p for p in module.parameters() if not isinstance(p, Released)), None)
         self.watched = None if p is None else weakref.ref(p)
 
     def changed(self) -> str | None:

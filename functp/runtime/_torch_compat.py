@@ -211,6 +211,14 @@ is_functional_tensor = _need("torch._is_functional_tensor",
 FakeTensor = _need("torch._subclasses.fake_tensor.FakeTensor",
                    "telling real tensors from traced ones under torch.compile")
 FakeTensorMode = _need("torch._subclasses.fake_tensor.FakeTensorMode", "functp.estimate")
+_get_dispatch_mode = _need("torch._C._get_dispatch_mode", "whether a fake mode is active")
+_FAKE_KEY = _need("torch._C._TorchDispatchModeKey", "whether a fake mode is active").FAKE
+
+
+def under_fake_mode() -> bool:
+    """Is a FakeTensorMode active (``functp.estimate``'s trace, a compile's fake run)?
+    Where the tensors made now are fake, no line of a user's script runs on them."""
+    return _get_dispatch_mode(_FAKE_KEY) is not None
 FunctionalTensor = _need("torch._subclasses.functional_tensor.FunctionalTensor",
                          "telling real tensors from traced ones under torch.compile")
 DataDependentOutputException = _need(
