@@ -42,7 +42,7 @@ MODULES = ["_errors", "_world", "_comm_log", "_crosscheck", "_precision",
            "_checkpoint",
            "_attention", "_layout", "_pipeline", "_schedule",
            "_parallelize", "_plans", "_rules", "_verify", "_style", "_tp", "_ep", "_hf",
-           "_fsdp_style", "_cp", "_pretrained", "_resize",
+           "_fsdp_style", "_cp", "_pp", "_pretrained", "_resize",
            "_functional", "_grads", "_optim", "_optimizers",
            "_simulate", "_estimate", "_host_time", "_rank_meshes", "_hardware"]
 

@@ -50,6 +50,7 @@ from .parallel._tp import (Colwise, PrepareInput, PrepareOutput, Replicated, Row
 from .parallel._hf import LocalSizes, ParameterRules, TensorParallelExperts
 from .parallel._fsdp_style import FullyShard
 from .parallel._cp import ContextParallel
+from .parallel._pp import PipelineStages
 from .context_parallel._attention import attention
 from .context_parallel._layout import cp_positions, cp_shard, cp_unshard
 
@@ -73,7 +74,7 @@ __all__ = [
     "Replicated",
     "Colwise", "Rowwise", "VocabParallelEmbedding", "SequenceParallel", "PrepareInput",
     "PrepareOutput", "ExpertRouter", "ExpertParallel", "ExpertDispatch", "TensorParallelExperts",
-    "LocalSizes", "ParameterRules", "FullyShard", "ContextParallel",
+    "LocalSizes", "ParameterRules", "FullyShard", "ContextParallel", "PipelineStages",
     "from_pretrained", "init_blocks", "save_pretrained", "resize_token_embeddings",
     "attention", "cp_shard", "cp_unshard", "cp_positions",
     "pipeline", "Pipeline", "pipeline_schedule", "Schedule",
