@@ -364,8 +364,6 @@ class Recording(UnionRule):
         super().__init__(tracker)
         tracker.mode = mode          # (the caller makes this the tracker's mode)
         self.recorder = recorder
-        # (the rule decides an in-place write here: see _write)
-        self._write_in_place = self._write
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         rec = self.recorder

@@ -163,9 +163,6 @@ class UnionRule(_CustomFunctions, TorchFunctionMode):
         self.tr = tracker
         tracker.mode = self
         self._eager = False
-        # an in-place op's input made as varying as the value written into it (bound:
-        # a recording rule decides there whether the call can be replayed)
-        self._write_in_place = tracker.pvary_inplace
 
     # A torch.compile'd function the body calls runs eagerly, so that this rule sees
     # its ops (Dynamo would trace this mode, and cannot read the tags): _compile.
@@ -188,6 +185,13 @@ class UnionRule(_CustomFunctions, TorchFunctionMode):
             self._eager = False
             _compile.eager_exit()
 
+    def _write(self, t: torch.Tensor, union: frozenset) -> None:
+        """An in-place op's input made as varying as the value written into it (a
+        method, not an attribute bound at init, which would make the rule a cycle the
+        step's activations wait in for the collector: a recording rule decides here
+        whether the call can be replayed)."""
+        self.tr.pvary_inplace(t, union)
+
     def _unify(self, args, kwargs, inplace: bool):
         """Implicit pvary of the less varying inputs; returns (args, kwargs, union)."""
         ts = _tensors(args, kwargs)
@@ -202,7 +206,7 @@ class UnionRule(_CustomFunctions, TorchFunctionMode):
             self.nograd_mixed(ts, vmas)
             return args, kwargs, union
         if inplace and isinstance(args[0], torch.Tensor):
-            self._write_in_place(args[0], union)
+            self._write(args[0], union)
         new = {id(t): self.tr.pvary(t, union) for t, v in zip(ts, vmas)
                if v != union and not (inplace and t is args[0])}
         args = tuple(_replace(a, new) for a in args)

@@ -179,7 +179,7 @@ def opaque(run: Callable, name: str, f: Callable | None = None) -> Opaque | None
             if tracing() and _data_dependent(e):
                 error = untraceable(name, e)
                 warnings.warn(str(error), stacklevel=2)
-                if _one_graph():
+                if _torch_compat.one_graph():
                     # Dynamo answers any other error of this call with only "Unsupported
                     # output type for nonstrict_trace-ed function"; this one it passes on
                     # with its text (see untraceable)
@@ -248,16 +248,6 @@ def untraceable(name: str, e: BaseException) -> ShardingError:
         f"experts_implementation='batched_mm'. Otherwise write the branch with torch ops "
         f"(torch.where, torch.cond), or compile without fullgraph=True (the body then "
         f"runs eagerly)", getattr(raw, "cond", None))
-
-
-def _one_graph() -> bool:
-    """Is Dynamo tracing with ``fullgraph=True`` (where a graph break is an error)?"""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        tx = InstructionTranslator.current_tx()
-    except Exception:           # noqa: BLE001 - not in a Dynamo trace (or another torch)
-        return False
-    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
 
 
 def call_opaque(body: Opaque | None, args: tuple, name: str):

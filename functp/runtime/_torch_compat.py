@@ -397,6 +397,21 @@ _STANCE = (_lazy("torch._dynamo.eval_frame._set_stance", _WHY_STANCE),
            _lazy("torch._C._dynamo.eval_frame.get_eval_frame_callback", _WHY_STANCE))
 
 
+_TX = _lazy("torch._dynamo.symbolic_convert.InstructionTranslator",
+             "whether Dynamo traces with fullgraph=True (a compiled body's data-dependent "
+             "branch is then functp's error, not a graph break)")
+
+
+def one_graph() -> bool:
+    """Is Dynamo tracing now with ``fullgraph=True`` (where a graph break is an error)?
+    False outside a Dynamo trace, and on a torch whose translator lacks the query."""
+    try:
+        tx = resolve(_TX, "fullgraph").current_tx()
+    except Exception:           # noqa: BLE001 - not in a Dynamo trace (or another torch)
+        return False
+    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+
+
 def stance() -> tuple[Any, Any, Any]:
     """``(_set_stance, DynamoStance, get_eval_frame_callback)`` of ``torch._dynamo``:
     the compiler's process-wide stance set and restored without the public
