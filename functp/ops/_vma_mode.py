@@ -185,12 +185,8 @@ class UnionRule(_CustomFunctions, TorchFunctionMode):
             self._eager = False
             _compile.eager_exit()
 
-    def _write(self, t: torch.Tensor, union: frozenset) -> None:
-        """An in-place op's input made as varying as the value written into it (a
-        method, not an attribute bound at init, which would make the rule a cycle the
-        step's activations wait in for the collector: a recording rule decides here
-        whether the call can be replayed)."""
-        self.tr.pvary_inplace(t, union)
+    def _write(self, t: torch.Tensor, union: frozenset) -> None:   # (no bound attr: a cycle)
+        self.tr.pvary_inplace(t, union)     # an in-place op's input as varying as its value
 
     def _unify(self, args, kwargs, inplace: bool):
         """Implicit pvary of the less varying inputs; returns (args, kwargs, union)."""
