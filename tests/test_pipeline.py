@@ -314,3 +314,92 @@ def test_disagreeing_ranks_raise_on_every_rank(run, case, says):
         assert out[0] == out[1], "the same message on every rank"
     else:
         assert all(o[0] is not None and "stage(s) [1]" in o[0] for o in out), out
+
+
+# -- a stage that raises on one rank: every rank raises, no rank waits in a transfer ----------
+
+def _raising_body(cases):
+    """Rank ``bad``'s stage raises in its forward of microbatch 2 (or its last stage's
+    loss_fn, or its backward): each rank's outcome, then a good step on the same axis."""
+    pp = functp.process_count()
+    mesh = functp.make_mesh((pp,), ("pp",))
+    r = functp.process_index()
+    p = _model()
+    ids = torch.randint(0, VOCAB, (8, 3), generator=torch.Generator().manual_seed(0))
+    out = []
+    for sched, v, mode, bad, where, debug in cases:
+        prev = functp.set_debug(debug)
+        try:
+            S = pp * v
+            mine = [_stage_params(p, r + j * pp, S) for j in range(v)]
+            seen = {"n": 0}
+
+            class Boom(torch.autograd.Function):
+                @staticmethod
+                def forward(x):
+                    return x.clone()
+
+                @staticmethod
+                def setup_context(ctx, inputs, output):
+                    pass
+
+                @staticmethod
+                def backward(ctx, g):
+                    raise ValueError("boom in a backward")
+
+            def stage(q, x, vs):
+                y = _stage(q, x, vs)
+                if r == bad and where == "forward" and vs == r:
+                    seen["n"] += 1
+                    if seen["n"] == 3:              # its third forward: microbatch 2
+                        raise ValueError(f"boom on rank {r}")
+                if r == bad and where == "backward" and vs == r:
+                    seen["n"] += 1
+                    if seen["n"] == 3:              # so microbatch 2's backward raises
+                        y = Boom.apply(y)
+                return y
+
+            def loss(y, t):
+                if r == bad and where == "loss":
+                    seen["n"] += 1
+                    if seen["n"] == 3:
+                        raise ValueError("boom in loss_fn")
+                return _ce(y, t)
+            step = functp.pipeline(stage, mesh, microbatches=4, schedule=sched, loss_fn=loss,
+                                   virtual_stages=v, backward=mode)
+            try:
+                step(mine if v > 1 else mine[0], ids, ids)
+                got = ("ok", "")
+            except Exception as e:      # noqa: BLE001 - the test reads what each rank got
+                got = (type(e).__name__, str(e) + "".join(getattr(e, "__notes__", [])))
+            good = functp.pipeline(_stage, mesh, microbatches=2, schedule=sched, loss_fn=_ce,
+                                   virtual_stages=v, backward=mode)
+            after = good(mine if v > 1 else mine[0], ids, ids)[0].item()
+            out.append((sched, mode, bad, where, debug) + got + (after,))
+        finally:
+            functp.set_debug(prev)
+    return out
+
+
+def _assert_raised_everywhere(results):
+    for r, rows in enumerate(results):
+        for i, (sched, mode, bad, where, debug, kind, msg, after) in enumerate(rows):
+            case = (r, sched, mode, bad, where, debug)
+            stage = len(results) - 1 if where == "loss" else bad
+            assert kind == ("ValueError" if r == bad else "ShardingError"), (case, kind, msg)
+            assert f"stage {stage}" in msg and "microbatch" in msg, (case, msg)
+            assert "microbatch 2" in msg and where in msg, (case, msg)
+            if r != bad:
+                assert "ValueError: boom" in msg and f"rank {bad}" in msg, (case, msg)
+            assert after == results[0][i][7], case     # the axis works afterwards
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_stage_raising_on_one_rank_raises_on_every_rank(run, world):
+    # gloo processes, the check mode on (an all-to-all per tick) and off (point-to-point
+    # sends, where a peer's recv would otherwise block for the process group's timeout)
+    bad = world - 2
+    cases = [(s, v, "tape", bad, "forward", debug) for s, v in SCHEDS for debug in (False, True)]
+    cases += [("1f1b", 1, "func", bad, "backward", False), ("zero_bubble", 1, "tape", world - 1,
+                                                            "loss", False)]
+    _assert_raised_everywhere(run(world, _raising_body, cases, gloo=True, timeout=120))

@@ -3,13 +3,27 @@
 Keys: ``("F", vs, m)`` is the activation virtual stage ``vs`` reads for microbatch
 ``m``; ``("B", vs, m)`` the gradient of its output. Each rank derives from the table
 which keys travel at which tick end, so sender and receiver agree without asking.
+
+A stage that raises (its body, its loss_fn or its backward, on one rank) does not
+leave its peers waiting in a recv: the rank notes the exception and runs the rest of
+the table's transfers without computing, sending zeros of the agreed shapes where its
+results would go, so every peer finishes the ticks (on values that are thrown away)
+and learns of it at the closing all-gather, which carries the exception's text; every
+rank then raises (the raising rank its own exception, with a note; the others a
+ShardingError naming the stage, the microbatch and the exception). A stage that fails
+before its first activation's header stops every rank at that header's all-gather.
+The transfers stay paired, so the axis is usable for the next step.
 """
 from __future__ import annotations
+
+import linecache
+import os
 
 import optree
 import torch
 
-from ..runtime._errors import ShardingError
+from ..runtime import _crosscheck, _world
+from ..runtime._errors import ShardingError, first_line
 from . import _stage
 from ._transfer import exchange, gather_rows
 
@@ -17,6 +31,10 @@ __all__ = ["Run"]
 
 _DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 _DIMS = 6            # a boundary's header: its dtype, rank and up to 6 trailing sizes
+_FAILED = -2.0       # a header's dtype code: the stage raised before its first send
+_KINDS = {"F": "forward", "B": "backward", "W": "weight gradient"}
+_MAX_TEXT = 600      # bytes of a raised exception's description sent to the peers
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def _transfers(t) -> tuple[dict, dict]:
@@ -54,16 +72,21 @@ class Run:
         self.grads = [None] * len(chunks)
         self.loss = None
         self.error = None              # (what, stage, microbatch, shape) met during the ticks
+        self.failed = None             # (action, virtual stage, exception) this rank raised
         self.moves, self.firsts = _transfers(t)
         step.peak_saved = 0
 
     def ticks(self) -> None:
         mine = {a.tick: a for a in self.t.actions[self.me]}
         for tick in range(self.t.ticks):
-            if tick in mine:
-                self.act(mine[tick])
-            if tick in self.firsts:
-                self.agree_shapes(self.firsts[tick])
+            if tick in mine and self.failed is None:
+                try:
+                    self.act(mine[tick])
+                except Exception as e:  # noqa: BLE001 - told to every rank at close()
+                    a = mine[tick]
+                    self.failed = (a, self.me + a.chunk * self.t.stages, e)
+            if tick in self.firsts and self.agree_shapes(self.firsts[tick]):
+                return                  # a stage failed before its first send: close
             if tick in self.moves:
                 self.transfer(self.moves[tick])
 
@@ -121,19 +144,24 @@ class Run:
         if self.error is None:
             self.error = (what, vs, mb, tuple(shape))
 
-    def agree_shapes(self, stages: list[int]) -> None:
+    def agree_shapes(self, stages: list[int]) -> bool:
         """The header all-gather at a boundary's first send: every rank learns the
-        shape and dtype each new boundary carries."""
+        shape and dtype each new boundary carries. **Returns:** True where a stage
+        raised before it (every rank then goes to :meth:`close`)."""
         row = [-1.0] * (3 + _DIMS)
         for vs in (vs for vs in stages if vs % self.t.stages == self.me):  # at most one
             out = self.outbox.get(("F", vs + 1, 0))
             ok = (isinstance(out, torch.Tensor) and out.dtype in _DTYPES
                   and 1 <= out.ndim <= _DIMS + 1)
             dims = list(out.shape[1:]) if ok else []
-            row = [float(vs), float(_DTYPES.index(out.dtype)) if ok else -1.0,
-                   float(out.ndim if ok else -1)] + [float(d) for d in dims]
+            code = float(_DTYPES.index(out.dtype)) if ok else (
+                _FAILED if out is None and self.failed is not None else -1.0)
+            row = [float(vs), code, float(out.ndim if ok else -1)] + [float(d) for d in dims]
             row += [0.0] * (3 + _DIMS - len(row))
-        for r, got in enumerate(gather_rows(row, self.g)):
+        rows = gather_rows(row, self.g)
+        if any(got[0] >= 0 and got[1] == _FAILED for got in rows):
+            return True
+        for r, got in enumerate(rows):
             if got[0] < 0:
                 continue
             vs = int(got[0])
@@ -149,6 +177,7 @@ class Run:
                     f"{self.dtype}; every activation between stages must have one dtype")
             self.dtype = dtype
             self.trail[vs] = tuple(int(d) for d in got[3:2 + int(got[2])])
+        return False
 
     def shape_of(self, key) -> tuple:
         kind, vs, mb = key
@@ -158,8 +187,10 @@ class Run:
         sends, recvs, local = [], [], []
         for src, dst, key in moves:
             if src == self.me:
-                out, want = self.outbox.pop(key), self.shape_of(key)
-                if tuple(out.shape) != want or out.dtype != self.dtype:
+                out, want = self.outbox.pop(key, None), self.shape_of(key)
+                if out is None:         # this rank raised: zeros keep its peers going
+                    out = torch.zeros(want, dtype=self.dtype)
+                elif tuple(out.shape) != want or out.dtype != self.dtype:
                     self.note("shape", key[1] - 1 if key[0] == "F" else key[1] + 1,
                               key[2], out.shape)
                     out = torch.zeros(want, dtype=self.dtype)
@@ -184,7 +215,17 @@ class Run:
                {"shape": 1.0, "loss": 2.0}[err[0]] if err else 0.0,
                float(err[1]) if err else 0.0, float(err[2]) if err else 0.0,
                float(len(shape))] + [float(d) for d in shape] + [0.0] * (4 - len(shape))
+        text = b""
+        if self.failed is not None:
+            a, vs, e = self.failed
+            text = _describe(e).encode()[:_MAX_TEXT]
+            row += [1.0, float(vs), float(a.microbatch), float("FBW".index(a.kind)),
+                    float(len(text))]
+        else:
+            row += [0.0] * 5
         rows = gather_rows(row, self.g)
+        if any(got[10] for got in rows):
+            self.raise_failed(rows, text)
         for got in rows:
             if got[2]:
                 _raise_noted(got, self)
@@ -195,6 +236,47 @@ class Run:
             return self.loss
         held = rows[self.last % self.t.stages]
         return torch.tensor(held[0], dtype=self.dtype or torch.get_default_dtype())
+
+
+    def raise_failed(self, rows: list[list[float]], text: bytes) -> None:
+        """Every rank raises, after one all-gather of the raising ranks' texts."""
+        width = int(max(got[14] for got in rows))
+        texts = gather_rows(list(text) + [0.0] * (width - len(text)), self.g)
+        parts = []
+        for r, got in enumerate(rows):
+            if got[10]:
+                vs, mb, kind = int(got[11]), int(got[12]), "FBW"[int(got[13])]
+                what = _KINDS[kind] + (" (its loss_fn included)" if kind == "F"
+                                       and vs == self.last else "")
+                words = bytes(int(b) for b in texts[r][:int(got[14])]).decode(errors="replace")
+                parts.append(f"stage {vs} (rank {r}) raised in its {what} of microbatch "
+                             f"{mb}: {words}")
+        message = ("functp.pipeline: " + "; and ".join(parts) + ". Every rank of the pp "
+                   "axis raises this: the ranks ran the step's remaining transfers (with "
+                   "zeros where the raising stage's results would go, the step's results "
+                   "thrown away) rather than wait for it, so the axis stays usable for "
+                   "the next step")
+        if self.failed is not None:
+            e = self.failed[2]
+            if hasattr(e, "add_note"):
+                e.add_note(f"functp: the other ranks of the pp axis raise ShardingError: "
+                           f"{message}")
+            raise _crosscheck.agreed(e)
+        raise _crosscheck.agreed(ShardingError(message))
+
+
+def _describe(e: BaseException) -> str:
+    """``Type: first line (at file:line in function: source)``, the innermost frame
+    of the user's code."""
+    where, tb = "", e.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not (name.startswith(_world.PACKAGE_DIR) or name.startswith(_TORCH)):
+            src = linecache.getline(name, tb.tb_lineno).strip()
+            where = (f" (at {os.path.basename(name)}:{tb.tb_lineno} in "
+                     f"{tb.tb_frame.f_code.co_name}: {src})")
+        tb = tb.tb_next
+    return f"{type(e).__name__}: {first_line(e)[:300]}{where}"
 
 
 def _raise_noted(got: list[float], run: Run) -> None:
