@@ -6,6 +6,8 @@ a loss curve, periodic checkpoints, and resuming from one on another mesh.
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py
     python examples/train_lm.py --simulate          # 4 simulated ranks in this process
     python examples/train_lm.py --mesh 1x4 --resume runs/lm/step_000100 --steps 200
+    python examples/train_lm.py --mesh 2x1 --cp 2 --seq 2048   # dp2 x cp2: long sequences
+    python examples/train_lm.py --compile           # the whole step as one compiled graph
 
 The text is the Python standard library's own source (the top-level modules, 1 MB;
 the last 5 % held out for evaluation), read as bytes: the tokenizer is the identity
@@ -29,6 +31,27 @@ given its state by ``functp.init_optimizer_state`` + ``functp.optimizer_specs`` 
 spec tree ``functp.load`` needs), so with the same ``--steps`` (the learning-rate
 schedule follows it) its losses are the uninterrupted run's up to float32 rounding
 (the sums run in another order on another mesh).
+
+``--cp N`` splits every sequence over a third mesh axis of N ranks (processes: dp x
+cp x tp), in ``functp.cp_shard``'s load-balanced layout (rank i holds chunks i and
+2N-1-i of 2N, ids and targets alike); each layer's attention becomes
+:class:`ContextParallelAttention`, the same weights with the rotary embedding at the
+tokens' own positions (``functp.cp_positions``) and ``functp.attention(...,
+strategy=--cp-strategy, causal=True)`` over the whole sequence (``allgather``, the
+default, ``ulysses`` or ``ring``: docs/long_sequences.md says when to pick which).
+The rest of the model is per token, and the loss is the mean over dp and cp of the
+ranks' means, so the run trains to the losses of the run without ``--cp`` (same
+seed, same batches) up to float32 rounding, each rank's projections, MLP and norms
+running on ``1/N`` of each sequence's tokens.
+
+``--compile [BACKEND]`` runs the whole step, ``functp.value_and_grad`` of the loss,
+``functp.clip_by_global_norm`` and ``functp.adamw(...).update(..., donate=True)`` (the
+arithmetic of the torch.optim.AdamW it replaces, the learning-rate schedule computed
+from its step-count tensor), as one ``torch.compile(fullgraph=True)`` graph (Inductor
+by default; ``aot_eager`` compiles in seconds). Its losses are the eager run's up to
+float32 rounding (Inductor fuses the arithmetic in another order). Its checkpoints
+hold functp.adamw's state: resume them with ``--compile``. Both flags run as
+processes; ``--cp`` also under ``--simulate``.
 """
 from __future__ import annotations
 
@@ -46,6 +69,7 @@ import torch
 import functp
 from functp import P
 from functp.models import LLAMA_TP_PLAN, Llama, LlamaConfig
+from functp.models.llama import LlamaAttention
 
 NPROC = 4
 
@@ -64,8 +88,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default="runs/lm", help="metrics, checkpoints and the plot")
     ap.add_argument("--resume", default=None, help="a step_NNNNNN checkpoint to resume from")
     ap.add_argument("--simulate", action="store_true", help="ranks as threads in this process")
+    ap.add_argument("--cp", type=int, default=1,
+                    help="context parallel: split each sequence over this many ranks "
+                         "(a third mesh axis; processes: dp x cp x tp)")
+    ap.add_argument("--cp-strategy", default="allgather", choices=("allgather", "ulysses", "ring"),
+                    help="functp.attention's strategy over the cp axis (default allgather)")
+    ap.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                    help="the whole step (gradients, clip, functp.adamw) as one "
+                         "torch.compile(fullgraph=True) graph; BACKEND defaults to inductor")
     args = ap.parse_args(argv)
     args.dp, args.tp = (int(n) for n in args.mesh.lower().split("x"))
+    if args.cp < 1:
+        ap.error(f"--cp {args.cp}: a number of ranks, at least 1")
+    if args.cp > 1 and args.seq % (2 * args.cp):
+        ap.error(f"--seq {args.seq} does not split over --cp {args.cp}: the load-balanced "
+                 f"layout gives each rank two equal chunks, so use a multiple of "
+                 f"{2 * args.cp}")
+    args.nproc = args.dp * args.cp * args.tp
     return args
 
 
@@ -99,6 +138,56 @@ def batch_at(tokens: torch.Tensor, step: int, batch: int, seq: int, seed: int = 
 
 def lm_loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+# -- context parallelism: the sequence split over a mesh axis ---------------------------
+
+# The mesh axis the sequence is split over. Not named "cp": parallelize reads a "cp"
+# axis as the sequence split of a transformers model, which it does itself (and
+# refuses for a model without a transformers config); this Llama is functp's own,
+# whose attention below calls functp.attention, so parallelize lays out only its tp
+# plan and leaves this axis to the model.
+SEQ_AXIS = "seq"
+
+
+def rotary_at(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """``functp.models.llama.apply_rotary`` at the tokens' own positions in the whole
+    sequence (a rank holds two chunks of it: ``functp.cp_positions``), not 0..s-1."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=x.dtype) / hd)
+    freqs = positions.to(x.dtype)[:, None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    a, b = x.chunk(2, dim=-1)
+    return x * emb.cos() + torch.cat([-b, a], dim=-1) * emb.sin()
+
+
+class ContextParallelAttention(LlamaAttention):
+    """The Llama's attention (the same parameters, so the same initial model) on this
+    rank's block of the sequence: rotary positions from ``functp.cp_positions``, the
+    causal attention over the whole sequence by ``functp.attention``, whose gradients
+    are the whole sequence's. Everything else in the model is per token."""
+
+    def __init__(self, cfg: LlamaConfig, seq_len: int, strategy: str):
+        super().__init__(cfg)
+        self.seq_len, self.strategy = seq_len, strategy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        split = lambda t: t.view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        pos = functp.cp_positions(self.seq_len, axis=SEQ_AXIS)    # this rank's tokens'
+        q, k = rotary_at(q, pos, self.theta), rotary_at(k, pos, self.theta)
+        out = functp.attention(q, k, v, SEQ_AXIS, strategy=self.strategy, causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def split_sequences(model: Llama, cfg: LlamaConfig, seq_len: int, strategy: str) -> None:
+    """Each layer's attention replaced by :class:`ContextParallelAttention`, its
+    weights kept."""
+    for layer in model.layers:
+        cp_attn = ContextParallelAttention(cfg, seq_len, strategy)
+        cp_attn.load_state_dict(layer.self_attn.state_dict())
+        layer.self_attn = cp_attn
 
 
 # -- progress, metrics, plot (rank 0) ---------------------------------------------------
@@ -161,9 +250,15 @@ def main(argv=None) -> bool:
     began = time.perf_counter()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
-    mesh = functp.make_mesh((args.dp, args.tp), ("dp", "tp"))
+    cp = args.cp > 1
+    if cp:           # the batch over dp, each sequence over SEQ_AXIS, heads over tp
+        mesh = functp.make_mesh((args.dp, args.cp, args.tp), ("dp", SEQ_AXIS, "tp"))
+    else:
+        mesh = functp.make_mesh((args.dp, args.tp), ("dp", "tp"))
     rank0 = functp.process_index() == 0
     simulated = not torch.distributed.is_initialized()     # functp.simulate's ranks
+    if simulated and args.compile:
+        raise SystemExit("--compile runs as processes (torchrun), not under --simulate")
 
     tokens = load_text()
     split = int(len(tokens) * 0.95)
@@ -174,63 +269,125 @@ def main(argv=None) -> bool:
                       num_hidden_layers=args.layers, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=args.hidden // 8)
     model = Llama(cfg)                         # ordinary single-device torch.nn code
+    if cp:
+        split_sequences(model, cfg, args.seq, args.cp_strategy)
     apply, params, specs = functp.parallelize(model, mesh, LLAMA_TP_PLAN, axis="tp")
+    batch_axes = ("dp", SEQ_AXIS) if cp else "dp"
+    batch_spec = P("dp", SEQ_AXIS) if cp else P("dp")
 
-    def local_loss(p, ids, targets):           # this rank's blocks and batch rows
-        return functp.pmean(lm_loss(apply(p, ids), targets), "dp")
+    def local_loss(p, ids, targets):           # this rank's blocks, batch rows and tokens
+        # (every rank holds as many tokens: the mean of the means is the whole mean)
+        return functp.pmean(lm_loss(apply(p, ids), targets), batch_axes)
 
-    loss_fn = functp.shard_map(local_loss, mesh, in_specs=(specs, P("dp"), P("dp")),
+    loss_fn = functp.shard_map(local_loss, mesh, in_specs=(specs, batch_spec, batch_spec),
                                out_specs=P())
-    grad_fn = torch.func.grad_and_value(loss_fn)
 
-    params = {k: v.clone().requires_grad_() for k, v in params.items()}
-    opt = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
-    start, metrics = 0, []
-    if args.resume:
-        # a fresh optimizer on this mesh: give it the state a step would make, so that
-        # optimizer_specs can describe it and functp.load fill it
-        functp.init_optimizer_state(opt)
-        layout = {"params": specs, "opt": functp.optimizer_specs(opt, params, specs),
-                  "step": P(), "metrics": P()}
-        state = functp.load(args.resume, mesh, layout)
-        with torch.no_grad():
-            for k, v in params.items():
-                v.copy_(state["params"][k])
-        opt.load_state_dict(state["opt"])
-        start, metrics = int(state["step"]), json.loads(state["metrics"])
-        if rank0:
-            print(f"resumed from {args.resume} at step {start} on (dp={args.dp}, tp={args.tp})"
-                  f": parameters, and AdamW state for {len(state['opt']['state'])} of them")
+    def place(ids_targets):
+        """A whole batch -> this rank's rows (and, over cp, its two chunks of each
+        sequence, the same layout for ids and targets: targets were shifted before)."""
+        if cp:
+            return functp.cp_shard(ids_targets, mesh, axis=SEQ_AXIS, spec=batch_spec)
+        return functp.shard(ids_targets, mesh, batch_spec)
 
-    def lr_at(step: int) -> float:             # linear warmup, then cosine to 10 %
-        warm = 20
+    warm = 20
+
+    def lr_at(step):                           # linear warmup, then cosine to 10 %
         if step < warm:
             return args.lr * (step + 1) / warm
         t = min(1.0, (step - warm) / max(1, args.steps - warm))
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
+    if args.compile:
+        # the whole step as one graph: functp.adamw is torch.optim.AdamW's arithmetic
+        # as a pure function (torch.optim's step breaks a compiled graph on purpose),
+        # its step count a tensor, so the schedule is computed from it in the graph
+        def lr_of(count):                      # lr_at in torch ops; count is 0 at step 1
+            step = count + 1
+            t = ((step - warm) / max(1, args.steps - warm)).clamp(0.0, 1.0)
+            cosine = args.lr * (0.1 + 0.9 * 0.5 * (1 + torch.cos(math.pi * t)))
+            return torch.where(step < warm, args.lr * (step + 1) / warm, cosine)
+
+        params = {k: v.detach().clone() for k, v in params.items()}
+        opt = functp.adamw(lr_of, betas=(0.9, 0.95), weight_decay=0.1)
+        opt_state = opt.init(params)
+        value_and_grad = functp.value_and_grad(loss_fn)
+
+        def train_step(params, opt_state, ids, targets):
+            loss, grads = value_and_grad(params, ids, targets)
+            grads, _ = functp.clip_by_global_norm(grads, 1.0, mesh, specs)
+            # donate=True: the new parameters and moments go into the given tensors
+            params, opt_state = opt.update(params, grads, opt_state, donate=True)
+            return loss, params, opt_state
+
+        compiled_step = torch.compile(train_step, fullgraph=True, backend=args.compile)
+        opt_specs = opt.specs(specs)
+    else:
+        grad_fn = torch.func.grad_and_value(loss_fn)
+        params = {k: v.clone().requires_grad_() for k, v in params.items()}
+        opt = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    optimizer = "functp.adamw" if args.compile else "torch.optim.AdamW"
+
+    start, metrics = 0, []
+    if args.resume:
+        if not args.compile:
+            # a fresh optimizer on this mesh: give it the state a step would make, so
+            # that optimizer_specs can describe it and functp.load fill it
+            functp.init_optimizer_state(opt)
+            opt_specs = functp.optimizer_specs(opt, params, specs)
+        saved_by = "torch.optim.AdamW"          # (a checkpoint from before --compile)
+        if os.path.exists(os.path.join(args.resume, "optimizer.txt")):
+            with open(os.path.join(args.resume, "optimizer.txt")) as f:
+                saved_by = f.read().strip()
+        if saved_by != optimizer:
+            raise SystemExit(f"{args.resume} holds {saved_by} state; resume it "
+                             f"{'with' if saved_by == 'functp.adamw' else 'without'} --compile")
+        layout = {"params": specs, "opt": opt_specs, "step": P(), "metrics": P()}
+        state = functp.load(args.resume, mesh, layout)
+        with torch.no_grad():
+            for k, v in params.items():
+                v.copy_(state["params"][k])
+        if args.compile:
+            opt_state = state["opt"]
+        else:
+            opt.load_state_dict(state["opt"])
+        start, metrics = int(state["step"]), json.loads(state["metrics"])
+        kept = len(state["opt"]["exp_avg"] if args.compile else state["opt"]["state"])
+        if rank0:
+            print(f"resumed from {args.resume} at step {start} on (dp={args.dp}, "
+                  f"{f'cp={args.cp}, ' if cp else ''}tp={args.tp}): parameters, and "
+                  f"{'AdamW' if not args.compile else optimizer} state for {kept} of them")
+
     @torch.no_grad()
     def evaluate() -> float:
         losses = [loss_fn({k: v.detach() for k, v in params.items()},
-                          *functp.shard(batch_at(held_out, i, args.batch, args.seq, seed=1),
-                                        mesh, P("dp"))).item() for i in range(4)]
+                          *place(batch_at(held_out, i, args.batch, args.seq, seed=1))).item()
+                  for i in range(4)]
         return sum(losses) / len(losses)
 
     def save(step: int) -> str:
         path = os.path.join(args.out, f"step_{step:06d}")
-        layout = {"params": specs, "opt": functp.optimizer_specs(opt, params, specs),
-                  "step": P(), "metrics": P()}
+        if args.compile:
+            opt_now, specs_now = opt_state, opt_specs
+        else:
+            opt_now, specs_now = opt.state_dict(), functp.optimizer_specs(opt, params, specs)
+        layout = {"params": specs, "opt": specs_now, "step": P(), "metrics": P()}
         functp.save(path, {"params": {k: v.detach() for k, v in params.items()},
-                           "opt": opt.state_dict(), "step": step,
+                           "opt": opt_now, "step": step,
                            "metrics": json.dumps(metrics)}, mesh, layout)
+        if rank0:         # which optimizer's state it is (a resume must use the same)
+            with open(os.path.join(path, "optimizer.txt"), "w") as f:
+                f.write(optimizer + "\n")
         return path
 
     if rank0:
         os.makedirs(args.out, exist_ok=True)
         n = sum(v.numel() for v in model.parameters())
+        where = (f"mesh (dp={args.dp}, cp={args.cp}, tp={args.tp}), attention "
+                 f"{args.cp_strategy}" if cp else f"mesh (dp={args.dp}, tp={args.tp})")
         print(f"{len(tokens):,} bytes of Python's standard library ({split:,} train); model "
-              f"{n / 1e6:.2f}M parameters; mesh (dp={args.dp}, tp={args.tp}); "
-              f"{args.batch} x {args.seq} tokens a step", flush=True)
+              f"{n / 1e6:.2f}M parameters; {where}; {args.batch} x {args.seq} tokens a step"
+              f"{f'; the whole step compiled ({args.compile})' if args.compile else ''}",
+              flush=True)
     if start == 0:
         first_eval = evaluate()
         if rank0:
@@ -246,17 +403,25 @@ def main(argv=None) -> bool:
     busy, seen = 0.0, 0                        # seconds spent in training steps, tokens
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
-        ids, targets = functp.shard(batch_at(train, step, args.batch, args.seq), mesh, P("dp"))
-        grads, loss = grad_fn({k: v.detach() for k, v in params.items()}, ids, targets)
-        grads, _ = functp.clip_by_global_norm(grads, 1.0, mesh, specs)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        functp.set_grads(params, grads)
-        opt.step()
-        busy += time.perf_counter() - t0
-        seen += tokens_per_step
-        tok_s = seen / busy
-        row = {"step": step, "loss": loss.item(), "tokens_per_s": round(tok_s, 1)}
+        ids, targets = place(batch_at(train, step, args.batch, args.seq))
+        if args.compile:
+            loss, params, opt_state = compiled_step(params, opt_state, ids, targets)
+        else:
+            grads, loss = grad_fn({k: v.detach() for k, v in params.items()}, ids, targets)
+            grads, _ = functp.clip_by_global_norm(grads, 1.0, mesh, specs)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            functp.set_grads(params, grads)
+            opt.step()
+        row = {"step": step, "loss": loss.item()}
+        if args.compile and step == start + 1:     # the first call compiles: not a step's time
+            bar.write(f"compiled the whole step in {time.perf_counter() - t0:.0f} s "
+                      f"(one graph: fullgraph=True)")
+        else:
+            busy += time.perf_counter() - t0
+            seen += tokens_per_step
+        tok_s = seen / busy if busy else 0.0
+        row["tokens_per_s"] = round(tok_s, 1)
         if step % args.eval_every == 0 or step == args.steps:
             row["eval_loss"] = evaluate()
             bar.write(f"step {step}: loss {row['loss']:.4f}  eval loss {row['eval_loss']:.4f}  "
@@ -288,7 +453,7 @@ if __name__ == "__main__":
         sys.exit(0 if main() else 1)
     args = parse_args()
     if args.simulate:
-        sys.exit(0 if all(functp.simulate(main, args.dp * args.tp, timeout=600)) else 1)
+        sys.exit(0 if all(functp.simulate(main, args.nproc, timeout=600)) else 1)
     from torch.distributed.run import main as torchrun
-    torchrun(["--standalone", "--nproc-per-node", str(args.dp * args.tp),
+    torchrun(["--standalone", "--nproc-per-node", str(args.nproc),
               os.path.abspath(__file__), *sys.argv[1:]])
