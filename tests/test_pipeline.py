@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import optree
 import pytest
 import torch
 
@@ -403,3 +404,66 @@ def test_a_stage_raising_on_one_rank_raises_on_every_rank(run, world):
     cases += [("1f1b", 1, "func", bad, "backward", False), ("zero_bubble", 1, "tape", world - 1,
                                                             "loss", False)]
     _assert_raised_everywhere(run(world, _raising_body, cases, gloo=True, timeout=120))
+
+
+# -- a compiled stage inside every schedule ------------------------------------------------------
+# What compiles is the stage function (torch.compile(stage_fn, fullgraph=True) given as
+# stage_fn), not the whole step: the step is the schedule's host program around
+# point-to-point sends, which are its synchronization points, and unrolled into one
+# graph it would be M x ticks long and recompile per M; the stage is what runs M times
+# on the same shapes. Under backward="tape" AOTAutograd compiles its forward and its
+# backward (zero-bubble's B and W are two autograd.grad calls over the one compiled
+# graph); torch.func.vjp of a compiled function is refused by torch (Dynamo: not from
+# eager), so backward="func" raises that on every rank.
+
+def _compiled_body():
+    import functools
+
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+    pp = functp.process_count()
+    mesh = functp.make_mesh((pp,), ("pp",))
+    r = functp.process_index()
+    p = _model()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (6, 3), generator=g)
+    tgt = torch.randint(0, VOCAB, (6, 3), generator=g)
+    out = []
+    for sched, v in SCHEDS:
+        graphs = {"fw": 0, "bw": 0}
+
+        def counting(kind):
+            def compiler(gm, example_inputs):
+                graphs[kind] += 1
+                return boxed_nop(gm, example_inputs)
+            return compiler
+        backend = functools.partial(aot_eager, fw_compiler=counting("fw"),
+                                    bw_compiler=counting("bw"))
+        torch._dynamo.reset()
+        compiled = torch.compile(_stage, fullgraph=True, backend=backend)
+        mine = [_stage_params(p, r + j * pp, pp * v) for j in range(v)]
+        mine = mine if sched == "interleaved" else mine[0]
+        kw = dict(microbatches=4, schedule=sched, loss_fn=_ce, virtual_stages=v)
+        want = functp.pipeline(_stage, mesh, **kw)(mine, ids, tgt)
+        got = functp.pipeline(compiled, mesh, **kw)(mine, ids, tgt)
+        err = max(_maxdiff(a, b) for a, b in zip(optree.tree_leaves(got),
+                                                   optree.tree_leaves(want)))
+        out.append((sched, err, graphs["fw"], graphs["bw"]))
+    try:
+        functp.pipeline(torch.compile(_stage, fullgraph=True, backend="aot_eager"), mesh,
+                        microbatches=2, loss_fn=_ce, backward="func")(
+            _stage_params(p, r, pp), ids, tgt)
+        refused = None
+    except Exception as e:      # noqa: BLE001 - the test reads what each rank got
+        refused = f"{type(e).__name__}: {e}"
+    return out, refused
+
+
+def test_a_compiled_stage_in_every_schedule(run):
+    for rank, (rows, refused) in enumerate(run(2, _compiled_body, gloo=True, timeout=600)):
+        for sched, err, fw, bw in rows:
+            # the eager pipeline's loss and gradients (aot_eager runs the same ops)
+            assert err < 1e-12, (rank, sched, err)
+            # its forward and its backward compiled, one graph each per virtual stage
+            # (and per shape: 6 rows in 4 microbatches are 2, 2, 1, 1)
+            assert fw >= 1 and bw >= 1, (rank, sched, fw, bw)
+        assert refused is not None and "functorch" in refused, (rank, refused)
