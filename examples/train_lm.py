@@ -93,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(a third mesh axis; processes: dp x cp x tp)")
     ap.add_argument("--cp-strategy", default="allgather", choices=("allgather", "ulysses", "ring"),
                     help="functp.attention's strategy over the cp axis (default allgather)")
+    ap.add_argument("--float64", action="store_true",
+                    help="train in float64: runs with and without --cp or --compile then "
+                         "agree to ~1e-12 rather than float32's rounding")
     ap.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                     help="the whole step (gradients, clip, functp.adamw) as one "
                          "torch.compile(fullgraph=True) graph; BACKEND defaults to inductor")
@@ -271,6 +274,8 @@ def main(argv=None) -> bool:
     model = Llama(cfg)                         # ordinary single-device torch.nn code
     if cp:
         split_sequences(model, cfg, args.seq, args.cp_strategy)
+    if args.float64:
+        model.double()                         # (after the swap: it copies the weights)
     apply, params, specs = functp.parallelize(model, mesh, LLAMA_TP_PLAN, axis="tp")
     batch_axes = ("dp", SEQ_AXIS) if cp else "dp"
     batch_spec = P("dp", SEQ_AXIS) if cp else P("dp")
