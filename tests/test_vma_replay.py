@@ -155,24 +155,28 @@ def test_a_replayed_step_runs_no_per_op_mode_inside_the_module(run):
 
 
 class _Scaled(torch.nn.Module):
-    """A planned layer and a parameter that a flag (a module attribute, which no key
-    sees) uses alone at the first call and with the activations at the second: the
-    second call's path decides otherwise than the first."""
+    """A planned layer and a parameter that a flag (a Python global, which no key
+    sees: a module attribute is keyed) uses alone at the first call and with the
+    activations at the second: the second call's path decides otherwise than the
+    first."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.fc = torch.nn.Linear(4, 4, dtype=torch.float64)
         self.scale = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
-        self.use_scale = False
 
     def forward(self, x):
-        if self.use_scale:
+        if _USE_SCALE[0]:
             return self.fc(x) * self.scale, torch.zeros((), dtype=x.dtype)
         return self.fc(x), (self.scale ** 2).sum()
 
 
+_USE_SCALE = [False]
+
+
 def _changed_path():
+    _USE_SCALE[0] = False
     mesh = functp.make_mesh((2,), ("dp",))
     model = _Scaled()
     apply, params, specs = functp.parallelize(model, mesh, {"fc": "replicated"}, axis="dp")
@@ -183,7 +187,7 @@ def _changed_path():
     step = functp.shard_map(loss, mesh, in_specs=(specs, P("dp")), out_specs=P())
     x = functp.shard(torch.arange(16.0, dtype=torch.float64).reshape(4, 4), mesh, P("dp"))
     torch.func.grad(step)(params, x)
-    model.use_scale = True
+    _USE_SCALE[0] = True
     try:
         return torch.func.grad(step)(params, x)["scale"].tolist()
     except ShardingError as e:

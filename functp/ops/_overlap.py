@@ -462,13 +462,22 @@ def launches_early(sink: Sink, key: str, j: int) -> bool:
 
 
 def through(sink: Sink, js: list, key: str, aliases: list) -> list:
-    """``aliases`` (of inputs ``js`` over group ``key``) through one ``grad_ready``."""
+    """``aliases`` (of inputs ``js`` over group ``key``) through one ``grad_ready``;
+    as they are where the first use is inside a torch.func transform the body applies
+    (a gradient penalty's ``torch.func.grad``): the launch point made there is a
+    wrapper with no autograd node, its bucket would count it as sending nothing and
+    drop the gradient that then comes (the parameters' gradients were zeros); left as
+    they are, their pvary's own psum reduces what comes that way, and a later use
+    outside the transform makes the launch point. (Told by the node itself: no call.)"""
     token = _put((sink, js, key))
     try:
         outs = grad_ready(aliases, token)
     finally:
         del _by_token[token]
-    sink.ready(js, key, outs[0].grad_fn)
+    node = outs[0].grad_fn
+    if node is None:
+        return aliases
+    sink.ready(js, key, node)
     for y, a in zip(outs, aliases):
         y.__dict__.update(a.__dict__)      # (its vma tag)
         y.__dict__[READY] = True

@@ -36,7 +36,7 @@ import zlib
 import torch
 
 from . import _context
-from ._call_leaves import output_tensors
+from ._call_leaves import call_tensors, output_tensors
 from ._vma import EMPTY, Tracker
 from ._vma_mode import UnionRule, join, _tensors as operands
 from ..runtime._torch_compat import (function_mode_at, function_stack_len,
@@ -147,6 +147,8 @@ class Recorder:
                 self.names.setdefault(i, []).append(n)
                 self.src[i] = frozenset([("p", n)] + list(self.src[i] or ()))
         self.inputs: dict[int, list] = {}   # serial -> [(hook, pos)] of running modules
+        self.nested: dict[int, str] = {}    # serial -> the running module it is inside
+        #                                     an argument of (a container's leaf)
         self.running: list = []             # (hook, [(pos, serial)]), innermost last
         self.trace: list = []               # ("op", ins, outs, in_hook, running) | boundary
         self.lifts: dict = {}               # root -> axes its pvary'd values needed
@@ -216,6 +218,13 @@ class Recorder:
         elif not t.requires_grad:
             return
         elif r is None or not r:
+            hook = self.nested.get(i)
+            if hook is not None:
+                self.fail(f"planned module {hook!r} gets a tensor (shape {tuple(t.shape)}) "
+                          f"inside a container argument that meets one varying over "
+                          f"{sorted(missing)}: a replay lifts (Megatron's f) a planned "
+                          f"module's top-level arguments only; pass it as one to replay")
+                return
             self.fail(f"a value computed inside the module (shape {tuple(t.shape)}) from an "
                       f"activation meets one varying over {sorted(missing)}: the union rule "
                       f"makes it varying at that op, which no planned boundary sees")
@@ -234,6 +243,13 @@ class Recorder:
         watched = [(pos, self.serial(a)) for pos, a in watched]
         for pos, i in watched:
             self.inputs.setdefault(i, []).append((hook, pos))
+        leaves = call_tensors(args, kwargs)
+        if len(leaves) > len(watched):      # (leaves of its containers: for an error)
+            top = {i for _, i in watched}
+            for t in leaves:
+                i = self.serial(t)
+                if i not in top:
+                    self.nested.setdefault(i, hook)
         self.running.append((hook, watched))
         self.trace.append(("enter", hook, tuple(watched)))
 
@@ -243,6 +259,8 @@ class Recorder:
             self.fail(f"planned module {hook!r} returned out of order")
             return
         _, watched = self.running.pop()
+        if self.nested:
+            self.nested = {i: h for i, h in self.nested.items() if h != hook}
         for pos, i in watched:
             where = self.inputs.get(i)
             if where is not None:

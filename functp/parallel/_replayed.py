@@ -8,9 +8,11 @@ the union rule and records; every rank of the body agrees on the record (one sma
 all-gather, once per key) before any rank replays it. Later calls replay it, unless
 the check mode is on (then each call is recorded again and must decide as the first
 did) or ``apply.replay`` is False. A forward hook added to or removed from the
-module drops every record (:class:`Records`); a call inside a torch.func transform
-of the body's own is decided per op. While a call is recorded or replayed the plan's
-hooks hand their work to :class:`_Recording` / :class:`_Replaying`.
+module drops every record (:class:`Records`), whose plain module attributes are part
+of the key; a call inside a torch.func transform of the body's own is decided per op,
+but for one grad transform (a gradient penalty, jacrev's forward). While a call is
+recorded or replayed the plan's hooks hand their work to :class:`_Recording` /
+:class:`_Replaying`.
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ from ..ops._replay import Record, Recorder, Scope, pop_rule, push_rule, rule_on_
 from ..ops._vma import _TAG, EMPTY
 from ..runtime import _compile, _crosscheck, _watch, _world
 from ..runtime._errors import ShardingError
-from ..runtime._torch_compat import (global_forward_hooks, global_forward_pre_hooks,
-                                     peek_interpreter_stack)
+from ..runtime._torch_compat import (TransformGrad, global_forward_hooks,
+                                     global_forward_pre_hooks, peek_interpreter_stack)
 
 # a transformers config's fields that choose what the model returns (and so which
 # tensors cross its boundary): a call after one is toggled records anew (read from the
@@ -60,8 +62,28 @@ def config_key(module):
     return read
 
 
+# the attributes a key reads as they are (a float is a value: see Records.attributes)
+_ATTR_TYPES = {bool, int, str, type(None)}
+
+
+def _builtin(cls) -> bool:
+    """Is ``cls`` torch's own (``nn.Module``, torch.nn's layers), not a model's?"""
+    return cls.__module__.startswith("torch.")
+
+
+def _plain(getter) -> bool:
+    """Does a module's attribute getter read plain values only, now?"""
+    g, m, one = getter
+    try:
+        v = g(m)
+    except AttributeError:
+        return False
+    return all(type(x) in _ATTR_TYPES for x in ((v,) if one else v))
+
+
 class Records(dict):
-    """An ``apply``'s records by key, and what no key holds: the forward hooks of the
+    """An ``apply``'s records by key, the plain attributes of the model's modules that
+    the key reads (:meth:`attributes`), and what no key holds: the forward hooks of the
     module's submodules (and torch's global ones) they were recorded under. A hook
     runs between boundaries, as the module's own code does, so a record is kept only
     while none is added or removed: then every record is dropped and calls record
@@ -75,6 +97,57 @@ class Records(dict):
         self.live += [global_forward_pre_hooks, global_forward_hooks]
         self.seen = None
         self.note()
+        self._modules = [m for m in module.modules() if not _builtin(type(m))]
+        self._getters: list = []
+        self._last = None
+        self._learn()
+
+    def _learn(self) -> None:
+        """Which attributes of the model's own modules hold plain values now, the
+        module's own and its class's (a default a forward reads until an instance
+        sets it): one getter per module, read per call as one C call each."""
+        self._getters, self._last = [], None
+        for m in self._modules:
+            own = vars(m)
+            names = [n for n, v in own.items() if type(v) in _ATTR_TYPES]
+            seen = set(own)
+            for cls in type(m).__mro__:
+                for n, v in vars(cls).items():
+                    if n not in seen:      # (the first definition is what m.n reads)
+                        seen.add(n)
+                        if (type(v) in _ATTR_TYPES and not _builtin(cls)
+                                and not n.startswith("__")):
+                            names.append(n)
+            if names:
+                self._getters.append((operator.attrgetter(*names), m, len(names) == 1))
+
+    def attributes(self) -> tuple:
+        """The plain attributes (``bool``, ``int``, ``str``, None) of the model's own
+        modules and their classes, as they are now: part of the key, since a forward
+        may choose its path by them (``if self.mode == ...``: which parameter meets
+        which activations, a decision between boundaries that a replay could not see).
+        torch's own classes are left out (nn.Module's attributes; a torch.nn layer's
+        are its fixed sizes, and its ``training`` chooses dropout, which decides no
+        vma); a ``float`` is a value, as in the key's arguments. An attribute deleted
+        since, or one whose value is no longer plain, makes the list learnt again
+        (once: a getter that still reads no plain value is dropped)."""
+        for _ in range(2):
+            try:
+                now = tuple([g(m) for g, m, _ in self._getters])
+                if now == self._last:      # (the usual call: one comparison)
+                    return self._last
+            except (AttributeError, RuntimeError):  # (deleted; a tensor compared)
+                self._learn()
+                continue
+            bad = [k for k, ((_, _, one), v) in enumerate(zip(self._getters, now))
+                   if any(type(x) not in _ATTR_TYPES for x in ((v,) if one else v))]
+            if not bad:
+                self._last = now
+                return now
+            self._learn()
+        self._getters = [gm for gm in self._getters if _plain(gm)]
+        self._last = tuple([g(m) for g, m, _ in self._getters])
+        return self._last
 
     def note(self) -> None:
         """The hooks as they are now are those the records were made under (after a
@@ -85,15 +158,20 @@ class Records(dict):
 def _tracker(fr, apply):
     """The vma tracker of the body ``apply`` runs in (frame ``fr``), if its call may be
     recorded or replayed here (vma tracked, eager, at the body's own rule, at the
-    body's own torch.func level, not inside another planned call)."""
+    body's own torch.func level or one grad transform above it, not inside another
+    planned call)."""
     tr = fr.tracker if fr is not None else None
     if (tr is None or not apply.replay or tr.compiled or tr.replay is not None
             or _compile.tracing() or not rule_on_top(tr)):
         return None
-    # (inside a torch.func transform the body applies around apply, a torch.func.vmap:
-    # its wrapped tensors are not what a record describes, decided per op)
+    # (inside a torch.func transform the body applies around apply: one grad transform
+    # (torch.func.grad, vjp, jacrev's forward) is replayed, its wrapped tensors varying
+    # as what they wrap and the record's decisions logical; a torch.func.vmap (its
+    # batched tensors are not what a record describes), jvp, or more than one level
+    # is decided per op. A transform's level is its depth: one grad above the body's)
     interp = peek_interpreter_stack()
-    if interp is not None and interp.level() > tr.level:
+    if interp is not None and interp.level() > tr.level and (
+            interp.level() != max(tr.level, 0) + 1 or interp.key() != TransformGrad):
         return None
     return tr
 
@@ -166,14 +244,15 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
     mode = tr.mode
     pop_rule()
     try:
+        records = apply._records
         key = _key(tr, params, args, kwargs)
+        key += (records.attributes(),)
         if apply._config_key is not None:
             key += apply._config_key()
         # (counted on every rank alike: a peer left in this call's agreement finds a
         # rank that replayed it by the count, without a collective: runtime/_watch)
         w = _watch.state
         w.planned, w.key = w.planned + 1, key
-        records = apply._records
         if records.seen != records.live:      # a forward hook added or removed since
             records.clear()
         rec = records.get(key)

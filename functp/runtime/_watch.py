@@ -272,8 +272,9 @@ def _message(posts: list) -> str:
             "program run on some ranks only (`if rank == 0: evaluate()`) leaves the "
             "others waiting; run it on every rank and print on one. Where ranks wait in "
             f"{AGREEMENT}, they called a parallelized module with other plain arguments "
-            "or other tensors present (an attention_mask on some ranks only): give every "
-            "rank of the body the same ones (a float may differ: it is not keyed)")
+            "or other tensors present (an attention_mask on some ranks only), other plain "
+            "attributes of its modules, or a forward hook added on some ranks only: give "
+            "every rank of the body the same ones (a float may differ: it is not keyed)")
 
 
 def cause() -> str | None:
