@@ -985,3 +985,39 @@ def test_a_lift_needed_inside_a_container_argument_is_decided_per_op(run, how, w
         assert status[0] == "replayed" and status[3] == "replayed", status
         for s in status[1:3]:
             assert "planned module 'up' gets a tensor" in s and "container" in s, s
+
+
+class _Counting(_Blocks):
+    """A forward that counts its calls in a module attribute (a key that never
+    repeats), on a model whose ranks each hold their own plain attribute."""
+
+    def forward(self, batch, depth=None, scale=1.0):
+        self.calls += 1
+        return super().forward(batch, depth, scale)
+
+
+def _counted(how: str):
+    mesh = functp.make_mesh((2, 2), ("dp", "tp"))
+    model = _Counting()
+    model.calls, model.rank_id = 0, functp.process_index()
+    apply, params, specs = functp.parallelize(model, mesh, _PLAN)
+    x = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    step = functp.shard_map(lambda p, xb: functp.pmean((apply(p, (xb,)) ** 2).mean(), "dp"),
+                            mesh, in_specs=(specs, P("dp")), out_specs=P())
+    errors, counts = [], []
+    for _ in range(4):
+        grads = _grads(step, how, params, functp.shard(x, mesh, P("dp")))
+        errors.append(_error(apply.unshard(grads), _reference(model, x)))
+        counts.append(len(apply._records))
+    return errors, counts
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_an_attribute_the_forward_counts_in_records_every_call_boundedly(run, how, monkeypatch):
+    # (exact, no hang with a per-rank attribute; the records are dropped when there
+    # are too many, so a counter does not grow them without end)
+    from functp.parallel import _replayed
+    monkeypatch.setattr(_replayed, "_MAX_RECORDS", 2)
+    for errors, counts in run(4, _counted, how):
+        assert max(errors) <= 1e-10, errors
+        assert counts == [1, 2, 1, 2], counts

@@ -64,6 +64,8 @@ def config_key(module):
 
 # the attributes a key reads as they are (a float is a value: see Records.attributes)
 _ATTR_TYPES = {bool, int, str, type(None)}
+# the most records an apply keeps (then they are dropped and made anew)
+_MAX_RECORDS = 256
 
 
 def _builtin(cls) -> bool:
@@ -264,6 +266,10 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
         return run(params)
     out, new = _record(apply, tr, params, args, kwargs, run, key)
     if rec is None:
+        if len(apply._records) >= _MAX_RECORDS:
+            # (a key that never repeats, as a module attribute the forward counts its
+            # calls in: every call records, and the records must not grow without end)
+            apply._records.clear()
         apply._records[key] = new
     elif rec.why is None:
         # (a call that cannot be replayed where the first could: a replay of it would
