@@ -52,10 +52,40 @@ SLOW_FILES = {
 }
 
 
+# The longest tests (seconds on one of -n 2's workers, the whole suite, 2026-12-02, the
+# machine shared), longest first: they start first, so that the two workers (pyproject's
+# --dist worksteal: an idle worker takes half of the other's queue) end together instead
+# of one running a 60 s test alone at the end
+LONGEST = [
+    "test_estimate.py::test_every_hf_model_class_estimates_under_func_grad_without_a_mask",  # 147
+    "test_compile.py::test_inductor_compiles_a_transformers_llama_through_parallelize_tp2",  # 117
+    "test_examples.py::test_train_lm_loss_falls_and_resumes_on_another_mesh_in_a_fresh_process",
+    "test_compile.py::test_inductor_compiles_a_tied_sliding_window_gemma3_through_parallelize_tp2",
+    "test_docs.py::test_doc_torchrun_snippets_print_what_the_page_shows",            # 90 (all 8: 148)
+    "test_examples.py::test_train_llama_full_matches_unsharded_in_float64_and_bf16",   # 81
+    "test_compile.py::test_inductor_compiles_a_check_vma_false_body_of_gpt2",          # 75
+    "test_docs.py::test_doc_snippets_print_what_the_page_shows",                       # 57 (8: 69)
+    "test_watch.py::test_a_rank_0_only_evaluation_is_an_error_on_every_rank",          # 41
+    "test_whole_step.py::test_the_compiled_train_step_is_one_graph_equal_to_the_eager_step",
+    "test_watch.py::test_a_plain_argument_on_some_ranks_only_is_an_error_on_every_rank",  # 38
+    "test_compile.py::test_compiled_transformers_step_matches_eager",                  # 29 (8: 132)
+    "test_compile.py::test_inductor_buckets_functp_all_reduces",                       # 30
+    "test_examples.py::test_train_2d_launches_itself_and_matches_unsharded",           # 30
+    "test_whole_step_compile.py::test_compiled_whole_step_of_transformers_models_equals_eager",
+    "test_checkpoint.py::test_packed_weights_and_their_adam_moments_resume_on_any_mesh",  # 21
+]
+
+
+def _longest_rank(item) -> int:
+    name = item.nodeid.split("[")[0]
+    return next((k for k, t in enumerate(LONGEST) if name.endswith(t)), len(LONGEST))
+
+
 def pytest_collection_modifyitems(items):
     for it in items:
         if it.path.name in SLOW_FILES:
             it.add_marker(pytest.mark.slow)
+    items.sort(key=_longest_rank)        # (stable: the others keep their order)
     # tests that discard a gloo pool (run(..., last=True)) go last, so that no test
     # after them pays for starting a new one
     late = [it for it in items if it.get_closest_marker("discards_pool")]
