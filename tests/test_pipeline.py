@@ -119,7 +119,16 @@ def _stage(p, x, vs):
     return x @ p["head"] if "head" in p else x
 
 
-def _exact_body(cases):
+def _exact_body(cases, debug=None, calls=1):
+    """Each case's errors against the float64 model; ``calls`` steps of each pipeline
+    (the later ones reuse the first's boundary headers); ``debug`` sets the check mode
+    (off: point-to-point transfers, on: one all-to-all per tick)."""
+    if debug is not None:
+        prev = functp.set_debug(debug)
+        try:
+            return _exact_body(cases, None, calls)
+        finally:
+            functp.set_debug(prev)
     pp = functp.process_count()
     mesh = functp.make_mesh((pp,), ("pp",))
     r = functp.process_index()
@@ -134,7 +143,8 @@ def _exact_body(cases):
         mine = [_stage_params(p, r + j * pp, S) for j in range(v)]
         step = functp.pipeline(_stage, mesh, microbatches=m, schedule=sched, loss_fn=_ce,
                                virtual_stages=v, backward=mode)
-        loss, grads = step(mine if sched == "interleaved" else mine[0], ids, tgt)
+        for _ in range(calls):
+            loss, grads = step(mine if sched == "interleaved" else mine[0], ids, tgt)
         grads = grads if sched == "interleaved" else [grads]
         err = abs(loss.item() - ref_l.item())
         for j, gj in enumerate(grads):
@@ -183,6 +193,9 @@ def test_eight_stages_and_memory_bound(run):
 def test_schedules_exact_on_gloo(run):
     cases = [(s, v, 3, 6, "tape") for s, v in SCHEDS] + [("zero_bubble", 1, 4, 4, "func")]
     _assert_exact(run(2, _exact_body, cases, gloo=True))
+    # the check mode off (point-to-point, waited for where read), two calls each
+    _assert_exact(run(2, _exact_body, cases, False, 2, gloo=True))
+    _assert_exact(run(4, _exact_body, cases[:4], False, 2, gloo=True))
 
 
 # -- accumulation, and a tp axis beside pp --------------------------------------------------
@@ -467,3 +480,40 @@ def test_a_compiled_stage_in_every_schedule(run):
             # (and per shape: 6 rows in 4 microbatches are 2, 2, 1, 1)
             assert fw >= 1 and bw >= 1, (rank, sched, fw, bw)
         assert refused is not None and "functorch" in refused, (rank, refused)
+
+
+# -- the boundary headers of a call, reused by the next one with the same shapes ---------------
+
+def _reuse_body():
+    mesh = functp.make_mesh((2,), ("pp",))
+    r = functp.process_index()
+    p = _stage_params(_model(), r, 2)
+    ids = torch.randint(0, VOCAB, (6, 3), generator=torch.Generator().manual_seed(0))
+    wide = {"on": False}
+
+    def stage(q, x, vs):            # a later call widens stage 0's output (same inputs)
+        y = _stage(q, x, vs)
+        return torch.cat([y, y], -1) if wide["on"] and vs == 0 else y
+    step = functp.pipeline(stage, mesh, microbatches=3, loss_fn=_ce)
+    gathers = []
+    for _ in range(2):
+        with functp.comm_log() as log:
+            loss = step(p, ids, ids)[0].item()
+        gathers.append(sum(e.op == "all_gather" for e in log))
+    wide["on"] = True
+    try:
+        step(p, ids, ids)
+        said = None
+    except functp.ShardingError as e:
+        said = str(e)
+    wide["on"] = False
+    return gathers, said, step(p, ids, ids)[0].item() == loss
+
+
+def test_headers_reused_and_a_changed_shape_raised(run):
+    for gathers, said, same in run(2, _reuse_body):
+        # the first call: the agreement, stage 0's header, the close; then no header
+        assert gathers == [3, 2], gathers
+        assert said is not None and "stage 0's output for microbatch 0 has shape (2, 3, 8)" \
+            in said, said
+        assert same                  # the next call (its headers found anew) is right

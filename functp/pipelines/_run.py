@@ -25,7 +25,7 @@ import torch
 from ..runtime import _crosscheck, _world
 from ..runtime._errors import ShardingError, first_line
 from . import _stage
-from ._transfer import exchange, gather_rows
+from ._transfer import gather_rows, ready, start
 
 __all__ = ["Run"]
 
@@ -59,7 +59,7 @@ class Run:
     """The state of one call: inputs cut into microbatches, what each forward saved,
     what arrived and waits to be sent, the gradients summed so far."""
 
-    def __init__(self, step, g, chunks, inputs, targets, n: int):
+    def __init__(self, step, g, chunks, inputs, targets, n: int, known=None):
         t = self.t = step.schedule
         self.step, self.g, self.chunks, self.me = step, g, chunks, g.index
         self.last = t.stages * t.virtual_stages - 1
@@ -67,17 +67,24 @@ class Run:
         self.rows = [int(optree.tree_leaves(x)[0].shape[0]) for x in self.xs]
         self.n, self.split = n, t.schedule == "zero_bubble"
         self.saved, self.inbox, self.outbox = {}, {}, {}
-        self.trail: dict = {}          # virtual stage -> its output's (dtype, trailing shape)
+        self.trail: dict = {}          # virtual stage -> its output's trailing shape
         self.dtype = None              # what the transfers carry (one dtype per step)
+        self.sending: list = []        # (send work, tensor) not known to be complete
         self.grads = [None] * len(chunks)
         self.loss = None
         self.error = None              # (what, stage, microbatch, shape) met during the ticks
         self.failed = None             # (action, virtual stage, exception) this rank raised
-        self.moves, self.firsts = _transfers(t)
+        plan = step._plans.get(self.me)   # from the table alone: the same every call
+        if plan is None:
+            plan = step._plans[self.me] = (*_transfers(t),
+                                           {a.tick: a for a in t.actions[self.me]})
+        self.moves, self.firsts, self.mine = plan
+        if known is not None:          # the headers of an earlier call (Pipeline.__call__)
+            self.trail, self.dtype, self.firsts = dict(known[0]), known[1], {}
         step.peak_saved = 0
 
     def ticks(self) -> None:
-        mine = {a.tick: a for a in self.t.actions[self.me]}
+        mine = self.mine
         for tick in range(self.t.ticks):
             if tick in mine and self.failed is None:
                 try:
@@ -103,7 +110,8 @@ class Run:
         vs, key = self.me + a.chunk * self.t.stages, (a.chunk, a.microbatch)
         mode = self.step.backward
         if a.kind == "F":
-            x = self.xs[a.microbatch] if vs == 0 else self.inbox.pop(("F", vs, a.microbatch))
+            x = (self.xs[a.microbatch] if vs == 0
+                 else ready(*self.inbox.pop(("F", vs, a.microbatch))))
             s = self.saved[key] = _stage.forward(self.call(vs, a.microbatch),
                                                  self.chunks[a.chunk], x, mode, self.split)
             self.step.peak_saved = max(self.step.peak_saved, len(self.saved))
@@ -115,7 +123,7 @@ class Run:
         elif a.kind == "B":
             s = self.saved[key] if self.split else self.saved.pop(key)
             ct = (torch.tensor(self.rows[a.microbatch] / self.n, dtype=s.out.dtype)
-                  if vs == self.last else self.inbox.pop(("B", vs, a.microbatch)))
+                  if vs == self.last else ready(*self.inbox.pop(("B", vs, a.microbatch))))
             if ct.shape != s.out.shape:     # a loss or output of the wrong shape, noted
                 ct = torch.zeros_like(s.out)  # already: the step runs on to its error
             gx, gp = _stage.backward(s, ct, mode, self.split)
@@ -190,24 +198,38 @@ class Run:
                 out, want = self.outbox.pop(key, None), self.shape_of(key)
                 if out is None:         # this rank raised: zeros keep its peers going
                     out = torch.zeros(want, dtype=self.dtype)
-                elif tuple(out.shape) != want or out.dtype != self.dtype:
+                elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != want
+                      or out.dtype != self.dtype):
                     self.note("shape", key[1] - 1 if key[0] == "F" else key[1] + 1,
-                              key[2], out.shape)
+                              key[2], getattr(out, "shape", ()))
                     out = torch.zeros(want, dtype=self.dtype)
                 (local if dst == self.me else sends).append((dst, out) if dst != self.me
                                                             else (key, out))
             elif dst == self.me:
                 recvs.append((src, key))
         for key, out in local:
-            self.inbox[key] = out
+            self.inbox[key] = (out, ())
         if any(src != dst for src, dst, _ in moves):
-            got = exchange(sends, [(src, self.shape_of(key)) for src, key in recvs],
-                           self.g, self.dtype)
-            for (_, key), x in zip(recvs, got):
-                self.inbox[key] = x
+            got, waits, sending = start(
+                sends, [(src, self.shape_of(key)) for src, key in recvs], self.g, self.dtype)
+            for (_, key), x, w in zip(recvs, got, waits):
+                self.inbox[key] = (x, w)
+            if sending:                 # (a send's tensor is kept until it completes)
+                self.sending = [s for s in self.sending if not s[0].is_completed()]
+                self.sending += sending
+
+    def drain(self) -> None:
+        """Waits for every send, and for the receives a rank that raised never read:
+        the step's transfers end with it."""
+        for work, _ in self.sending:
+            work.wait()
+        for x, waits in self.inbox.values():
+            ready(x, waits)
+        self.sending, self.inbox = [], {}
 
     def close(self) -> torch.Tensor:
         """The closing all-gather: the loss to every rank, any rank's error to all."""
+        self.drain()
         err = self.error
         shape = list(err[3])[:4] if err else []
         row = [float(self.loss) if self.loss is not None else 0.0,
@@ -287,7 +309,8 @@ def _raise_noted(got: list[float], run: Run) -> None:
             f"microbatch {mb}; it must return a scalar, the microbatch's mean loss")
     raise ShardingError(
         f"functp.pipeline: stage {vs}'s output for microbatch {mb} has shape {shape}, "
-        f"but its first microbatch's output fixed {run.trail.get(vs, '?')} after the "
+        f"but its first microbatch's output (or an earlier call's, with the same "
+        f"parameter and batch shapes) fixed {run.trail.get(vs, '?')} after the "
         f"microbatch's rows (and dtype {run.dtype}); a stage's output may change only in "
         f"its number of rows")
 

@@ -1,12 +1,16 @@
 """The point-to-point transfers of a pipeline tick, and the pipeline's agreements.
 
-A tick's transfers (activations to the next stage, gradients to the previous one) go
-in one all-to-all over the pp axis whose splits are empty except between the ranks
-that exchange (as ``ppermute`` does, ``ops/_primitives.permute``): every rank of the
-axis joins every tick that has a transfer, and each knows from the schedule's table
-who sends what, so no rank ever waits for a send that does not come. They are raw
-collectives (no autograd: the schedule computes its gradients itself), recorded in
-``comm_log`` as ``permute`` and fingerprinted in the check mode like any other.
+A tick's transfers (activations to the next stage, gradients to the previous one) are
+batched isend/irecv between the pairs of ranks that exchange, started at the tick end
+and waited for where the received tensor is read (the sends at the step's end): each
+rank knows from the schedule's table who sends what and in which order, so no rank
+ever waits for a send that does not come, and none stops at a tick end for a peer
+that is not yet ready. In the check mode and under ``functp.simulate`` they are one
+all-to-all over the pp axis whose splits are empty except between the ranks that
+exchange (as ``ppermute`` does, ``ops/_primitives.permute``), which every rank joins
+at every tick that has a transfer. They are raw collectives (no autograd: the
+schedule computes its gradients itself), recorded in ``comm_log`` as ``permute`` and
+fingerprinted in the check mode like any other.
 """
 from __future__ import annotations
 
@@ -20,43 +24,71 @@ from ..runtime import _world
 from ..ops import _primitives as prim
 from ..runtime._torch_compat import c10d_functional as _c10d
 
-__all__ = ["exchange", "gather_rows"]
+__all__ = ["exchange", "start", "ready", "gather_rows"]
 
 
 def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, tuple]],
              g: AxisGroup, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Sends each ``(peer index, tensor)`` of ``sends`` and receives one tensor of
-    each ``(peer index, shape)`` of ``recvs`` (both in the order the peers agreed:
-    the schedule's), all in ``dtype``. **Returns:** the received tensors, in
-    ``recvs``' order. Point-to-point between the pairs that exchange; in the check
+    """:func:`start`, waited for: **returns** the received tensors, in ``recvs``'
+    order, every send complete."""
+    got, waits, sending = start(sends, recvs, g, dtype)
+    for work, _ in sending:
+        work.wait()
+    return [ready(x, w) for x, w in zip(got, waits)]
+
+
+def start(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, tuple]],
+          g: AxisGroup, dtype: torch.dtype) -> tuple[list, list, list]:
+    """Starts sending each ``(peer index, tensor)`` of ``sends`` and receiving one
+    tensor of each ``(peer index, shape)`` of ``recvs`` (both in the order the peers
+    agreed: the schedule's), all in ``dtype``.
+
+    **Returns:** ``(received, waits, sending)``: the receive buffers in ``recvs``'
+    order, for each the works to wait for before reading it (:func:`ready`), and the
+    send works (with their tensors) to wait for before the step ends. Point-to-point
+    between the pairs that exchange, waited for only where a buffer is read: a rank
+    does not stop at a tick end for a peer that is not ready to receive. In the check
     mode (whose fingerprint is a collective over the group) and under
     ``functp.simulate`` (whose groups torch's point-to-point calls do not know) one
-    all-to-all."""
+    all-to-all, complete on return."""
     if not (_crosscheck.ENABLED or _world.SIMULATING):
         return _pairs(sends, recvs, g, dtype)
-    return _all_to_all(sends, recvs, g, dtype)
+    got = _all_to_all(sends, recvs, g, dtype)
+    return got, [()] * len(got), []
 
 
-def _pairs(sends, recvs, g: AxisGroup, dtype) -> list[torch.Tensor]:
+def ready(buf: torch.Tensor, waits) -> torch.Tensor:
+    """``buf`` once its receive has completed."""
+    for work in waits:
+        work.wait()
+    return buf
+
+
+def _pairs(sends, recvs, g: AxisGroup, dtype):
     """Batched isend/irecv: only the ranks that exchange wait for each other (an
     all-to-all made every rank of the axis meet at every tick end)."""
     if _comm_log._local.active:        # one event per tick on every rank, as before
         _comm_log.record("permute", g.axes, sum(t.numel() * t.element_size()
                                                 for _, t in sends))
     pg = g.pg()
-    ops, out = [], []
+    ops, out, sent = [], [], []
     for peer, t in sends:
-        ops.append(dist.P2POp(dist.isend, t.to(dtype).contiguous(),
-                              dist.get_global_rank(pg, g.group_rank(peer)), pg))
+        t = t.to(dtype).contiguous()
+        sent.append(t)
+        ops.append(dist.P2POp(dist.isend, t, dist.get_global_rank(pg, g.group_rank(peer)), pg))
     for peer, shape in recvs:
         buf = torch.empty(shape, dtype=dtype)
         out.append(buf)
         ops.append(dist.P2POp(dist.irecv, buf,
                               dist.get_global_rank(pg, g.group_rank(peer)), pg))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return out
+    if not ops:
+        return out, [], []
+    works = dist.batch_isend_irecv(ops)
+    if len(works) != len(ops):         # one work for the batch (a coalesced backend)
+        return out, [works] * len(out), [(w, sent) for w in works]
+    n = len(sends)
+    return (out, [(w,) for w in works[n:]],
+            [(w, t) for w, t in zip(works[:n], sent)])
 
 
 def _all_to_all(sends, recvs, g: AxisGroup, dtype) -> list[torch.Tensor]:
