@@ -49,6 +49,12 @@ SLOW_FILES = {
     "test_models.py": "the bundled models trained against unsharded ones",
     "test_pretrained.py": "transformers checkpoint folders, written and loaded",
     "test_fsdp_groups.py": "FSDP groups on gloo processes and estimated",
+    "test_whole_step_compile.py": "the whole train step compiled (Dynamo, aot_eager)",
+}
+# and single tests of files the inner loop keeps
+SLOW_TESTS = {
+    "test_whole_step.py::test_the_compiled_train_step_is_one_graph_equal_to_the_eager_step":
+        "the whole train step compiled (39 s of the file's 42, the machine shared)",
 }
 
 
@@ -83,7 +89,7 @@ def _longest_rank(item) -> int:
 
 def pytest_collection_modifyitems(items):
     for it in items:
-        if it.path.name in SLOW_FILES:
+        if it.path.name in SLOW_FILES or it.nodeid.split("[")[0].endswith(tuple(SLOW_TESTS)):
             it.add_marker(pytest.mark.slow)
     items.sort(key=_longest_rank)        # (stable: the others keep their order)
     # tests that discard a gloo pool (run(..., last=True)) go last, so that no test
