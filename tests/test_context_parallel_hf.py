@@ -62,8 +62,10 @@ def _worst(got: dict, want: dict, loss, ref_loss) -> tuple[float, str]:
 
 
 def _model_body(model_type, shape, names, strategies, tape=False, balanced=True,
-                padded=False, packed=False):
-    """Each strategy's (worst relative error, where) against the unsharded model."""
+                padded=False, packed=False, calls=1):
+    """Each strategy's (worst relative error, where) against the unsharded model, at
+    the last of ``calls`` steps (a parallelized call after the first may be replayed:
+    functp.attention's collectives in the model's own code make it per op)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = _build(model_type, **SDPA, **FIELDS[model_type])
@@ -111,13 +113,14 @@ def _model_body(model_type, shape, names, strategies, tape=False, balanced=True,
         step = functp.shard_map(local, mesh, in_specs=(specs, *(batch,) * len(whole)),
                                 out_specs=P())
         args = functp.shard(whole, mesh, batch)
-        if tape:
-            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-            loss = step(leaves, *args)
-            loss.backward()
-            grads = {k: v.grad for k, v in leaves.items()}
-        else:
-            grads, loss = torch.func.grad_and_value(step)(params, *args)
+        for _ in range(calls):
+            if tape:
+                leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+                loss = step(leaves, *args)
+                loss.backward()
+                grads = {k: v.grad for k, v in leaves.items()}
+            else:
+                grads, loss = torch.func.grad_and_value(step)(params, *args)
         out[strategy] = _worst(apply.unshard(grads), ref_g, loss, ref_l)
     return out
 
@@ -136,12 +139,14 @@ def _check(results):
 
 @pytest.mark.parametrize("model_type", sorted(FIELDS))
 def test_cp2_every_strategy_func_grad(run, model_type):
-    _check(run(2, _model_body, model_type, (2,), ("cp",), STRATEGIES))
+    # (a second step: on a replay of the first, functp.attention's K/V collectives
+    # read untagged inputs and psum'd their gradients: off by 1.9-2.6, relative)
+    _check(run(2, _model_body, model_type, (2,), ("cp",), STRATEGIES, False, True, False, False, 2))
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])
 def test_cp2_tape(run, model_type):
-    _check(run(2, _model_body, model_type, (2,), ("cp",), STRATEGIES, True))
+    _check(run(2, _model_body, model_type, (2,), ("cp",), STRATEGIES, True, True, False, False, 2))
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])

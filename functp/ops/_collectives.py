@@ -76,6 +76,8 @@ def _collective(fr: _context.Frame, g: AxisGroup, what: str, t: torch.Tensor,
     one = g.size == 1 and (op is _ops.psum or op is _ops.pextremum)
     if tr is None:
         return t.clone() if one else op(t, g.key, *args)
+    if tr.replay is not None:       # (a planned call: ops/_replay.Scope decides)
+        tr.replay.collective(what)
     tr._paused += 1          # our own ops are not the user's program
     try:
         v = tr.get(t)

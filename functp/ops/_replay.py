@@ -440,6 +440,15 @@ class Scope:
         tr.replay, self.call.vma = self, self.hooks
         return self
 
+    def collective(self, what: str) -> None:
+        """A functp collective runs in the call. In a style's hook it runs under the
+        rule in a replay too; in the module's own code (functp.attention's K/V
+        all-gather) a replay has no tags for its input, which would read as invariant
+        and be pvary'd (its gradient psum'd): not replayable."""
+        r = self.recorder
+        if r is not None and not r.in_hook:
+            r.fail(f"functp.{what} runs in the module's own code")
+
     def __exit__(self, *exc) -> None:
         tr = self.tr
         tr.replay, self.call.vma = None, None
