@@ -7,6 +7,7 @@ compiled: the table of issue 39, on a GPU or (tiny sizes) on this CPU.
     python benchmarks/gpu_step.py --device cuda --size full --compile   # the GPU table
     python benchmarks/gpu_step.py --configs host --no-vma  # + check_vma=False steps
     python benchmarks/gpu_step.py --configs host --whole-step --compile   # + clip, AdamW
+    python benchmarks/gpu_step.py --configs compute --whole-step --compile  # compute-bound
 
 Variants (each ``eager`` and, with ``--compile``, ``torch.compile(fullgraph=True)``
 with Inductor): ``plain tape`` (the module, ``backward``; over several processes
@@ -59,13 +60,21 @@ CONFIGS = {
                                  layers=4, B=2, T=2048, tie=True),
     "host-bound h64 L8 1x8": dict(hidden=64, inter=128, heads=4, kv=2, vocab=128, layers=8,
                                   B=1, T=8, tie=False),
+    # the whole step where the matmuls, not the host, take the time (issue 54); on the
+    # CPU its own size ("cpu"), which the shrinking rule would make host-bound again
+    "compute-bound h1024 L4 4x512": dict(
+        hidden=1024, inter=4096, heads=16, kv=4, vocab=32000, layers=4, B=4, T=512,
+        tie=False, cpu=dict(hidden=256, inter=1024, heads=4, kv=2, vocab=2048, layers=2,
+                            B=2, T=128, tie=False)),
 }
 
 
 def tiny(c: dict) -> dict:
     """A configuration shrunk for the CPU: the same layer count and shape ratios, 1/32
     of the width (heads of 8), vocabulary 512, 1/64 of the tokens (the host-bound one
-    is already tiny)."""
+    is already tiny; a configuration with a ``cpu`` size: that one)."""
+    if "cpu" in c:
+        return dict(c["cpu"])
     if c["hidden"] <= 64:
         return dict(c)
     h = c["hidden"] // 32
@@ -345,7 +354,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--size", default=None, choices=("tiny", "full"),
                     help="default: full on cuda, tiny on cpu")
     ap.add_argument("--configs", default=None,
-                    help="comma-separated names (default: all); 'host-bound' for the last")
+                    help="comma-separated name prefixes (default: all): 'host' for the "
+                         "host-bound one, 'compute' for the compute-bound whole step")
     ap.add_argument("--compile", action="store_true", help="each variant compiled too")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3,
