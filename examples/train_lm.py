@@ -278,13 +278,6 @@ def main(argv=None) -> bool:
     if args.float64:
         model.double()                         # (after the swap: it copies the weights)
     apply, params, specs = functp.parallelize(model, mesh, LLAMA_TP_PLAN, axis="tp")
-    if cp:
-        # decided per op on every call: the replay of a recorded call (the default
-        # after the first) gives the k/v projections other gradients than the recorded
-        # call when the module calls functp.attention itself (the K/V all-gather's
-        # transpose inside the module; seen as losses off by 2.5e-4 from the third
-        # step); a library fix is due, until then the plan's calls are not replayed
-        apply.replay = False
     batch_axes = ("dp", SEQ_AXIS) if cp else "dp"
     batch_spec = P("dp", SEQ_AXIS) if cp else P("dp")
 
