@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -63,9 +64,10 @@ SLOW_TESTS = {
 
 
 # The longest tests (seconds on one of -n 2's workers, the whole suite, 2026-12-02, the
-# machine shared), longest first: they start first, so that the two workers (pyproject's
-# --dist worksteal: an idle worker takes half of the other's queue) end together instead
-# of one running a 60 s test alone at the end
+# machine shared), longest first: they start first, dealt in turn to the workers' shares
+# (pyproject's --dist worksteal hands each worker a contiguous share of the collection,
+# then an idle worker takes the back half of the other's queue), so that the workers
+# end together on short tests instead of one running a 60 s test alone at the end
 LONGEST = [
     "test_estimate.py::test_every_hf_model_class_estimates_under_func_grad_without_a_mask",  # 147
     "test_compile.py::test_inductor_compiles_a_transformers_llama_through_parallelize_tp2",  # 117
@@ -92,15 +94,31 @@ def _longest_rank(item) -> int:
     return next((k for k, t in enumerate(LONGEST) if name.endswith(t)), len(LONGEST))
 
 
-def pytest_collection_modifyitems(items):
+def _dealt(items: list, workers: int, total: int) -> list:
+    """``items`` (the first of ``total``) with the LONGEST first in each of the
+    ``workers`` contiguous shares worksteal makes of ``total`` (the first
+    ``total // workers``, then of the rest likewise), dealt longest first in turn; the
+    others keep their order."""
+    longest = sorted((it for it in items if _longest_rank(it) < len(LONGEST)), key=_longest_rank)
+    rest = iter([it for it in items if _longest_rank(it) == len(LONGEST)])
+    out, left = [], total
+    for w in range(workers):
+        size = left // (workers - w)
+        mine = longest[w::workers]
+        out += mine + list(itertools.islice(rest, max(0, size - len(mine))))
+        left -= size
+    return out + list(rest)
+
+
+def pytest_collection_modifyitems(config, items):
     for it in items:
         if it.path.name in SLOW_FILES or it.nodeid.split("[")[0].endswith(tuple(SLOW_TESTS)):
             it.add_marker(pytest.mark.slow)
-    items.sort(key=_longest_rank)        # (stable: the others keep their order)
     # tests that discard a gloo pool (run(..., last=True)) go last, so that no test
     # after them pays for starting a new one
     late = [it for it in items if it.get_closest_marker("discards_pool")]
-    items[:] = [it for it in items if it not in late] + late
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)   # (pytest-xdist's)
+    items[:] = _dealt([it for it in items if it not in late], workers, len(items)) + late
 
 
 def pytest_configure(config):
