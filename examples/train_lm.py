@@ -146,12 +146,11 @@ def lm_loss(logits, targets):
 
 # -- context parallelism: the sequence split over a mesh axis ---------------------------
 
-# The mesh axis the sequence is split over. Not named "cp": parallelize reads a "cp"
-# axis as the sequence split of a transformers model, which it does itself (and
-# refuses for a model without a transformers config); this Llama is functp's own,
-# whose attention below calls functp.attention, so parallelize lays out only its tp
-# plan and leaves this axis to the model.
-SEQ_AXIS = "seq"
+# The mesh axis the sequence is split over. This Llama is functp's own, whose attention
+# below calls functp.attention, so parallelize lays out only its tp plan and leaves
+# this axis to the model (a transformers model on a mesh with "cp" would get
+# functp.ContextParallel by plan: docs/long_sequences.md).
+SEQ_AXIS = "cp"
 
 
 def rotary_at(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

@@ -98,11 +98,11 @@ class ContextParallel:
         config = getattr(module, "config", None)
         if config is None or not hasattr(config, "_attn_implementation"):
             raise ShardingError(
-                f"parallelize: the mesh has a {self.axis!r} axis, which splits a "
-                f"transformers model's sequence, but {kind} has no transformers config "
-                f"(config._attn_implementation); for your own model, call "
-                f"functp.attention in its attention and functp.cp_shard its inputs, or "
-                f"use a mesh without {self.axis!r}")
+                f"parallelize: ContextParallel over {self.axis!r} splits a transformers "
+                f"model's sequence, but {kind} has no transformers config "
+                f"(config._attn_implementation); for your own model, leave "
+                f"ContextParallel out of the plan, call functp.attention in its "
+                f"attention and functp.cp_shard its inputs")
         out = ContextParallel(self.strategy, axis=self.axis, balanced=self.balanced)
         out.size = mesh.axis_size(self.axis)
         if out.strategy == "ulysses":
@@ -287,10 +287,12 @@ def _check_heads(module: nn.Module, mesh: Mesh, specs: dict, cp: ContextParallel
             f"ContextParallel('ring')")
 
 
-def context_parallel_of(mesh: Mesh, plan: Any) -> tuple[Any, ContextParallel | None]:
+def context_parallel_of(module: nn.Module, mesh: Mesh, plan: Any
+                        ) -> tuple[Any, ContextParallel | None]:
     """``(plan without its cp family, the ContextParallel)``: the plan's ``"cp"``
-    family, or, on a mesh with a ``cp`` axis, the default one; ``(plan, None)``
-    otherwise."""
+    family, or, on a mesh with a ``cp`` axis, the default one for a transformers
+    model; ``(plan, None)`` otherwise (a model of the user's own that calls
+    functp.attention itself keeps its ``cp`` axis as any other)."""
     cp = None
     if isinstance(plan, dict):
         fams = [k for k, v in plan.items() if isinstance(v, ContextParallel)]
@@ -300,6 +302,7 @@ def context_parallel_of(mesh: Mesh, plan: Any) -> tuple[Any, ContextParallel | N
                 raise ShardingError(f"parallelize: plan family {fams[0]!r} holds {cp!r}; "
                                     f"key it by its axis {cp.axis!r}")
             plan = {k: v for k, v in plan.items() if k not in fams} or "auto"
-    if cp is None and "cp" in mesh.axis_names:
+    if cp is None and "cp" in mesh.axis_names and hasattr(
+            getattr(module, "config", None), "_attn_implementation"):
         cp = ContextParallel()
     return plan, cp

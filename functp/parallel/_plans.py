@@ -436,7 +436,7 @@ def lay_out_plan(module: nn.Module, mesh: Mesh | None, plan: dict[str, Any] | st
                  ) -> tuple[Parallelized, dict[str, torch.Tensor], dict[str, P]]:
     """:func:`functp.parallelize` without its ``verify`` step (which runs this)."""
     mesh, config = _checked_mesh(module, mesh, distributed_config)
-    rules, cp = context_parallel_of(mesh, plan)
+    rules, cp = context_parallel_of(module, mesh, plan)
     families = _families(module, mesh, rules, axis, config)
     apply, local, specs = _lay_out(module, mesh, families, keep_module)
     if cp is not None:       # the sequence split over cp: not a batch axis
