@@ -206,18 +206,22 @@ def _padded_bytes(cf):
 def test_pad_to_capacity_sends_capacity_rows_to_every_peer(run, cf):
     # 4 ranks, 8 experts (2 a rank); each rank's 6 tokens x top-2 = 12 pairs:
     # capacity ceil(12 / 8 * cf) rows per expert, 2 x capacity rows to each peer,
-    # whatever the routing: 4 exchanges (out, back, and both in the backward)
+    # whatever the routing: 4 exchanges (out, back, and both in the backward), and a
+    # flag row to each peer out (and in its backward); no exchange of counts
     for log, sent, dropped in run(4, _padded_bytes, cf):
         cap = math.ceil(sent / 8 * cf)
         per_peer = 2 * cap * H * 8                  # local experts x capacity x hidden x 8 B
-        assert log.nbytes("ragged_all_to_all") == 4 * 4 * per_peer, (log.summary(), sent, cap)
+        assert log.nbytes("ragged_all_to_all") == 4 * 4 * per_peer + 2 * 4 * H * 8, (
+            log.summary(), sent, cap)
         assert log.count("ragged_all_to_all") == 4, log.summary()
+        assert log.count("all_gather") == 0, log.summary()
 
 
-def _bad_route():
+def _bad_route(extra):
     mesh = functp.make_mesh((2,), ("ep",))
     module = _block(4)
-    apply, params, specs = functp.parallelize(module, mesh, _plan(mesh, functp.ExpertDispatch()))
+    apply, params, specs = functp.parallelize(module, mesh,
+                                              _plan(mesh, functp.ExpertDispatch(**extra)))
     me = functp.process_index()
 
     def router_hook(m, a, out):     # rank 1 names expert 4 of 0..3
@@ -229,8 +233,11 @@ def _bad_route():
         step(params, functp.shard(_batch(4), mesh, P("ep")))
 
 
-def test_a_route_to_no_expert_is_an_error_on_every_rank(run):
-    run(2, _bad_route)
+@pytest.mark.parametrize("extra", [{}, dict(capacity_factor=1.0, pad_to_capacity=True)],
+                         ids=["ragged", "pad_to_capacity"])
+def test_a_route_to_no_expert_is_an_error_on_every_rank(run, extra):
+    # padded to capacity no counts are exchanged: the flag rows tell every rank
+    run(2, _bad_route, extra)
 
 
 def test_bad_options_are_refused():

@@ -5,7 +5,8 @@ over a mesh axis.
 router renumbers the routes to this rank's experts, the partial outputs are summed);
 :class:`ExpertDispatch` sends each (token, choice) pair to the rank holding its expert
 and back, with one ragged all-to-all each way (or equal padded blocks), dropping pairs
-over an expert's capacity when asked to.
+over an expert's capacity when asked to; padded to capacity, with sizes that follow
+from the shapes alone (no host read: the step compiles into one graph).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..ops._collectives import (all_gather, all_gather_invariant, all_to_all, axis_index,
                                 axis_size, pvary)
+from ..runtime import _compile, _world
 from ..runtime._errors import ShardingError
 from ..mesh._layout import chunk, uneven
 from ..mesh._spec import P
@@ -108,9 +110,15 @@ class ExpertDispatch(Style):
     ``pad_to_capacity``: with a ``capacity_factor``, every expert receives exactly its
     capacity of rows from each rank, the unused ones zero (Megatron's
     ``moe_pad_expert_input_to_capacity``): the exchanges' and the experts' shapes no
-    longer depend on the routing (for ``torch.compile`` and CUDA graphs), at the
+    longer depend on the routing, and the sizes follow from the shapes alone (every
+    rank of the axis holding as many tokens, as an even batch shard gives): no
+    counts are exchanged and nothing is read on the host for them, so the step
+    compiles into one graph (``torch.compile(fullgraph=True)``, CUDA graphs), at the
     price of sending and computing the padding: ``local experts x capacity`` rows to
-    each peer, each way.
+    each peer, each way (and one flag row per peer forward: whether the sender
+    routed a pair to no expert). Eagerly, a route to no expert is an error on every
+    rank, read after the exchange; while ``torch.compile`` traces nothing is read,
+    such a pair is dropped and ``dropped`` is not updated.
     ``dispatch``: ``"ragged"`` (default) or ``"padded"``: the earlier equal-block
     ``all_to_all`` that pads every (source, destination) block to the worst case
     (all of a rank's pairs to one destination; ``axis_size`` times the traffic of a
@@ -127,8 +135,10 @@ class ExpertDispatch(Style):
     (HSDP's ``dp_replicate``), whose gradients are all-reduced on the shard.
 
     Host syncs: one per call, for the counts (one all-gather of ``axis_size x
-    experts`` ints); none per expert. ``dropped[name]``: the pairs this rank dropped
-    in the last call of the module ``name`` (per thread, so per simulated rank).
+    experts`` ints; padded to capacity: no all-gather, one read of the flags after
+    the exchange, none under ``torch.compile``); none per expert.
+    ``dropped[name]``: the pairs this rank dropped in the last call of the module
+    ``name`` (per thread, so per simulated rank).
 
     Example (experts over ``ep``, tokens sharded over it)::
 
@@ -230,12 +240,19 @@ class ExpertDispatch(Style):
             pairs = back[st["slot"]]
         else:
             plan, padded = st["plan"], self.pad_to_capacity
-            rows = st["sent_rows"] if padded else st["order"].numel()
-            back = ragged_all_to_all(output, output.new_zeros(rows, output.shape[1]),
-                                     plan.recv_off, plan.recv, plan.back_off, plan.send,
-                                     call.axis, recv_offsets=plan.in_off)
-            pairs = (torch.nn.functional.pad(back, (0, 0, 0, 1))[st["slot"]] if padded
-                     else torch.zeros_like(back).index_copy(0, st["order"], back))
+            if padded:      # (the return trip carries no flag rows: its own sizes)
+                in_off, send, out_off, recv, recv_off = st["back"]
+                back = ragged_all_to_all(output, output.new_zeros(st["sent_rows"],
+                                                                  output.shape[1]),
+                                         in_off, send, out_off, recv, call.axis,
+                                         recv_offsets=recv_off)
+                pairs = torch.nn.functional.pad(back, (0, 0, 0, 1))[st["slot"]]
+            else:
+                back = ragged_all_to_all(output, output.new_zeros(st["order"].numel(),
+                                                                  output.shape[1]),
+                                         plan.recv_off, plan.recv, plan.back_off, plan.send,
+                                         call.axis, recv_offsets=plan.in_off)
+                pairs = torch.zeros_like(back).index_copy(0, st["order"], back)
         w = st["weights"].unsqueeze(-1)
         out = (pairs.unflatten(0, (-1, st["k"])) * w).sum(1).to(output.dtype)
         return _gather_slice(out, self.shared, call).reshape(st["shape"])
@@ -267,6 +284,15 @@ def _ragged_dispatch(style: ExpertDispatch, tokens, idx, weights, local, call):
     key = torch.where(bad, experts, idx)
     if style.pad_to_capacity:
         return _capacity_dispatch(style, tokens, key, weights, bad, local, call)
+    if _compile.tracing():
+        raise _compile.cannot_compile(
+            f"ExpertDispatch on {call.name!r}: the ragged dispatch's sizes are every "
+            f"rank's pairs per expert, read on the host (one all-gather of the counts), "
+            f"which torch.compile cannot make one graph of. For a compiled step give "
+            f"ExpertDispatch(capacity_factor=..., pad_to_capacity=True): the sizes then "
+            f"follow from the shapes alone (capacity_factor=experts / top_k drops no "
+            f"pair; 1.0 is Megatron's default); or compile without fullgraph=True (the "
+            f"body then runs eagerly)")
     if style.capacity_factor is not None:     # dropped pairs sort last, and stay
         place, cap = _place(style, key, weights, experts)
         key = torch.where(place < cap, key, experts)
@@ -284,27 +310,85 @@ def _ragged_dispatch(style: ExpertDispatch, tokens, idx, weights, local, call):
 
 
 def _capacity_dispatch(style: ExpertDispatch, tokens, key, weights, bad, local, call):
-    """Pad to capacity: the pairs each expert keeps go to its ``cap`` rows of an
-    ``experts x cap`` buffer (the dropped ones to a last row, cut off), which is
-    sent in blocks of ``local x cap`` rows per peer; the counts still travel, for
-    the route check, the peers' capacities and the dropped pairs."""
-    experts = axis_size(call.axis) * local
+    """Pad to capacity, with sizes known before any value is: the pairs each expert
+    keeps go to its ``cap`` rows of an ``experts x cap`` buffer (the dropped ones, and
+    routes to no expert, to a last row, cut off), sent in blocks of ``local x cap``
+    rows per peer, each followed by one flag row (1 where this rank routed a pair to
+    no expert). Every peer's capacity follows from the shapes alone
+    (:func:`_peer_capacities`), so nothing is exchanged or read on the host for the
+    sizes, and the dispatch compiles into one graph (``torch.compile(fullgraph=True)``,
+    CUDA graphs). Eagerly the flags and this rank's kept pairs are read once, after
+    the exchange: a route to no expert is an error on every rank (every rank got
+    every flag); while ``torch.compile`` or :func:`functp.estimate` traces nothing is
+    read: such a pair is dropped, and ``dropped`` is not updated."""
+    n = axis_size(call.axis)
+    experts, hidden = n * local, tokens.shape[1]
     place, cap = _place(style, key, weights, experts)
+    caps = _peer_capacities(style, call, key.numel() // call.state["k"], experts)
+    me = axis_index(call.axis)
+    assert caps[me] == cap, (caps, cap)           # (the same formula, on this rank's rows)
     kept = (place < cap) & (key < experts)
-    counts = torch.cat([torch.full((experts,), cap), bad.sum().reshape(1),
-                        kept.sum().reshape(1)])
-    plan = _expert_plan(counts, local, call)                 # the one host sync
-    style.dropped[call.name] = key.numel() - plan.extra[0]
     slot = torch.where(kept, key * cap + place, experts * cap)
     rows = tokens[torch.div(torch.arange(key.numel()), call.state["k"],
                             rounding_mode="floor")]
-    buf = tokens.new_zeros(experts * cap + 1, tokens.shape[1]).index_add(0, slot, rows)
-    call.state.update(plan=plan, slot=slot, sent_rows=experts * cap)
-    recv_x = ragged_all_to_all(buf[:experts * cap], buf.new_zeros(plan.recv_total,
-                                                                  tokens.shape[1]),
-                               plan.in_off, plan.send, plan.out_off, plan.recv, call.axis,
-                               recv_offsets=plan.recv_off)
-    return recv_x, plan.recv_experts
+    buf = tokens.new_zeros(experts * cap + 1, hidden).index_add(0, slot, rows)
+    flag = bad.any().to(tokens.dtype).expand(n, 1, hidden)
+    sent = torch.cat([buf[:experts * cap].reshape(n, local * cap, hidden), flag], 1)
+    # forward: local x cap rows + 1 flag row to each peer; the return trip: the rows
+    block = [local * c for c in caps]
+    # (a peer's buffer holds its sources' runs in order: this rank's lands after
+    # those of the ranks before it; back, its experts' block of the peer's buffer)
+    fwd = _static_sizes([local * cap + 1] * n, [b + 1 for b in block],
+                        [sum(block[:me]) + me] * n)
+    call.state["back"] = _static_sizes(block, [local * cap] * n, [me * b for b in block])
+    recv = ragged_all_to_all(sent.reshape(-1, hidden),
+                             tokens.new_zeros(sum(block) + n, hidden), *fwd[:4], call.axis,
+                             recv_offsets=fwd[4])
+    starts = fwd[4]
+    recv_x = torch.cat([recv.narrow(0, starts[s], block[s]) for s in range(n)])
+    recv_e = torch.cat([torch.arange(local).repeat_interleave(c) for c in caps])
+    call.state.update(plan=None, slot=slot, sent_rows=experts * cap)
+    if _compile.tracing() or _world.dry_run() is not None:
+        return recv_x, recv_e
+    flags = torch.stack([recv[starts[s] + block[s], 0] for s in range(n)])
+    *flags, kept_here = torch.cat([flags.ne(0).long(), kept.sum().reshape(1)]).tolist()
+    style.dropped[call.name] = key.numel() - kept_here           # the one host sync
+    if any(flags):
+        raise ShardingError(
+            f"ExpertDispatch on {call.name!r}: routing indices outside 0..{experts - 1} "
+            f"({experts} experts, {local} on each of the {n} ranks of {call.axis!r}) on "
+            f"ranks {[s for s, f in enumerate(flags) if f]} of {call.axis!r}; the router "
+            f"must give global expert numbers")
+    return recv_x, recv_e
+
+
+def _static_sizes(send: list[int], recv: list[int], out_off: list[int]):
+    """A ragged exchange's five size lists (in_off, send, out_off, recv, recv_off)
+    from the rows to and from each peer, every run packed from its buffer's start
+    in peer order, and where this rank's runs land in each peer's buffer."""
+    return ([sum(send[:j]) for j in range(len(send))], send, out_off, recv,
+            [sum(recv[:j]) for j in range(len(recv))])
+
+
+def _peer_capacities(style: ExpertDispatch, call, tokens: int, experts: int) -> list[int]:
+    """Every peer's capacity (in axis-index order) from the shapes alone: each rank
+    of the axis holds as many tokens before the ``shared`` slicing as this one (an
+    even shard of the batch: the check mode's boundary compares the shapes), so a
+    peer's tokens are its ``torch.chunk`` slice of those at its own place along the
+    shared axes, and its capacity Megatron's ``get_capacity`` of them."""
+    axes = call.axis if isinstance(call.axis, tuple) else (call.axis,)
+    sizes = [axis_size(a) for a in axes]
+    rows0 = call.state["rows"][0] if call.state["rows"] else tokens
+    caps = []
+    for j in range(math.prod(sizes)):
+        coord, rest = {}, j
+        for a, size in zip(reversed(axes), reversed(sizes)):     # major first
+            coord[a], rest = rest % size, rest // size
+        rows = rows0
+        for a in style.shared:
+            rows = chunk(rows, axis_size(a), coord[a] if a in coord else axis_index(a))[1]
+        caps.append(math.ceil(rows * call.state["k"] / experts * style.capacity_factor))
+    return caps
 
 
 def _place(style: ExpertDispatch, idx, weights, experts):
@@ -316,7 +400,8 @@ def _place(style: ExpertDispatch, idx, weights, experts):
     if style.drop_policy == "probs":          # highest weight first within an expert
         order = torch.argsort(-weights.detach(), stable=True)
     order = order[torch.argsort(idx[order], stable=True)]
-    counts = torch.bincount(idx, minlength=experts + 1)
+    # (bincount's length follows the values, a host read under torch.compile)
+    counts = torch.zeros(experts + 1, dtype=idx.dtype).index_add_(0, idx, torch.ones_like(idx))
     start = counts.cumsum(0) - counts
     rank = torch.arange(idx.numel()) - start[idx[order]]     # place within its expert
     return torch.empty_like(rank).scatter_(0, order, rank), cap
@@ -332,7 +417,6 @@ class _ExpertPlan(NamedTuple):
     back_off: list[int]     # where the results for peer j land in its sorted pairs
     recv_total: int
     recv_experts: torch.Tensor     # the local expert of every received row
-    extra: list[int]        # this rank's counts after its bad routes' (as given)
 
 
 def _expert_plan(counts: torch.Tensor, local: int, call: Call) -> _ExpertPlan:
@@ -361,7 +445,7 @@ def _expert_plan(counts: torch.Tensor, local: int, call: Call) -> _ExpertPlan:
     return _ExpertPlan(starts(send), send, [sum(per_dest[s][j] for s in range(me))
                                             for j in range(n)],
                        recv, starts(recv), [starts(per_dest[s])[me] for s in range(n)],
-                       sum(recv), experts, table[me][n * local + 1:])
+                       sum(recv), experts)
 
 
 def _padded_dispatch(tokens, idx, local, call):

@@ -177,13 +177,16 @@ def opaque(run: Callable, name: str, f: Callable | None = None) -> Opaque | None
             return out
         except Exception as e:
             if tracing() and _data_dependent(e):
-                error = untraceable(name, e)
+                own = _own_error(e)
+                error = own or untraceable(name, e)
                 warnings.warn(str(error), stacklevel=2)
                 if _torch_compat.one_graph():
                     # Dynamo answers any other error of this call with only "Unsupported
                     # output type for nonstrict_trace-ed function"; this one it passes on
-                    # with its text (see untraceable)
-                    raise error from e
+                    # with its text (see untraceable). (A cannot_compile error is e's
+                    # cause, or e: chained to e it would make a cycle of causes, which
+                    # Dynamo walks to the end)
+                    raise error from (None if own is not None else e)
                 raise       # (a graph break: without fullgraph=True the body runs eagerly)
             if not isinstance(e, ShardingError):
                 raise
@@ -225,10 +228,33 @@ def _untraceable_type() -> type:
         text Dynamo shows (as a UserError made from it), so that the user reads this
         message, not "Unsupported output type"."""
 
-        def __init__(self, message: str, cond: Any = None):
+        def __init__(self, message: str, cond: Any = None, own: bool = False):
             ShardingError.__init__(self, message)
-            self.cond = cond
+            self.cond, self.own = cond, own
     return UntraceableBody
+
+
+def cannot_compile(message: str) -> ShardingError:
+    """The error for a part of functp that cannot be one graph, raised while
+    ``torch.compile`` traces a body (``message``: what, why and the fix): with
+    ``fullgraph=True`` it is the error the user reads (its text as it is, not
+    :func:`untraceable`'s); without, a graph break, and the body runs eagerly.
+
+    Example::
+
+        if _compile.tracing():
+            raise _compile.cannot_compile("X reads counts on the host; give Y instead")
+    """
+    return _untraceable_type()(message, own=True)
+
+
+def _own_error(e: BaseException) -> BaseException | None:
+    """A :func:`cannot_compile` error, raised as ``e`` or as its cause (a planned
+    module's hook wraps what its style raised)."""
+    for x in (e, e.__cause__):
+        if getattr(x, "own", False) and isinstance(x, _untraceable_type()):
+            return x
+    return None
 
 
 def untraceable(name: str, e: BaseException) -> ShardingError:
