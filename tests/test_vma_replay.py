@@ -273,18 +273,21 @@ class _OwnCollective(torch.nn.Module):
     """A module whose own forward calls a functp collective (functp.attention's K/V
     all-gather over the sequence axis), not a style's hook."""
 
-    def __init__(self, d: int = 8):
+    def __init__(self, kind: str, d: int = 8):
         super().__init__()
+        self.kind = kind
         self.q, self.k = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
 
     def forward(self, x):
+        if self.kind == "pvary":      # (of a value already varying: the identity)
+            return functp.pvary(self.q(x) * self.k(x), "cp")
         return functp.attention(self.q(x)[:, None], self.k(x)[:, None], self.k(x)[:, None],
                                 "cp")
 
 
-def _own_collective(how: str):
+def _own_collective(how: str, kind: str):
     torch.manual_seed(0)
-    model = _OwnCollective().double()
+    model = _OwnCollective(kind).double()
     # (the axis named cp: parallelize leaves it to a model of the user's own, which
     # splits its sequence itself; the ContextParallel family is refused for it)
     mesh = functp.make_mesh((2,), ("cp",))
@@ -301,20 +304,25 @@ def _own_collective(how: str):
     errors = []
     for k in range(3):
         x = torch.randn(2, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
-        ref = torch.func.grad(lambda p: torch.nn.functional.scaled_dot_product_attention(
-            *(torch.nn.functional.linear(x, p[f"{n}.weight"], p[f"{n}.bias"])[:, None]
-              for n in "qkk")).pow(2).sum())(full)
+        lin = [lambda p, n=n: torch.nn.functional.linear(x, p[f"{n}.weight"], p[f"{n}.bias"])
+               for n in "qk"]
+        ref = torch.func.grad(lambda p: (lin[0](p) * lin[1](p)).pow(2).sum())(full) \
+            if kind == "pvary" else torch.func.grad(
+                lambda p: torch.nn.functional.scaled_dot_product_attention(
+                    lin[0](p)[:, None], lin[1](p)[:, None], lin[1](p)[:, None]).pow(2).sum())(full)
         block = x.chunk(2, 1)[functp.process_index()]
         _, grads = _grads(step, how, params, block, None)
         errors.append(max(float((grads[n] - ref[n]).abs().max()) for n in ref))
     return errors, apply.replay_status(), refused
 
 
-@pytest.mark.parametrize("how", STEPS)
-def test_a_collective_in_the_modules_own_code_is_decided_per_op(run, how):
-    # fails on ab5bcff: the replay gave the collective untagged inputs, which it
-    # pvary'd (a psum of their gradient): gradients off by 12-16 from the second call
-    for errors, status, refused in run(2, _own_collective, how):
+@pytest.mark.parametrize("how,kind", [(h, "attention") for h in STEPS] + [("tape", "pvary")])
+def test_a_collective_in_the_modules_own_code_is_decided_per_op(run, how, kind):
+    # fail on ab5bcff: the replay gave the collective (or pvary) untagged inputs,
+    # which it pvary'd (a psum of their gradient): gradients off by 12-16 (attention),
+    # 2.5 (pvary) from the second call
+    op = "all_gather" if kind == "attention" else "pvary"
+    for errors, status, refused in run(2, _own_collective, how, kind):
         assert "leave ContextParallel out of the plan" in refused, refused
         assert max(errors) <= 1e-12, errors
-        assert len(status) == 1 and "functp.all_gather runs in the module's own code" in status[0], status
+        assert len(status) == 1 and f"functp.{op} runs in the module's own code" in status[0], status

@@ -209,6 +209,8 @@ def pvary(x: Any, axis_name: AxisName) -> Any:
     fr, g = _group(axis_name, "pvary")
     if fr.tracker is None:
         return x
+    if fr.tracker.replay is not None:     # (as a collective: it reads the input's tag)
+        fr.tracker.replay.collective("pvary")
     with fr.tracker.paused():
         return _map(lambda t: fr.tracker.pvary(t, g.axes), x)
 

@@ -286,6 +286,8 @@ def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offset
     tr = fr.tracker
     if tr is None:
         return ragged(operand, output, g.key, in_off, send, land, recv)
+    if tr.replay is not None:       # (a planned call: ops/_replay.Scope decides)
+        tr.replay.collective("ragged_all_to_all")
     with tr.paused():       # the op's vma rule, over the union of its two inputs
         v = tr.get(operand) | tr.get(output) | g.axis_set
         if tr.get(operand) != v:
