@@ -271,33 +271,39 @@ class Recorder:
         self.trace.append(("left", hook, ser, self._running_hooks()))
 
     def finish(self, out, params: dict, acts: frozenset) -> Record:
-        """The record of a call that returned ``out``: its decisions, checked against
-        its trace; a parameter the call did not use gets the axes of the activations
-        ``acts`` it lacks (as any use inside the module would give it)."""
-        rec = self.rec
-        _nested(self)
-        if self.running:
-            self.fail("a planned module's forward did not return through its hooks")
-        for root, axes in self.lifts.items():
-            if root[0] == "p":
-                rec.params[root[1]] = axes
-            else:
-                rec.lifts.setdefault(root[1], {})[root[2]] = axes
-        used = {n for e in self.trace if e[0] == "op" for i in e[1]
-                for n in self.names.get(i, ())}
-        for n, t in params.items():
-            if n not in rec.params and isinstance(t, torch.Tensor):
-                floating = t.is_floating_point() or t.is_complex()
-                rec.params[n] = EMPTY if n in used or not floating else acts - self.tr.get(t)
-                if floating and n not in used:
-                    rec.unused.append(n)
-        result = tuple([self.serial(t) for t in output_tensors(out)])
-        rec.result = tuple([self.vma[i] for i in result])
-        if rec.why is None:
-            _rerun(self, result)
-        if rec.why is None:
-            _boundary_vmas(self)
-        return rec
+        """See :func:`_finish`."""
+        return _finish(self, out, params, acts)
+
+
+def _finish(r: Recorder, out, params: dict, acts: frozenset) -> Record:
+    """The record of a call that returned ``out``: its decisions, checked against
+    its trace; a parameter the call did not use gets the axes of the activations
+    ``acts`` it lacks (as any use inside the module would give it)."""
+    rec = r.rec
+    _nested(r)
+    if r.running:
+        r.fail("a planned module's forward did not return through its hooks")
+    for root, axes in r.lifts.items():
+        if root[0] == "p":
+            rec.params[root[1]] = axes
+        else:
+            rec.lifts.setdefault(root[1], {})[root[2]] = axes
+    used = {n for e in r.trace if e[0] == "op" for i in e[1]
+            for n in r.names.get(i, ())}
+    for n, t in params.items():
+        if n not in rec.params and isinstance(t, torch.Tensor):
+            floating = t.is_floating_point() or t.is_complex()
+            rec.params[n] = EMPTY if n in used or not floating else acts - r.tr.get(t)
+            if floating and n not in used:
+                rec.unused.append(n)
+    result = tuple([r.serial(t) for t in output_tensors(out)])
+    rec.result = tuple([r.vma[i] for i in result])
+    if rec.why is None:
+        _rerun(r, result)
+    if rec.why is None:
+        _boundary_vmas(r)
+    return rec
+
 
 def _nested(r: Recorder) -> None:
     """User code ran in a frame of its own inside the call (a shard_map body,

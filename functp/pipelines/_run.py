@@ -92,7 +92,7 @@ class Run:
                 except Exception as e:  # noqa: BLE001 - told to every rank at close()
                     a = mine[tick]
                     self.failed = (a, self.me + a.chunk * self.t.stages, e)
-            if tick in self.firsts and self.agree_shapes(self.firsts[tick]):
+            if tick in self.firsts and _agree_shapes(self, self.firsts[tick]):
                 return                  # a stage failed before its first send: close
             if tick in self.moves:
                 self.transfer(self.moves[tick])
@@ -152,40 +152,6 @@ class Run:
         if self.error is None:
             self.error = (what, vs, mb, tuple(shape))
 
-    def agree_shapes(self, stages: list[int]) -> bool:
-        """The header all-gather at a boundary's first send: every rank learns the
-        shape and dtype each new boundary carries. **Returns:** True where a stage
-        raised before it (every rank then goes to :meth:`close`)."""
-        row = [-1.0] * (3 + _DIMS)
-        for vs in (vs for vs in stages if vs % self.t.stages == self.me):  # at most one
-            out = self.outbox.get(("F", vs + 1, 0))
-            ok = (isinstance(out, torch.Tensor) and out.dtype in _DTYPES
-                  and 1 <= out.ndim <= _DIMS + 1)
-            dims = list(out.shape[1:]) if ok else []
-            code = float(_DTYPES.index(out.dtype)) if ok else (
-                _FAILED if out is None and self.failed is not None else -1.0)
-            row = [float(vs), code, float(out.ndim if ok else -1)] + [float(d) for d in dims]
-            row += [0.0] * (3 + _DIMS - len(row))
-        rows = gather_rows(row, self.g)
-        if any(got[0] >= 0 and got[1] == _FAILED for got in rows):
-            return True
-        for r, got in enumerate(rows):
-            if got[0] < 0:
-                continue
-            vs = int(got[0])
-            if got[1] < 0:
-                raise ShardingError(
-                    f"functp.pipeline: stage {vs} (rank {r}) returned something other than "
-                    f"one floating tensor of rank 1..{_DIMS + 1} with the microbatch on "
-                    f"dimension 0; the activation between stages must be one such tensor")
-            dtype = _DTYPES[int(got[1])]
-            if self.dtype is not None and dtype != self.dtype:
-                raise ShardingError(
-                    f"functp.pipeline: stage {vs} outputs {dtype}, an earlier stage "
-                    f"{self.dtype}; every activation between stages must have one dtype")
-            self.dtype = dtype
-            self.trail[vs] = tuple(int(d) for d in got[3:2 + int(got[2])])
-        return False
 
     def shape_of(self, key) -> tuple:
         kind, vs, mb = key
@@ -247,7 +213,7 @@ class Run:
             row += [0.0] * 5
         rows = gather_rows(row, self.g)
         if any(got[10] for got in rows):
-            self.raise_failed(rows, text)
+            _raise_failed(self, rows, text)
         for got in rows:
             if got[2]:
                 _raise_noted(got, self)
@@ -260,31 +226,67 @@ class Run:
         return torch.tensor(held[0], dtype=self.dtype or torch.get_default_dtype())
 
 
-    def raise_failed(self, rows: list[list[float]], text: bytes) -> None:
-        """Every rank raises, after one all-gather of the raising ranks' texts."""
-        width = int(max(got[14] for got in rows))
-        texts = gather_rows(list(text) + [0.0] * (width - len(text)), self.g)
-        parts = []
-        for r, got in enumerate(rows):
-            if got[10]:
-                vs, mb, kind = int(got[11]), int(got[12]), "FBW"[int(got[13])]
-                what = _KINDS[kind] + (" (its loss_fn included)" if kind == "F"
-                                       and vs == self.last else "")
-                words = bytes(int(b) for b in texts[r][:int(got[14])]).decode(errors="replace")
-                parts.append(f"stage {vs} (rank {r}) raised in its {what} of microbatch "
-                             f"{mb}: {words}")
-        message = ("functp.pipeline: " + "; and ".join(parts) + ". Every rank of the pp "
-                   "axis raises this: the ranks ran the step's remaining transfers (with "
-                   "zeros where the raising stage's results would go, the step's results "
-                   "thrown away) rather than wait for it, so the axis stays usable for "
-                   "the next step")
-        if self.failed is not None:
-            e = self.failed[2]
-            if hasattr(e, "add_note"):
-                e.add_note(f"functp: the other ranks of the pp axis raise ShardingError: "
-                           f"{message}")
-            raise _crosscheck.agreed(e)
-        raise _crosscheck.agreed(ShardingError(message))
+def _agree_shapes(run: Run, stages: list[int]) -> bool:
+    """The header all-gather at a boundary's first send: every rank learns the
+    shape and dtype each new boundary carries. **Returns:** True where a stage
+    raised before it (every rank then goes to :meth:`Run.close`)."""
+    row = [-1.0] * (3 + _DIMS)
+    for vs in (vs for vs in stages if vs % run.t.stages == run.me):  # at most one
+        out = run.outbox.get(("F", vs + 1, 0))
+        ok = (isinstance(out, torch.Tensor) and out.dtype in _DTYPES
+              and 1 <= out.ndim <= _DIMS + 1)
+        dims = list(out.shape[1:]) if ok else []
+        code = float(_DTYPES.index(out.dtype)) if ok else (
+            _FAILED if out is None and run.failed is not None else -1.0)
+        row = [float(vs), code, float(out.ndim if ok else -1)] + [float(d) for d in dims]
+        row += [0.0] * (3 + _DIMS - len(row))
+    rows = gather_rows(row, run.g)
+    if any(got[0] >= 0 and got[1] == _FAILED for got in rows):
+        return True
+    for r, got in enumerate(rows):
+        if got[0] < 0:
+            continue
+        vs = int(got[0])
+        if got[1] < 0:
+            raise ShardingError(
+                f"functp.pipeline: stage {vs} (rank {r}) returned something other than "
+                f"one floating tensor of rank 1..{_DIMS + 1} with the microbatch on "
+                f"dimension 0; the activation between stages must be one such tensor")
+        dtype = _DTYPES[int(got[1])]
+        if run.dtype is not None and dtype != run.dtype:
+            raise ShardingError(
+                f"functp.pipeline: stage {vs} outputs {dtype}, an earlier stage "
+                f"{run.dtype}; every activation between stages must have one dtype")
+        run.dtype = dtype
+        run.trail[vs] = tuple(int(d) for d in got[3:2 + int(got[2])])
+    return False
+
+
+def _raise_failed(run: Run, rows: list[list[float]], text: bytes) -> None:
+    """Every rank raises, after one all-gather of the raising ranks' texts."""
+    width = int(max(got[14] for got in rows))
+    texts = gather_rows(list(text) + [0.0] * (width - len(text)), run.g)
+    parts = []
+    for r, got in enumerate(rows):
+        if got[10]:
+            vs, mb, kind = int(got[11]), int(got[12]), "FBW"[int(got[13])]
+            what = _KINDS[kind] + (" (its loss_fn included)" if kind == "F"
+                                   and vs == run.last else "")
+            words = bytes(int(b) for b in texts[r][:int(got[14])]).decode(errors="replace")
+            parts.append(f"stage {vs} (rank {r}) raised in its {what} of microbatch "
+                         f"{mb}: {words}")
+    message = ("functp.pipeline: " + "; and ".join(parts) + ". Every rank of the pp "
+               "axis raises this: the ranks ran the step's remaining transfers (with "
+               "zeros where the raising stage's results would go, the step's results "
+               "thrown away) rather than wait for it, so the axis stays usable for "
+               "the next step")
+    if run.failed is not None:
+        e = run.failed[2]
+        if hasattr(e, "add_note"):
+            e.add_note(f"functp: the other ranks of the pp axis raise ShardingError: "
+                       f"{message}")
+        raise _crosscheck.agreed(e)
+    raise _crosscheck.agreed(ShardingError(message))
 
 
 def _describe(e: BaseException) -> str:
