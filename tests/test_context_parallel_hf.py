@@ -86,7 +86,7 @@ def _model_body(model_type, shape, names, strategies, tape=False, balanced=True,
         return _ce_sum(logits, tgt) / count
     ref_g, ref_l = torch.func.grad_and_value(ref_loss)(full)
     mesh = functp.make_mesh(shape, names)
-    dp = "dp" if "dp" in names else None
+    dp = next((a for a in names if a in ("dp", "fsdp")), None)     # the batch axis
     pos = kw.get("position_ids")
     out = {}
     for strategy in strategies:
@@ -95,6 +95,8 @@ def _model_body(model_type, shape, names, strategies, tape=False, balanced=True,
             plan = "auto"          # (the default family of a mesh with a cp axis)
         else:
             plan = {"cp": cpf} if "tp" not in names else _tp_cp(model, mesh, cpf)
+            if "fsdp" in names:
+                plan["fsdp"] = "auto"
         apply, params, specs = functp.parallelize(model, mesh, plan)
         assert "cp" not in apply.batch_axes, apply.batch_axes
         cp = apply.context_parallel
@@ -157,6 +159,12 @@ def test_cp2_tp2(run, model_type):
 def test_cp4_and_dp2_cp2(run):
     _check(run(4, _model_body, "qwen3", (4,), ("cp",), ("allgather", "ring")))
     _check(run(4, _model_body, "llama", (2, 2), ("dp", "cp"), STRATEGIES, True))
+
+
+def test_fsdp2_cp2_two_steps(run):
+    # FSDP's gathered weights beside the sequence split ("auto" and an explicit family)
+    _check(run(4, _model_body, "llama", (2, 2), ("fsdp", "cp"), STRATEGIES, False, True, False,
+               False, 2))
 
 
 def test_contiguous_blocks(run):
