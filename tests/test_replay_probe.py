@@ -373,6 +373,18 @@ def _vs_per_op(apply, step, how, params, *args):
     return got, max(float((got[k] - per_op[k]).abs().max()) for k in got)
 
 
+def _three_steps(apply, step, how, params, batch, ref):
+    """Three steps on ``batch`` (the first records, the others replay): each one's
+    error against the unsharded gradients ``ref``, its difference from the per-op
+    step, and the replay status."""
+    errors, diffs = [], []
+    for _ in range(3):
+        grads, diff = _vs_per_op(apply, step, how, params, batch)
+        errors.append(_error(apply.unshard(grads), ref))
+        diffs.append(diff)
+    return errors, diffs, apply.replay_status()
+
+
 def _boxed(how: str, shape, names):
     """Each container, its batch split over dp (twice: recorded, replayed), then
     replicated (twice): ``{wrap: (errors against the unsharded model, differences
@@ -576,12 +588,7 @@ def _transformed(how: str, kind: str):
         def loss(p, xb):
             return functp.pmean((apply(p, (xb,)) ** 2).mean(), "dp")
     step = functp.shard_map(loss, mesh, in_specs=(specs, P("dp")), out_specs=P())
-    errors, diffs = [], []
-    for _ in range(3):
-        grads, diff = _vs_per_op(apply, step, how, params, functp.shard(xs, mesh, P("dp")))
-        errors.append(_error(apply.unshard(grads), ref))
-        diffs.append(diff)
-    return errors, diffs, apply.replay_status()
+    return _three_steps(apply, step, how, params, functp.shard(xs, mesh, P("dp")), ref)
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -841,12 +848,7 @@ def _penalty_cut(how: str):
         g = torch.func.grad(lambda v: functp.psum((apply(p, v) ** 2).sum(), "dp"))(xb)
         return functp.pmean((g ** 2).mean() + (apply(p, xb) ** 2).mean(), "dp")
     step = functp.shard_map(loss, mesh, in_specs=(specs, P("dp")), out_specs=P())
-    errors, diffs = [], []
-    for _ in range(3):
-        grads, diff = _vs_per_op(apply, step, how, params, functp.shard(x, mesh, P("dp")))
-        errors.append(_error(apply.unshard(grads), ref))
-        diffs.append(diff)
-    return errors, diffs, apply.replay_status()
+    return _three_steps(apply, step, how, params, functp.shard(x, mesh, P("dp")), ref)
 
 
 @pytest.mark.parametrize("how", HOWS)

@@ -95,8 +95,7 @@ class ContextParallel:
         kind = type(module).__name__
         if self.axis not in mesh.axis_names:
             raise ShardingError(f"ContextParallel over {self.axis!r}: not an axis of {mesh}")
-        config = getattr(module, "config", None)
-        if config is None or not hasattr(config, "_attn_implementation"):
+        if not _attention_by_config(module):
             raise ShardingError(
                 f"parallelize: ContextParallel over {self.axis!r} splits a transformers "
                 f"model's sequence, but {kind} has no transformers config "
@@ -302,7 +301,12 @@ def context_parallel_of(module: nn.Module, mesh: Mesh, plan: Any
                 raise ShardingError(f"parallelize: plan family {fams[0]!r} holds {cp!r}; "
                                     f"key it by its axis {cp.axis!r}")
             plan = {k: v for k, v in plan.items() if k not in fams} or "auto"
-    if cp is None and "cp" in mesh.axis_names and hasattr(
-            getattr(module, "config", None), "_attn_implementation"):
+    if cp is None and "cp" in mesh.axis_names and _attention_by_config(module):
         cp = ContextParallel()
     return plan, cp
+
+
+def _attention_by_config(module: nn.Module) -> bool:
+    """Does ``module`` choose its attention by ``config._attn_implementation`` (a
+    transformers model), where ContextParallel swaps it in?"""
+    return hasattr(getattr(module, "config", None), "_attn_implementation")
