@@ -124,6 +124,14 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     config.addinivalue_line("markers", "discards_pool: the test ends its gloo pool")
     config.addinivalue_line("markers", "slow: left out of the inner loop (SLOW_FILES)")
+    # worksteal: an idle pytest worker (-n 2) takes half of the other's queue, so that
+    # both end together (the longest tests start first: LONGEST). Set here, not in
+    # pyproject's addopts, where it would make pytest refuse to start wherever
+    # pytest-xdist is not installed (a user's plain pytest; CI's wheel smoke at stop 58)
+    args = config.invocation_params.args
+    explicit = any(str(a).startswith("--dist") for a in args)
+    if getattr(config.option, "dist", "no") == "load" and not explicit:
+        config.option.dist = "worksteal"
 
 
 @pytest.fixture
