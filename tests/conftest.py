@@ -65,9 +65,10 @@ SLOW_TESTS = {
 
 # The longest tests (seconds on one of -n 2's workers, the whole suite, 2026-12-02, the
 # machine shared), longest first: they start first, dealt in turn to the workers' shares
-# (pyproject's --dist worksteal hands each worker a contiguous share of the collection,
-# then an idle worker takes the back half of the other's queue), so that the workers
-# end together on short tests instead of one running a 60 s test alone at the end
+# (--dist worksteal, set in pytest_configure below, hands each worker a contiguous share
+# of the collection, then an idle worker takes the back half of the other's queue), so
+# that the workers end together on short tests instead of one running a 60 s test
+# alone at the end
 LONGEST = [
     "test_estimate.py::test_every_hf_model_class_estimates_under_func_grad_without_a_mask",  # 147
     "test_compile.py::test_inductor_compiles_a_transformers_llama_through_parallelize_tp2",  # 117

@@ -78,3 +78,39 @@ def test_estimate_bytes_and_peak_memory_per_rank():
         comm = four.comm.nbytes() - four.comm.nbytes("all_reduce")
         assert comm == formula(strategy, 4, 1, 8, 2, 256, 16, 4)[1], (strategy, comm)
     assert all(0.7 <= r <= 1.3 for r in rows.values()), rows
+
+
+def _llama_cp_step(model, strategy, seq):
+    """One torch.func.grad step of a transformers Llama parallelized over ``cp``."""
+    from _hf import VOCAB
+    mesh = functp.make_mesh((functp.process_count(),), ("cp",))
+    apply, params, specs = functp.parallelize(model, mesh,
+                                              {"cp": functp.ContextParallel(strategy)})
+    ids = torch.randint(3, VOCAB, (1, seq), generator=torch.Generator().manual_seed(0))
+    step = functp.shard_map(
+        lambda p, i: functp.psum(apply(p, input_ids=i).logits.square().sum(), "cp"), mesh,
+        in_specs=(specs, P()), out_specs=P())
+    return torch.func.grad(step)(params, ids)
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ulysses", "ring"])
+def test_estimate_of_a_transformers_model_on_cp(strategy):
+    """functp.estimate of a parallelized transformers Llama on cp=2 and 4: its
+    attention's bytes are the page's formula once a layer (the parameters' gradient
+    all-reduces aside), and its peak per rank falls with cp."""
+    pytest.importorskip("transformers")
+    import warnings
+    from _hf import _build
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _build("llama", attn_implementation="sdpa", max_position_embeddings=256)
+    c = model.config
+    peaks = {}
+    for n in (2, 4):
+        est = functp.estimate(_llama_cp_step, n, model, strategy, 256)
+        comm = est.comm.nbytes() - est.comm.nbytes("all_reduce")
+        per_layer = formula(strategy, n, 1, c.num_attention_heads, c.num_key_value_heads,
+                            256 // n, c.head_dim, 8)[1]
+        assert comm == c.num_hidden_layers * per_layer, (n, comm, per_layer)
+        peaks[n] = est.peak_bytes
+    assert peaks[4] < peaks[2], peaks

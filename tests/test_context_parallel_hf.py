@@ -4,7 +4,8 @@ sequences, splits them in the load-balanced layout and runs the model's attentio
 functp.attention through transformers' attention registry. The loss and every
 parameter's gradient equal the unsharded float64 model's (1e-10) for Llama, Qwen3
 (GQA, q/k norms) and Mistral with a sliding window shorter than a block, every
-strategy, cp=2 and 4, cp2 x tp2 and dp2 x cp2, torch.func.grad and tape autograd;
+strategy, cp=2 and 4, cp2 x tp2, dp2 x cp2, fsdp2 x cp2 and a MoE (Qwen3-MoE) on
+ep2 x cp2, torch.func.grad and tape autograd;
 padding and packed documents; the model's own ``labels=`` loss; the errors on every
 rank."""
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _model_body(model_type, shape, names, strategies, tape=False, balanced=True,
     functp.attention's collectives in the model's own code make it per op)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = _build(model_type, **SDPA, **FIELDS[model_type])
+        model = _build(model_type, **SDPA, **FIELDS.get(model_type, {}))
     ids = _inputs()
     kw, mask = {}, None
     if padded:        # left padding of 3 tokens on the first sequence
@@ -86,7 +87,7 @@ def _model_body(model_type, shape, names, strategies, tape=False, balanced=True,
         return _ce_sum(logits, tgt) / count
     ref_g, ref_l = torch.func.grad_and_value(ref_loss)(full)
     mesh = functp.make_mesh(shape, names)
-    dp = next((a for a in names if a in ("dp", "fsdp")), None)     # the batch axis
+    dp = next((a for a in names if a in ("dp", "fsdp", "ep")), None)     # the batch axis
     pos = kw.get("position_ids")
     out = {}
     for strategy in strategies:
@@ -97,6 +98,9 @@ def _model_body(model_type, shape, names, strategies, tape=False, balanced=True,
             plan = {"cp": cpf} if "tp" not in names else _tp_cp(model, mesh, cpf)
             if "fsdp" in names:
                 plan["fsdp"] = "auto"
+            if "ep" in names:         # 'auto''s expert-parallel plan beside the family
+                from functp.parallel._hf import _auto_ep_plan
+                plan["ep"] = _auto_ep_plan(model, functp.ExpertDispatch(), None)
         apply, params, specs = functp.parallelize(model, mesh, plan)
         assert "cp" not in apply.batch_axes, apply.batch_axes
         cp = apply.context_parallel
@@ -165,6 +169,13 @@ def test_fsdp2_cp2_two_steps(run):
     # FSDP's gathered weights beside the sequence split ("auto" and an explicit family)
     _check(run(4, _model_body, "llama", (2, 2), ("fsdp", "cp"), STRATEGIES, False, True, False,
                False, 2))
+
+
+def test_ep2_cp2_moe_two_steps(run):
+    # a MoE's experts over ep (each ep rank routing its own rows' tokens, dispatched by
+    # ragged all-to-all) beside the sequence split over cp: issue 53's "compose with ep"
+    _check(run(4, _model_body, "qwen3_moe", (2, 2), ("ep", "cp"), STRATEGIES, False, True,
+               False, False, 2))
 
 
 def test_contiguous_blocks(run):
