@@ -11,7 +11,8 @@ A daemon thread looks once a second: a wait longer than ``FUNCTP_WATCH_S`` (5 s)
 posted to the process group's store with this rank's call and where it was made (the
 main thread's stack), and the posts of the peers that wait too are read. A peer
 waiting in another call is a divergence: every waiting rank prints the same error (the
-calls, the ranks in each, their source lines) and exits with status 1 — a
+calls, the ranks in each, their source lines) and, once all have printed it (a
+count in the store; at most ``SAY_S`` seconds), exits with status 1 — a
 collective's wait cannot be interrupted (gloo's ``abort`` does not end it), and its
 peers then fail at once ("connection closed"), raising the posted error. A rank that
 is merely slow (a checkpoint write, outside any functp collective) posts nothing and
@@ -183,7 +184,7 @@ def _watch() -> None:
         try:
             waited = time.monotonic() - since if wait is not None else 0.0
             if waited >= 1.0 and store.check([f"{_PREFIX}error"]):
-                _leave(me, store.get(f"{_PREFIX}error").decode(), linger=2.5)
+                _leave(store, me, store.get(f"{_PREFIX}error").decode())
             if state.planned and (wait is None or wait is not state.agreeing):
                 _look_for_agreement(store, me)
             if waited < WAIT_S:
@@ -215,7 +216,7 @@ def _watch() -> None:
             if other:
                 message = _message([mine] + peers)
                 store.set(f"{_PREFIX}error", message)
-                _leave(me, message, linger=3.5)
+                _leave(store, me, message)
         except Exception:       # noqa: BLE001 - the store gone (the job ending): stop
             return
 
@@ -233,17 +234,31 @@ def _look_for_agreement(store, me: int) -> None:
     if mine is not None:
         message = _message([post, mine])
         store.set(f"{_PREFIX}error", message)
-        _leave(me, message, linger=3.5)
+        _leave(store, me, message)
 
 
-def _leave(me: int, message: str, linger: float) -> None:
-    """Prints the error and ends the process (its wait cannot be interrupted),
-    ``linger`` seconds later: every waiting peer reads the posted error within a
-    second, and must have printed it before the first exit makes a launcher (torchrun)
-    end them all."""
+# how long a rank that printed the error waits for its peers to print it too before it
+# exits (they read it at their watcher's next look once they wait: a second or two,
+# more on a loaded machine; a peer busy outside any wait reads it at its next one)
+SAY_S = 30.0
+
+
+def _leave(store, me: int, message: str) -> None:
+    """Prints the error and ends the process (its wait cannot be interrupted) once
+    every rank has printed it (a count in the store), or ``SAY_S`` seconds on: the
+    first exit makes a launcher (torchrun) end the others, and a rank ended before it
+    printed would say nothing of why. (A fixed linger was not enough on a loaded
+    machine: a peer's watcher thread, scheduled late, was ended first.)"""
+    import torch.distributed as dist
     sys.stderr.write(f"[rank {me}] ShardingError: {message}\n")
     sys.stderr.flush()
-    time.sleep(linger)
+    try:
+        store.add(f"{_PREFIX}said", 1)
+        world, end = dist.get_world_size(), time.monotonic() + SAY_S
+        while store.add(f"{_PREFIX}said", 0) < world and time.monotonic() < end:
+            time.sleep(0.2)
+    except Exception:       # noqa: BLE001 - the store gone (its host ended): leave now
+        pass
     os._exit(1)
 
 
