@@ -95,22 +95,26 @@ def _llama_cp_step(model, strategy, seq):
 
 @pytest.mark.parametrize("strategy", ["allgather", "ulysses", "ring"])
 def test_estimate_of_a_transformers_model_on_cp(strategy):
-    """functp.estimate of a parallelized transformers Llama on cp=2 and 4: its
-    attention's bytes are the page's formula once a layer (the parameters' gradient
-    all-reduces aside), and its peak per rank falls with cp."""
+    """functp.estimate of a parallelized transformers Llama on cp=1, 2 and 4 at 512
+    tokens: its attention's bytes are the page's formula once a layer (the parameters'
+    gradient all-reduces aside), and the step's peak per rank at cp=4 (above what it
+    holds before the step: the activations and temporaries) is within 30% of a quarter
+    of cp=1's (issue 53; seen 0.28, 0.27, 0.24 for allgather, ulysses, ring)."""
     pytest.importorskip("transformers")
     import warnings
     from _hf import _build
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = _build("llama", attn_implementation="sdpa", max_position_embeddings=256)
+        model = _build("llama", attn_implementation="sdpa", max_position_embeddings=512)
     c = model.config
     peaks = {}
-    for n in (2, 4):
-        est = functp.estimate(_llama_cp_step, n, model, strategy, 256)
+    for n in (1, 2, 4):
+        est = functp.estimate(_llama_cp_step, n, model, strategy, 512)
         comm = est.comm.nbytes() - est.comm.nbytes("all_reduce")
-        per_layer = formula(strategy, n, 1, c.num_attention_heads, c.num_key_value_heads,
-                            256 // n, c.head_dim, 8)[1]
-        assert comm == c.num_hidden_layers * per_layer, (n, comm, per_layer)
-        peaks[n] = est.peak_bytes
-    assert peaks[4] < peaks[2], peaks
+        if n > 1:
+            per_layer = formula(strategy, n, 1, c.num_attention_heads, c.num_key_value_heads,
+                                512 // n, c.head_dim, 8)[1]
+            assert comm == c.num_hidden_layers * per_layer, (n, comm, per_layer)
+        peaks[n] = est.step_peak_bytes
+    assert peaks[4] < peaks[2] < peaks[1], peaks
+    assert 0.7 * peaks[1] / 4 <= peaks[4] <= 1.3 * peaks[1] / 4, (peaks[4] / peaks[1], peaks)
