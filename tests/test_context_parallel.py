@@ -1,6 +1,7 @@
 """functp.attention (issue 53): every strategy's output and gradients equal the whole
 sequence's float64 attention (1e-10), on 1-d and 2-d (cp x tp) meshes, load-balanced
-and contiguous, causal or not, GQA, sliding windows and packed documents, through
+and contiguous, causal or not, GQA, sliding windows, packed documents and logit
+soft-capping, through
 torch.func.grad and tape autograd; the errors, identical on every rank.
 
 Each body runs many cases (simulated ranks are cheap; gloo checks a few on processes).
@@ -23,10 +24,12 @@ STRATEGIES = ("allgather", "ulysses", "ring")
 # the oracle: softmax attention over the whole sequence, written out
 
 
-def reference(q, k, v, *, causal=False, window=None, position_ids=None):
+def reference(q, k, v, *, causal=False, window=None, position_ids=None, softcap=None):
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if softcap is not None:            # (Gemma-2's attn_logit_softcapping, before the mask)
+        s = torch.tanh(s / softcap) * softcap
     i = torch.arange(q.shape[2])
     keep = torch.ones(len(i), len(i), dtype=torch.bool)
     if causal:
@@ -51,14 +54,14 @@ def packed_positions(batch, n):
 
 
 def _case(mesh, spec, strategy, *, balanced, causal, hq, hk, seq, window=None, docs=False,
-          head_dim=3, batch=2, seed=0):
+          head_dim=3, batch=2, seed=0, softcap=None):
     """Max |difference| of the output and of q, k, v's gradients (torch.func.grad and
     tape) from the oracle's, as a dict."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, w = (torch.randn(batch, h, seq, head_dim, generator=g, dtype=torch.float64)
                   for h in (hq, hk, hk, hq))
     pos = packed_positions(batch, seq) if docs else None
-    opts = dict(causal=causal, window=window)
+    opts = dict(causal=causal, window=window, softcap=softcap)
     lay = dict(dim=2, balanced=balanced, spec=spec)
     loc = functp.cp_shard((q, k, v, w), mesh, **lay)
     pos_loc = None if pos is None else functp.cp_shard(pos, mesh, balanced=balanced)
@@ -113,23 +116,34 @@ def _one_d_body(n):
               for s in STRATEGIES for d in (False, True)]
     cases += [(f"{s} docs non-causal", dict(strategy=s, balanced=False, causal=False, hq=4,
                                              hk=2, seq=4 * n, docs=True)) for s in STRATEGIES]
+    # logit soft-capping (0.5: most scores of these normal q, k are capped hard), with
+    # GQA, a window and documents too
+    cases += [(f"{s} softcap causal={c} balanced={b}",
+               dict(strategy=s, balanced=b, causal=c, hq=4, hk=2, seq=4 * n, softcap=0.5))
+              for s in STRATEGIES for c in (True, False) for b in (True, False)]
+    cases += [(f"{s} softcap window docs", dict(strategy=s, balanced=True, causal=True, hq=4,
+                                                 hk=2, seq=4 * n, window=3, docs=True,
+                                                 softcap=0.5)) for s in STRATEGIES]
     return _check_all(mesh, spec, cases)
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_every_strategy_exact_on_a_cp_axis(run, n):
-    assert run(n, _one_d_body, n) == [45] * n
+    assert run(n, _one_d_body, n) == [60] * n
 
 
 def _two_d_body():
     # heads over tp, the sequence over cp: ulysses splits each rank's tp heads over cp
     mesh = functp.make_mesh((2, 2), ("cp", "tp"))
     spec = P(None, "tp", "cp", None)
-    return _check_all(mesh, spec, _grid(8, [(4, 4), (4, 2)]))
+    cases = _grid(8, [(4, 4), (4, 2)])
+    cases += [(f"{s} softcap", dict(strategy=s, balanced=True, causal=True, hq=4, hk=2,
+                                    seq=8, softcap=0.5)) for s in STRATEGIES]
+    return _check_all(mesh, spec, cases)
 
 
 def test_cp2_x_tp2_heads_split_over_tp(run):
-    assert run(4, _two_d_body) == [24] * 4
+    assert run(4, _two_d_body) == [27] * 4
 
 
 def _eight_body():
@@ -214,15 +228,17 @@ def _errors_body():
         _message(lambda: functp.shard_map(
             lambda q: functp.attention(q, q[:, :2], q[:, :2]), mesh,
             in_specs=spec, out_specs=spec)(q)),
+        _message(attend("ring", softcap=-1.0)),
     ]
 
 
 def test_errors_on_every_rank_name_the_fix(run):
     per_rank = run(2, _errors_body)
     assert per_rank[0] == per_rank[1], per_rank
-    ulysses, length, odd, name, gqa = per_rank[0]
+    ulysses, length, odd, name, gqa, softcap = per_rank[0]
     assert "3 q heads" in ulysses and "multiple of 2" in ulysses and "allgather" in ulysses
     assert "10 tokens" in length and "multiple of 2 * cp = 4" in length and "to 12" in length
     assert "3 tokens" in odd and "balanced=False" in odd and "cp_shard" in odd
     assert "'flash'" in name and "ring" in name
     assert "3 heads and k/v 2" in gqa
+    assert "softcap=-1.0" in softcap and "positive number" in softcap, softcap

@@ -34,7 +34,7 @@ def _fail(msg: str) -> None:
     raise ShardingError(f"functp.attention: {msg}")
 
 
-def _check(q, k, v, axis, strategy, n, balanced, window, position_ids) -> None:
+def _check(q, k, v, axis, strategy, n, balanced, window, position_ids, softcap=None) -> None:
     """Every bad argument, named with its shape and the fix; the same on every rank
     (the blocks' shapes are)."""
     if strategy not in STRATEGIES:
@@ -61,6 +61,10 @@ def _check(q, k, v, axis, strategy, n, balanced, window, position_ids) -> None:
               f"over {axis!r} (size {n}), which does not divide them: use a head count "
               f"that is a multiple of {n} here (with tensor parallelism, of tp x cp in "
               f"the model), or strategy='allgather' or 'ring'")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not softcap > 0):
+        _fail(f"softcap={softcap!r} must be a positive number (scores become "
+              f"softcap * tanh(scores / softcap), as Gemma-2's attn_logit_softcapping)")
     if window is not None and (not isinstance(window, int) or window < 1):
         _fail(f"window={window!r} must be a positive int (keys with |i - j| < window)")
     if position_ids is not None and (position_ids.ndim != 2 or position_ids.shape[1] != s
@@ -69,12 +73,34 @@ def _check(q, k, v, axis, strategy, n, balanced, window, position_ids) -> None:
               f"(batch or 1, {s}), as functp.cp_shard lays them out")
 
 
-def _sdpa(q, k, v, mask, scale, causal=False):
+def _sdpa(q, k, v, mask, scale, causal=False, softcap=None):
     if mask is not None and mask.ndim == 4 and mask.shape[0] != q.shape[0]:
         mask = mask.expand(q.shape[0], -1, -1, -1)
+    if softcap is not None:
+        return _capped(q, k, v, mask, scale, causal, softcap)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           is_causal=causal,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Logit soft-capping (Gemma-2's): ``softcap * tanh(scores / softcap)``."""
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
+
+
+def _capped(q, k, v, mask, scale, causal, softcap):
+    """SDPA's math with the scores soft-capped before the mask (no torch kernel caps
+    them): the ``sq x sk`` scores of this call held at once, as an eager attention's."""
+    g = q.shape[1] // k.shape[1]
+    if g > 1:                           # (GQA: each k/v head serves g query heads)
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = _cap((q @ k.transpose(-1, -2)) * scale, softcap)
+    if causal:                          # (SDPA's is_causal: the top-left triangle)
+        tri = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        mask = tri if mask is None else mask & tri
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
 
 
 def _gather_kv(k, v, axis):
@@ -84,7 +110,7 @@ def _gather_kv(k, v, axis):
     return all_gather(k, axis, axis=2, tiled=True), all_gather(v, axis, axis=2, tiled=True)
 
 
-def _ulysses(q, k, v, axis, n, pos, scale, causal, window, docs):
+def _ulysses(q, k, v, axis, n, pos, scale, causal, window, docs, softcap=None):
     """Heads <-> sequence: (b, h, s, d) blocks to (b, h / n, n * s, d) and back.
 
     Between the two, the whole sequence is put into its own order, so that a plain
@@ -111,11 +137,12 @@ def _ulysses(q, k, v, axis, n, pos, scale, causal, window, docs):
     plain = causal and window is None and doc is None
     mask = None if plain else visible(natural, natural, causal=causal, window=window,
                                       q_doc=doc, k_doc=doc)
-    out = _sdpa(qh, kh, vh, mask, scale, causal=plain).index_select(2, pos)
+    out = _sdpa(qh, kh, vh, mask, scale, causal=plain, softcap=softcap).index_select(2, pos)
     return all_to_all(out, axis, 2, 1, tiled=True)
 
 
-def _allgather(q, k, v, axis, n, me, pos, scale, causal, window, docs, balanced):
+def _allgather(q, k, v, axis, n, me, pos, scale, causal, window, docs, balanced,
+               softcap=None):
     """This rank's queries over the gathered K/V. Under a causal mask each query chunk
     (two in the load-balanced layout) attends only to the keys it can see, K/V in the
     sequence's own order cut to the chunk's prefix (and to its window): about half
@@ -126,7 +153,7 @@ def _allgather(q, k, v, axis, n, me, pos, scale, causal, window, docs, balanced)
         q_doc = None if docs is None else docs[:, me * s:(me + 1) * s]
         mask = visible(pos[me * s:(me + 1) * s], pos, causal=False, window=window,
                        q_doc=q_doc, k_doc=docs)
-        return _sdpa(q, kf, vf, mask, scale)
+        return _sdpa(q, kf, vf, mask, scale, softcap=softcap)
     back = torch.argsort(pos)
     kf, vf = kf.index_select(2, back), vf.index_select(2, back)
     doc = None if docs is None else docs.index_select(1, back)
@@ -141,14 +168,14 @@ def _allgather(q, k, v, axis, n, me, pos, scale, causal, window, docs, balanced)
                        window=window, q_doc=None if doc is None else doc[:, start:end],
                        k_doc=None if doc is None else doc[:, lo:end])
         outs.append(_sdpa(q[:, :, i * c:(i + 1) * c], kf[:, :, lo:end], vf[:, :, lo:end],
-                          mask, scale))
+                          mask, scale, softcap=softcap))
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str = "cp", *,
               strategy: str = "allgather", causal: bool = False, balanced: bool = True,
               window: int | None = None, position_ids: torch.Tensor | None = None,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Softmax attention of this rank's queries over the whole sequence, whose blocks
     are split over ``axis``; call it inside a shard_map body.
 
@@ -163,7 +190,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str = "cp
     than contiguous; ``window`` – a sliding window (keys with ``|i - j| < window``);
     ``position_ids`` – this rank's block ``(batch, seq)`` of packed documents'
     positions: a document starts where they restart at 0, and no query sees another
-    document's keys; ``scale`` – the score scale (default ``1 / sqrt(head_dim)``).
+    document's keys; ``scale`` – the score scale (default ``1 / sqrt(head_dim)``);
+    ``softcap`` – logit soft-capping, the scaled scores becoming ``softcap *
+    tanh(scores / softcap)`` before the mask (Gemma-2's ``attn_logit_softcapping``;
+    no SDPA kernel applies it, so ``"allgather"`` and ``"ulysses"`` then compute each
+    call's scores whole, as an eager attention does; ``"ring"`` caps each block's).
 
     **Returns:** this rank's block of the output, ``(batch, heads, seq, head_dim)``;
     its gradients (tape or ``torch.func.grad``) are the whole sequence's attention's.
@@ -174,27 +205,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str = "cp
         out = functp.attention(q, k, v, "cp", strategy="ring", causal=True)
     """
     n = axis_size(axis)
-    _check(q, k, v, axis, strategy, n, balanced, window, position_ids)
+    _check(q, k, v, axis, strategy, n, balanced, window, position_ids, softcap)
     docs = None if position_ids is None else documents(position_ids, axis, n, balanced)
     return attend(q, k, v, axis, strategy=strategy, causal=causal, balanced=balanced,
-                  window=window, docs=docs, scale=scale)
+                  window=window, docs=docs, scale=scale, softcap=softcap)
 
 
 def attend(q, k, v, axis: str, *, strategy: str, causal: bool, balanced: bool,
            window: int | None, docs: torch.Tensor | None, scale: float | None,
-           checked: bool = True) -> torch.Tensor:
+           checked: bool = True, softcap: float | None = None) -> torch.Tensor:
     """:func:`attention` with the documents already known: ``docs`` is every token's
     document ``(batch, seq)`` over the whole sequence in the layout's order (equal ids
     see each other), or ``None``; for a caller that holds whole sequences
     (``parallel/_cp``: a transformers model's padding and packed documents)."""
     n = axis_size(axis)
     if not checked:
-        _check(q, k, v, axis, strategy, n, balanced, window, None)
+        _check(q, k, v, axis, strategy, n, balanced, window, None, softcap)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     me, s = axis_index(axis), q.shape[2]
     pos = layout_positions(n * s, n, balanced).to(q.device)
     if strategy == "ring":
-        return ring(q, k, v, axis, n, me, pos, scale, causal, window, docs)
+        return ring(q, k, v, axis, n, me, pos, scale, causal, window, docs, softcap)
     if strategy == "ulysses":
-        return _ulysses(q, k, v, axis, n, pos, scale, causal, window, docs)
-    return _allgather(q, k, v, axis, n, me, pos, scale, causal, window, docs, balanced)
+        return _ulysses(q, k, v, axis, n, pos, scale, causal, window, docs, softcap)
+    return _allgather(q, k, v, axis, n, me, pos, scale, causal, window, docs, balanced,
+                      softcap)

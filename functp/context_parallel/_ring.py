@@ -19,10 +19,12 @@ from ._mask import visible
 __all__ = ["ring"]
 
 
-def _block(q5, k, v, mask):
+def _block(q5, k, v, mask, softcap=None):
     """Scores of the grouped queries ``q5`` ``(b, hk, g, sq, d)`` (already scaled)
-    against one key block ``(b, hk, sk, d)``, masked."""
+    against one key block ``(b, hk, sk, d)``, soft-capped (``softcap``) and masked."""
     s = q5 @ k.unsqueeze(2).transpose(-1, -2)
+    if softcap is not None:             # (a score's own function: blockwise is exact)
+        s = softcap * torch.tanh(s / softcap)
     if mask is not None:
         m = mask if mask.ndim == 2 else mask.unsqueeze(2)     # (b, 1, 1, sq, sk)
         s = s.masked_fill(~m, float("-inf"))
@@ -30,7 +32,7 @@ def _block(q5, k, v, mask):
 
 
 def ring(q, k, v, axis: str, n: int, me: int, pos, scale: float, causal: bool,
-         window, docs) -> torch.Tensor:
+         window, docs, softcap: float | None = None) -> torch.Tensor:
     """This rank's attention output ``(b, hq, s, dv)`` over the whole sequence.
 
     ``pos``: every token's original position in the layout's order; ``docs``: the
@@ -55,7 +57,7 @@ def ring(q, k, v, axis: str, n: int, me: int, pos, scale: float, causal: bool,
         # Every rank runs every step, even a block its mask hides entirely: a rank that
         # skipped one would leave a received block unused, autograd would skip that
         # ppermute's backward there, and its peers would wait in theirs.
-        sc = _block(q5, kb, vb, mask)
+        sc = _block(q5, kb, vb, mask, softcap)
         # The max only keeps exp() in range (the result does not depend on it): no
         # gradient. Step 0 is this rank's own block, where every query sees itself,
         # so m is finite from then on and a hidden score's exp is exactly 0.

@@ -253,7 +253,6 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     cp = call.cp
     why = [w for w, bad in (
         (f"dropout={dropout} (pass model.eval() or attention_dropout=0)", dropout),
-        (f"softcap={softcap} (attention logit soft-capping)", softcap is not None),
         ("attention sinks (s_aux)", s_aux is not None),
         ("a mask the model built itself", attention_mask is not None)) if bad]
     if why:
@@ -263,7 +262,7 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = attend(query, key, value, cp.axis, strategy=cp.strategy, causal=bool(causal),
                  balanced=cp.balanced, window=sliding_window, docs=call.docs,
-                 scale=scaling, checked=False)
+                 scale=scaling, checked=False, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
