@@ -385,3 +385,42 @@ def _with_config(path):
 def test_a_distributed_config_makes_the_mesh_as_in_transformers(run, tmp_path):
     names, err = run(2, _with_config, _save(tmp_path, "llama"))[0]
     assert names == ("dp_replicate", "fsdp", "tp") and err < 1e-12, (names, err)
+
+
+def _compare_cp(path, strategy):
+    """from_pretrained on a cp mesh (issue 53, item 2): apply takes whole sequences and
+    returns this rank's block of the logits; the worst relative error of the loss and
+    of each gradient against transformers' own model (SDPA: float64 throughout)."""
+    warnings.simplefilter("ignore")
+    mesh = functp.make_mesh((2,), ("cp",))
+    plan = "auto" if strategy == "allgather" else {"cp": functp.ContextParallel(strategy)}
+    sdpa = dict(attn_implementation="sdpa")
+    apply, params, specs = functp.from_pretrained(path, mesh, plan, dtype=torch.float64, **sdpa)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **sdpa)
+    g = torch.Generator().manual_seed(1)
+    ids, tgt = torch.randint(3, VOCAB, (4, 8), generator=g), torch.randint(VOCAB, (4, 8), generator=g)
+    ref_apply, full = functp.functionalize(ref)
+    ref_grads, ref_loss = torch.func.grad_and_value(
+        lambda p: _loss(ref_apply(p, input_ids=ids, use_cache=False).logits, tgt))(full)
+    cp = apply.context_parallel
+
+    def local(p, i, t):
+        logits = apply(p, input_ids=i, use_cache=False).logits
+        total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), cp.block(t).flatten(),
+                                                  reduction="sum")
+        return functp.psum(total, "cp") / t.numel()
+    step = functp.shard_map(local, mesh, in_specs=(specs, P(), P()), out_specs=P())
+    grads, loss = torch.func.grad_and_value(step)(params, ids, tgt)
+    grads = apply.unshard(grads)
+    assert set(grads) == set(ref_grads), set(grads) ^ set(ref_grads)
+    worst = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    for k, r in ref_grads.items():
+        worst = max(worst, (grads[k] - r).abs().max().item() / max(r.abs().max().item(), 1e-12))
+    return worst
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+def test_loads_onto_a_cp_mesh_with_transformers_models_gradients(run, tmp_path, strategy):
+    path = _save(tmp_path, "llama")
+    worst = run(2, _compare_cp, path, strategy, gloo=True)[0]
+    assert worst < 1e-10, f"llama from_pretrained on cp=2 ({strategy}): differs by {worst:.2e}"
