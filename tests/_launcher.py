@@ -2,7 +2,9 @@
 
 Starting processes and process groups is the slow part of a distributed test, so a
 pool per world size lives for the whole session and runs one test body after the
-other. A body is a module-level function (pickled by reference); every rank runs it
+other, and its processes are forked from a forkserver that has imported torch and
+transformers once (``_PRELOAD``) rather than each importing them afresh (spawn): a
+pool's start costs a fork, not ~2.5 s of CPU a rank. A body is a module-level function (pickled by reference); every rank runs it
 and sends back its return value or its traceback. A failure or a hang tears the pool
 down (a failed collective can leave ranks out of step) and the next test starts a
 fresh one; nothing waits forever.
@@ -47,9 +49,17 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     dist.destroy_process_group()
 
 
+# What every worker imports, imported once by the forkserver the workers are forked
+# from (~2.5 s of CPU a worker otherwise, on this 2-core machine: torch, DTensor, which
+# functp's placement types pull in, and transformers). Not functp itself: it reads
+# FUNCTP_DEBUG at import, which _worker sets after the fork
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "transformers"]
+
+
 class Pool:
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
         self.world = world
         self.tasks = [ctx.SimpleQueue() for _ in range(world)]
         self.results = ctx.Queue()
