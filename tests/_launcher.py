@@ -4,8 +4,9 @@ Starting processes and process groups is the slow part of a distributed test, so
 pool per world size lives for the whole session and runs one test body after the
 other, and its processes are forked from a forkserver that has imported torch and
 transformers once (``_PRELOAD``) rather than each importing them afresh (spawn): a
-pool's start costs a fork, not ~2.5 s of CPU a rank. A body is a module-level function (pickled by reference); every rank runs it
-and sends back its return value or its traceback. A failure or a hang tears the pool
+pool's start costs a fork, not ~2.5 s of CPU a rank. A body is a module-level
+function (pickled by reference); every rank runs it and sends back its return value
+or its traceback. A failure or a hang tears the pool
 down (a failed collective can leave ranks out of step) and the next test starts a
 fresh one; nothing waits forever.
 """

@@ -53,18 +53,34 @@ def _loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def _reference(path, **kw):
+    """A batch, its targets, and the gradients and loss of transformers' own
+    from_pretrained model (float64, ``kw``: its attention) on them."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **kw)
+    g = torch.Generator().manual_seed(1)
+    ids, tgt = torch.randint(3, VOCAB, (4, 8), generator=g), torch.randint(VOCAB, (4, 8), generator=g)
+    ref_apply, full = functp.functionalize(ref)
+    ref_grads, ref_loss = torch.func.grad_and_value(
+        lambda p: _loss(ref_apply(p, input_ids=ids, use_cache=False).logits, tgt))(full)
+    return ids, tgt, ref_grads, ref_loss
+
+
+def _worst(grads, loss, ref_grads, ref_loss) -> float:
+    """The worst relative error of the loss and of each (unsharded) gradient."""
+    assert set(grads) == set(ref_grads), set(grads) ^ set(ref_grads)
+    worst = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    for k, r in ref_grads.items():
+        worst = max(worst, (grads[k] - r).abs().max().item() / max(r.abs().max().item(), 1e-12))
+    return worst
+
+
 def _compare(path, shape, names, tape, plan="auto"):
     """Worst relative error of the loss and of each gradient against transformers'
     own from_pretrained model, and the names of the parameters compared."""
     warnings.simplefilter("ignore")
     mesh = functp.make_mesh(shape, names)
     apply, params, specs = functp.from_pretrained(path, mesh, plan, dtype=torch.float64, **EAGER)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **EAGER)
-    g = torch.Generator().manual_seed(1)
-    ids, tgt = torch.randint(3, VOCAB, (4, 8), generator=g), torch.randint(VOCAB, (4, 8), generator=g)
-    ref_apply, full = functp.functionalize(ref)
-    ref_grads, ref_loss = torch.func.grad_and_value(
-        lambda p: _loss(ref_apply(p, input_ids=ids, use_cache=False).logits, tgt))(full)
+    ids, tgt, ref_grads, ref_loss = _reference(path, **EAGER)
     batch = apply.batch_axes or None
 
     def local(p, i, t):
@@ -73,12 +89,7 @@ def _compare(path, shape, names, tape, plan="auto"):
     step = functp.shard_map(local, mesh, in_specs=(specs, P(batch), P(batch)), out_specs=P())
     grads, loss = grads_and_loss(step, params, *functp.shard((ids, tgt), mesh, P(batch)),
                                  tape=tape)
-    grads = apply.unshard(grads)
-    assert set(grads) == set(ref_grads), set(grads) ^ set(ref_grads)
-    worst = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-    for k, r in ref_grads.items():
-        worst = max(worst, (grads[k] - r).abs().max().item() / max(r.abs().max().item(), 1e-12))
-    return worst, sorted(specs)
+    return _worst(apply.unshard(grads), loss, ref_grads, ref_loss), sorted(specs)
 
 
 _MESHES = {"tp2": ((2,), ("tp",)), "dp2_tp2": ((2, 2), ("dp", "tp")),
@@ -396,12 +407,7 @@ def _compare_cp(path, strategy):
     plan = "auto" if strategy == "allgather" else {"cp": functp.ContextParallel(strategy)}
     sdpa = dict(attn_implementation="sdpa")
     apply, params, specs = functp.from_pretrained(path, mesh, plan, dtype=torch.float64, **sdpa)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **sdpa)
-    g = torch.Generator().manual_seed(1)
-    ids, tgt = torch.randint(3, VOCAB, (4, 8), generator=g), torch.randint(VOCAB, (4, 8), generator=g)
-    ref_apply, full = functp.functionalize(ref)
-    ref_grads, ref_loss = torch.func.grad_and_value(
-        lambda p: _loss(ref_apply(p, input_ids=ids, use_cache=False).logits, tgt))(full)
+    ids, tgt, ref_grads, ref_loss = _reference(path, **sdpa)
     cp = apply.context_parallel
 
     def local(p, i, t):
@@ -411,12 +417,7 @@ def _compare_cp(path, strategy):
         return functp.psum(total, "cp") / t.numel()
     step = functp.shard_map(local, mesh, in_specs=(specs, P(), P()), out_specs=P())
     grads, loss = torch.func.grad_and_value(step)(params, ids, tgt)
-    grads = apply.unshard(grads)
-    assert set(grads) == set(ref_grads), set(grads) ^ set(ref_grads)
-    worst = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-    for k, r in ref_grads.items():
-        worst = max(worst, (grads[k] - r).abs().max().item() / max(r.abs().max().item(), 1e-12))
-    return worst
+    return _worst(apply.unshard(grads), loss, ref_grads, ref_loss)
 
 
 @pytest.mark.parametrize("strategy", ["allgather", "ring"])

@@ -23,7 +23,7 @@ from ..runtime._errors import ShardingError
 from ..ops._collectives import all_gather, all_to_all, axis_index, axis_size
 from ._layout import layout_positions
 from ._mask import documents, visible
-from ._ring import ring
+from ._ring import cap, ring
 
 __all__ = ["attention", "attend", "STRATEGIES"]
 
@@ -83,18 +83,13 @@ def _sdpa(q, k, v, mask, scale, causal=False, softcap=None):
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Logit soft-capping (Gemma-2's): ``softcap * tanh(scores / softcap)``."""
-    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
-
-
 def _capped(q, k, v, mask, scale, causal, softcap):
     """SDPA's math with the scores soft-capped before the mask (no torch kernel caps
     them): the ``sq x sk`` scores of this call held at once, as an eager attention's."""
     g = q.shape[1] // k.shape[1]
     if g > 1:                           # (GQA: each k/v head serves g query heads)
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    scores = _cap((q @ k.transpose(-1, -2)) * scale, softcap)
+    scores = cap((q @ k.transpose(-1, -2)) * scale, softcap)
     if causal:                          # (SDPA's is_causal: the top-left triangle)
         tri = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         mask = tri if mask is None else mask & tri

@@ -16,15 +16,19 @@ import torch
 from ..ops._collectives import ppermute
 from ._mask import visible
 
-__all__ = ["ring"]
+__all__ = ["ring", "cap"]
+
+
+def cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Logit soft-capping (Gemma-2's): ``softcap * tanh(scores / softcap)``; a
+    score's own function, so capping block by block is exact."""
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
 
 
 def _block(q5, k, v, mask, softcap=None):
     """Scores of the grouped queries ``q5`` ``(b, hk, g, sq, d)`` (already scaled)
     against one key block ``(b, hk, sk, d)``, soft-capped (``softcap``) and masked."""
-    s = q5 @ k.unsqueeze(2).transpose(-1, -2)
-    if softcap is not None:             # (a score's own function: blockwise is exact)
-        s = softcap * torch.tanh(s / softcap)
+    s = cap(q5 @ k.unsqueeze(2).transpose(-1, -2), softcap)
     if mask is not None:
         m = mask if mask.ndim == 2 else mask.unsqueeze(2)     # (b, 1, 1, sq, sk)
         s = s.masked_fill(~m, float("-inf"))
