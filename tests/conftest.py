@@ -51,8 +51,11 @@ SLOW_FILES = {
     "test_pretrained.py": "transformers checkpoint folders, written and loaded",
     "test_fsdp_groups.py": "FSDP groups on gloo processes and estimated",
     "test_whole_step_compile.py": "the whole train step compiled (Dynamo, aot_eager)",
+    "test_context_parallel_cost.py": "fake-tensor estimates of transformers models on cp",
+    "test_context_parallel_hf.py": "the transformers model matrix on cp meshes",
+    "test_pipeline_hf.py": "the transformers model matrix on pp meshes",
 }
-# and single tests of files the inner loop keeps
+# and single tests (or one case of one: its [id] too) of files the inner loop keeps
 SLOW_TESTS = {
     "test_whole_step.py::test_the_compiled_train_step_is_one_graph_equal_to_the_eager_step":
         "the whole train step compiled (39 s of the file's 42, the machine shared)",
@@ -60,6 +63,21 @@ SLOW_TESTS = {
     "to_eager_and_torch_optim": "the expert-parallel step compiled (13 s)",
     "test_pipeline.py::test_a_compiled_stage_in_every_schedule":
         "a stage compiled in every schedule (15 s)",
+    "test_replay_probe.py::test_a_rank_that_replayed_while_a_peer_agrees_is_found_without_"
+    "waiting": "two processes, one held outside functp on purpose (14 s)",
+    "test_torch_compat.py::test_torch_compile_in_two_simulated_ranks_at_once":
+        "two Dynamo compiles (5 s)",
+    "test_porting.py::test_an_id_outside_the_vocabulary_raises_in_a_compiled_step":
+        "a Dynamo compile (3 s)",
+    "test_api.py::test_one_process_mesh_needs_no_launcher": "a fresh Python process (6 s)",
+    "test_torch_compat.py::test_import_functp_leaves_the_compiler_and_the_memory_tracker_"
+    "for_later": "a fresh Python process (3 s)",
+    "test_ragged_sizes.py::test_a_second_mesh_over_the_same_groups_keeps_the_check_agreed_"
+    "not_an_abort": "a fresh Python process with gloo ranks (6 s)",
+    "test_interop.py::test_to_from_dtensor_round_trip": "DTensor's layouts, 4 gloo ranks (7 s)",
+    # (one case of a parametrized test: the inner loop keeps the others)
+    "test_context_parallel.py::test_every_strategy_exact_on_a_cp_axis[4]":
+        "every strategy on 4 ranks (7 s; 2 ranks stay)",
 }
 
 
@@ -113,7 +131,8 @@ def _dealt(items: list, workers: int, total: int) -> list:
 
 def pytest_collection_modifyitems(config, items):
     for it in items:
-        if it.path.name in SLOW_FILES or it.nodeid.split("[")[0].endswith(tuple(SLOW_TESTS)):
+        if it.path.name in SLOW_FILES or any(
+                n.endswith(tuple(SLOW_TESTS)) for n in (it.nodeid, it.nodeid.split("[")[0])):
             it.add_marker(pytest.mark.slow)
     # tests that discard a gloo pool (run(..., last=True)) go last, so that no test
     # after them pays for starting a new one
