@@ -517,3 +517,46 @@ def test_headers_reused_and_a_changed_shape_raised(run):
         assert said is not None and "stage 0's output for microbatch 0 has shape (2, 3, 8)" \
             in said, said
         assert same                  # the next call (its headers found anew) is right
+
+
+def _dp_body(cases):
+    """functp.pipeline inside a shard_map body manual over dp, mesh (dp, pp) = (2, 2):
+    each dp row pipes its own 4 of the 8 rows; the parameters replicated over dp, so
+    every stage's implicit pvary sums their gradients over dp (the rows' sum; halved
+    here for the mean) - but not the activations' and gradients' a stage receives,
+    which vary over dp as the batch does (before: untyped, their gradients were summed
+    over the rows too, and the first stage's were wrong)."""
+    mesh = functp.make_mesh((2, 2), ("dp", "pp"))
+    g = torch.Generator().manual_seed(3)
+    ws = torch.randn(4, 5, 5, dtype=torch.float64, generator=g) * 0.5
+    x, y = (torch.randn(8, 5, dtype=torch.float64, generator=g) for _ in range(2))
+
+    def full(w):
+        h = x
+        for i in range(4):
+            h = torch.tanh(h @ w[i])
+        return ((h - y) ** 2).mean()
+    ref = torch.func.grad(full)(ws)
+    pp = mesh.coordinate["pp"]
+    out = []
+    for sched, mode in cases:
+        step = functp.pipeline(lambda p, h: torch.tanh(torch.tanh(h @ p[0]) @ p[1]), mesh,
+                               microbatches=2, schedule=sched, backward=mode,
+                               loss_fn=lambda a, b: ((a - b) ** 2).mean())
+
+        def body(p, xb, yb):
+            loss, grads = step(p, xb, yb)
+            return functp.pmean(functp.pvary(loss, "dp"), "dp"), grads / 2
+        mapped = functp.shard_map(body, mesh, in_specs=(P(), P("dp"), P("dp")),
+                                  out_specs=(P(), P()), axis_names={"dp"})
+        loss, grads = mapped(ws[2 * pp:2 * pp + 2], *functp.shard((x, y), mesh, P("dp")))
+        out.append((sched, mode, (grads - ref[2 * pp:2 * pp + 2]).abs().max().item(),
+                    abs(loss.item() - full(ws).item())))
+    return out
+
+
+def test_dp_inside_the_body_of_every_schedule(run):
+    cases = [("gpipe", "tape"), ("1f1b", "func"), ("zero_bubble", "tape")]
+    for rank, rows in enumerate(run(4, _dp_body, cases)):
+        for sched, mode, err, lerr in rows:
+            assert err < 1e-10 and lerr < 1e-12, (rank, sched, mode, err, lerr)

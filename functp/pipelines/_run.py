@@ -22,6 +22,7 @@ import os
 import optree
 import torch
 
+from ..ops import _context
 from ..runtime import _crosscheck, _world
 from ..runtime._errors import ShardingError, first_line
 from . import _stage
@@ -66,6 +67,7 @@ class Run:
         self.xs, self.ys = _cut(inputs, t.microbatches), _cut(targets, t.microbatches)
         self.rows = [int(optree.tree_leaves(x)[0].shape[0]) for x in self.xs]
         self.n, self.split = n, t.schedule == "zero_bubble"
+        self.typed = _typer(inputs)
         self.saved, self.inbox, self.outbox = {}, {}, {}
         self.trail: dict = {}          # virtual stage -> its output's trailing shape
         self.dtype = None              # what the transfers carry (one dtype per step)
@@ -173,13 +175,13 @@ class Run:
                                                             else (key, out))
             elif dst == self.me:
                 recvs.append((src, key))
-        for key, out in local:
-            self.inbox[key] = (out, ())
+        for key, out in local:          # (typed: what arrives varies as the batch does)
+            self.inbox[key] = (self.typed(out), ())
         if any(src != dst for src, dst, _ in moves):
             got, waits, sending = start(
                 sends, [(src, self.shape_of(key)) for src, key in recvs], self.g, self.dtype)
             for (_, key), x, w in zip(recvs, got, waits):
-                self.inbox[key] = (x, w)
+                self.inbox[key] = (self.typed(x), w)
             if sending:                 # (a send's tensor is kept until it completes)
                 self.sending = [s for s in self.sending if not s[0].is_completed()]
                 self.sending += sending
@@ -315,6 +317,26 @@ def _raise_noted(got: list[float], run: Run) -> None:
         f"parameter and batch shapes) fixed {run.trail.get(vs, '?')} after the "
         f"microbatch's rows (and dtype {run.dtype}); a stage's output may change only in "
         f"its number of rows")
+
+
+def _typer(inputs):
+    """What marks a received activation or gradient inside a ``shard_map`` body: it
+    varies over the axes the batch varies over (a data-parallel row's activations are
+    its own), as a tensor computed from the batch would. Untyped (invariant), the
+    stage's implicit ``pvary`` of it would sum its gradient over those axes, mixing
+    the rows' microbatches. Outside a body: the tensor as it is."""
+    fr = _context.top()
+    tracker = fr.tracker if fr is not None else None
+    if tracker is None:
+        return lambda x: x
+    vma = frozenset().union(*(tracker.get(t) for t in optree.tree_leaves(inputs)
+                              if isinstance(t, torch.Tensor)))
+
+    def typed(x):
+        if vma and isinstance(x, torch.Tensor):
+            tracker.set(x, vma)
+        return x
+    return typed
 
 
 def _cut(tree, m: int) -> list:
