@@ -102,6 +102,49 @@ def test_tensor_parallel_plan_beside_pp(run):
             assert ("model.embed_tokens.weight" in held) == (rank // 2 == 0)
 
 
+def test_data_parallel_beside_pp(run):
+    # (dp, pp) = (2, 2): each dp row pipes its own 3 of the 6 sequences; the loss and
+    # the gradients are the rows' means, equal to the unsplit model's on the whole batch
+    cases = [(s, tied, [1, 1, 1, 1] if v else None, mode, 3) for s, v in SCHEDULES
+             for tied, mode in ((True, "tape"), (False, "func"))]
+    for rank, rows in enumerate(run(4, _body, cases, (2, 2), ("dp", "pp"))):
+        for (sched, tied, mode, err, held) in rows:
+            assert err < 1e-10, (rank, sched, tied, mode, err)
+            assert ("model.embed_tokens.weight" in held) == (rank % 2 == 0), (rank, held)
+
+
+@pytest.mark.parametrize("names", [("dp", "pp", "tp"), ("pp", "dp", "tp")])
+def test_data_parallel_and_tensor_parallel_beside_pp(run, names):
+    cases = [("1f1b", True, None, "tape", 3), ("zero_bubble", False, None, "func", 2),
+             ("interleaved", True, [1, 1, 1, 1], "tape", 3), ("gpipe", False, [3, 1], "tape", 3)]
+    for rank, rows in enumerate(run(8, _body, cases, (2, 2, 2), names)):
+        for (sched, tied, mode, err, _) in rows:
+            assert err < 1e-10, (names, rank, sched, tied, mode, err)
+
+
+def _dp_collectives_body():
+    """The collectives over dp of a (dp, pp, tp) step of 3 microbatches: the rows'
+    loss and their gradients, one all-reduce per dtype and split (none per
+    microbatch: the stages' backward leaves them unreduced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _hf._build("llama", num_hidden_layers=4)
+    ids, tgt = _data()
+    mesh = functp.make_mesh((2, 2, 2), ("dp", "pp", "tp"))
+    apply, params, specs = functp.parallelize(model, mesh, "auto")
+    step = apply.pipeline(microbatches=3, loss_fn=_hf._lm_loss, schedule="1f1b")
+    with functp.comm_log() as log:
+        step(params, ids, tgt)
+    return [e.op for e in log.events if "dp" in e.axes], apply.batch_axes
+
+
+def test_data_parallel_beside_pp_reduces_once_per_step(run):
+    for ops, batch_axes in run(8, _dp_collectives_body):
+        # the loss; the blocks split over tp and those replicated over it
+        assert ops == ["all_reduce"] * 3, ops
+        assert batch_axes == ("dp",)
+
+
 def _blocks_body():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -129,9 +172,10 @@ def test_stage_blocks_and_specs(run):
 def test_on_gloo_processes(run):
     # the point-to-point transfers and the tied gradient's exchange between processes
     cases = [("1f1b", True, None, "tape", 3), ("zero_bubble", True, None, "func", 3)]
-    for rank, rows in enumerate(run(4, _body, cases, (2, 2), ("pp", "tp"), gloo=True)):
-        for (sched, _, mode, err, _) in rows:
-            assert err < 1e-10, (rank, sched, mode, err)
+    for names in (("pp", "tp"), ("dp", "pp")):     # (dp: each row's own pp groups)
+        for rank, rows in enumerate(run(4, _body, cases, (2, 2), names, gloo=True)):
+            for (sched, _, mode, err, _) in rows:
+                assert err < 1e-10, (names, rank, sched, mode, err)
 
 
 # -- what is refused, with the reason, on every rank -----------------------------------------
@@ -140,8 +184,9 @@ def _error_body(case):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = _hf._build("llama", num_hidden_layers=4)
-    mesh = functp.make_mesh((2, 2) if case == "dp" else (2,), ("pp", "dp") if case == "dp"
-                            else ("pp",))
+    mesh = (functp.make_mesh((2, 2), ("pp", case)) if case in ("fsdp", "ep") else
+            functp.make_mesh((2, 2), ("dp", "pp")) if case == "uneven" else
+            functp.make_mesh((2,), ("pp",)))
     try:
         if case == "sum":
             functp.parallelize(model, mesh, "auto", stages=[3, 2])
@@ -151,8 +196,12 @@ def _error_body(case):
             functp.parallelize(model, mesh, "auto", stages=[1] * 8)
         elif case == "no_plan":
             functp.parallelize(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh, {})
-        elif case == "dp":
+        elif case in ("fsdp", "ep"):
             functp.parallelize(model, mesh, "auto")
+        elif case == "uneven":
+            apply, params, _ = functp.parallelize(model, mesh, "auto")
+            ids, tgt = _data(5)
+            apply.pipeline(microbatches=2, loss_fn=_hf._lm_loss)(params, ids, tgt)
         elif case == "interleaved":
             apply, params, _ = functp.parallelize(model, mesh, "auto")
             apply.pipeline(microbatches=2, loss_fn=_hf._lm_loss, schedule="interleaved")
@@ -169,11 +218,14 @@ def _error_body(case):
     ("count", r"stages=\[4, 0, 0\] must list the decoder layers of each pipeline stage: pp=2"),
     ("too_few", r"stages=\[1, 1, 1, 1, 1, 1, 1, 1\] must give .* summing to the model's 4"),
     ("no_plan", r"Sequential has no transformers pipeline plan .* functp.pipeline"),
-    ("dp", r"may have one other axis, the plan's 'tp' .* \['dp'\]"),
+    ("fsdp", r"may have the plan's 'tp' .* and data-parallel axes .* \['fsdp'\]: FSDP"),
+    ("ep", r"may have the plan's 'tp' .* \['ep'\]: FSDP, expert and context parallelism"),
+    ("uneven", r"batch's 5 sequences .* must split evenly over the data-parallel axes "
+               r"\['dp'\] \(2 rows"),
     ("interleaved", r"schedule='interleaved'.*1 virtual stage.*stages=\) with pp x v"),
     ("verify", r"verify= and distributed_config= are not built for pipelines"),
 ])
 def test_refused_on_every_rank(run, case, says):
     import re
-    out = run(2 if case != "dp" else 4, _error_body, case)
+    out = run(4 if case in ("fsdp", "ep", "uneven") else 2, _error_body, case)
     assert all(o is not None and re.search(says, o) for o in out), out

@@ -12,6 +12,11 @@ so the model's own ``forward`` runs unchanged: a later stage is called with
 parallel plan is laid out on that stage module over the other axes, as
 ``parallelize`` does for a whole model.
 
+Data-parallel axes beside ``pp`` (``batch_axes``): each row of the mesh along them
+pipes its own rows of the batch; the stages' backward leaves their gradients
+unreduced over those axes (``shard_map(..., unreduced=)``), and the step sums them
+once at its end, a bucket per dtype and split.
+
 A tied embedding lives on two stages (the first's embedding, the last's head): each
 computes its own use's gradient, and the step adds the two (one exchange between the
 first and last rank of ``pp``), so both hold the gradient the unsplit model has.
@@ -27,14 +32,19 @@ from torch import nn
 
 from ..mesh._mesh import Mesh
 from ..mesh._spec import P
+from ..ops._collectives import psum, pvary
 from ..pipelines._pipeline import pipeline as _pipeline
 from ..pipelines._transfer import exchange, gather_rows
 from ..runtime._errors import ShardingError
 from ..mapping._param_swap import ParamSwap
+from ..mapping._sharding import shard
 
 __all__ = ["PipelineStages", "split_layers", "lay_out_stages", "pipelined"]
 
 _ORDER = ("first", "layers", "last")
+# axes whose ranks hold their own tokens but not whole parameters (FSDP shards them,
+# expert parallelism its experts) or their own part of each sequence: not beside pp yet
+_NOT_BESIDE = ("fsdp", "dp_shard", "ep", "cp")
 
 
 def pipelined(mesh: Mesh, stages: Any, verify: bool, distributed_config: Any) -> bool:
@@ -190,12 +200,13 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
             f"stage: pp={pp} entries (or pp x v, v virtual stages per rank)")
     total = len(stages) if stages is not None else pp
     spans = split_layers(n, total, stages)
-    others = [a for a in mesh.axis_names if a != "pp"]
-    if [a for a in others if a != axis and mesh.axis_size(a) > 1]:
+    others = [a for a in mesh.axis_names if a != "pp" and a != axis and mesh.axis_size(a) > 1]
+    if [a for a in others if a in _NOT_BESIDE]:
         raise ShardingError(
-            f"parallelize: a mesh with a 'pp' axis may have one other axis, the plan's "
-            f"{axis!r} (tensor parallel), today; {mesh} has {others}: data parallel and "
-            f"FSDP beside a pipeline are not built yet")
+            f"parallelize: a mesh with a 'pp' axis may have the plan's {axis!r} (tensor "
+            f"parallel) and data-parallel axes beside it, today; {mesh} has "
+            f"{[a for a in others if a in _NOT_BESIDE]}: FSDP, expert and context "
+            f"parallelism beside a pipeline are not built yet")
     me = mesh.coordinate["pp"]
     inner = _stage_mesh(mesh)
     applies, params, specs = [], [], []
@@ -212,11 +223,35 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
         applies.append(apply)
         params.append(local)
         specs.append(spec)
+    split = sorted({a for spec in specs for sp in spec.values() for a in sp.axes} & set(others))
+    if split:
+        raise ShardingError(
+            f"parallelize: the plan splits parameters over {split}, which a pipeline takes "
+            f"as data-parallel axes (each rank its own rows of the batch); beside 'pp' "
+            f"only the plan's {axis!r} may split them today")
     out = PipelineStages(model, mesh, inner, applies, spans, axis, specs)
+    out.batch_axes = tuple(a for a in mesh.axis_names if a in others)
     out._check_tied(params)
     if len(applies) == 1:
         return out, params[0], specs[0]
     return out, params, specs
+
+
+def _summed(grads: Any, specs: Any, axes: tuple, scale: float) -> Any:
+    """``grads`` summed over ``axes`` and scaled: one all-reduce per dtype and split
+    (the blocks split over the same axes flattened into one buffer, as DDP's
+    buckets; a buffer's type is its blocks', so split and replicated blocks go apart)."""
+    leaves, treedef = optree.tree_flatten(grads)
+    kinds = treedef.flatten_up_to(specs)
+    by_kind: dict = {}
+    for i, (t, spec) in enumerate(zip(leaves, kinds)):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            by_kind.setdefault((t.dtype, spec.axes), []).append(i)
+    for idx in by_kind.values():
+        flat = psum(torch.cat([leaves[i].reshape(-1) for i in idx]), axes) * scale
+        for i, piece in zip(idx, flat.split([leaves[i].numel() for i in idx])):
+            leaves[i] = piece.view(leaves[i].shape)
+    return optree.tree_unflatten(treedef, leaves)
 
 
 def _plain(module: nn.Module):
@@ -274,7 +309,8 @@ class PipelineStages:
     chunk ``j`` of rank ``r``); ``chunks`` – this rank's laid-out stage module(s), a
     :class:`Parallelized` each (or a plain function without a tensor-parallel axis);
     ``specs`` – their parameter specs; ``tied`` – the embedding's and head's names of
-    a tied embedding, or None.
+    a tied embedding, or None; ``batch_axes`` – the data-parallel axes beside ``pp``
+    (each of their rows pipes its own rows of the batch), or ``()``.
 
     ``apply.pipeline(microbatches=M, loss_fn=..., schedule=...)`` gives the step:
     ``loss, grads = step(params, input_ids, labels)``.
@@ -341,7 +377,9 @@ class PipelineStages:
 
         **Returns:** ``step``; ``loss, grads = step(params, input_ids, labels)`` with
         the whole batch on every rank: the batch's mean loss, and the gradients of
-        this rank's blocks (a tied embedding's the sum of both its uses).
+        this rank's blocks (a tied embedding's the sum of both its uses). With
+        data-parallel axes (``batch_axes``) each of their rows pipes its own rows of
+        the batch (``microbatches`` of those), which must split evenly over them.
 
         Example (2 ranks, a transformers Llama)::
 
@@ -359,16 +397,42 @@ class PipelineStages:
         inner = _pipeline(self, self.mesh, microbatches=microbatches, schedule=schedule,
                           loss_fn=loss_fn, virtual_stages=v, backward=backward)
 
+        dp = self.batch_axes
+        rows = self.stage_mesh.axis_size(dp) if dp else 1
+        spec = self.specs if v > 1 else self.specs[0]
+
         def body(params, ids, labels):
             loss, grads = inner(params, ids, labels)
-            return loss, self._sum_tied(grads)
+            grads = self._sum_tied(grads)
+            if dp:
+                # each data-parallel row piped its own rows of the batch: the batch's
+                # loss and gradients are the rows' means, the gradients left unreduced
+                # by the stages' backward and summed here once (a bucket per dtype)
+                # (pvary: the pipeline's closing exchange over pp returns them untyped)
+                loss = psum(pvary(loss, dp), dp) / rows
+                grads = _summed(pvary(grads, dp), spec, dp, 1 / rows)
+            return loss, grads
 
         if self.stage_mesh is None:
             return body
         from ..mapping._shard_map import shard_map
-        spec = self.specs if v > 1 else self.specs[0]
-        return shard_map(body, self.stage_mesh, in_specs=(spec, P(), P()),
-                         out_specs=(P(), spec))
+        batch = P(dp) if dp else P()
+        step = shard_map(body, self.stage_mesh, in_specs=(spec, batch, batch),
+                         out_specs=(P(), spec), unreduced=dp)
+        if not dp:
+            return step
+
+        def split_step(params, ids, labels):
+            n = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.ndim else -1
+            if n % rows:
+                raise ShardingError(
+                    f"apply.pipeline: the batch's {n} sequences (input_ids of shape "
+                    f"{tuple(getattr(ids, 'shape', ()))}) must split evenly over the "
+                    f"data-parallel axes {list(dp)} ({rows} rows of the mesh), each "
+                    f"row piping its own; give a batch that is a multiple of {rows}")
+            mine = shard((ids, labels), self.stage_mesh, batch)   # this row's sequences
+            return step(params, *mine)
+        return split_step
 
     def _sum_tied(self, grads):
         """The tied embedding's two gradients added, on both of its holders."""
