@@ -131,6 +131,53 @@ def test_sharded_checkpoint_with_an_index_loads_the_same(run, tmp_path):
     assert worst < 1e-10, worst
 
 
+def _staged(path, shape, names, schedule):
+    """from_pretrained onto a mesh with a pp axis, then a pipelined step: the worst
+    error against transformers' own model, the parameters this rank holds, and the
+    checkpoint keys it read (``read_block`` counted)."""
+    from unittest import mock
+    from functp.parallel import _pretrained
+    warnings.simplefilter("ignore")
+    read = []
+
+    def counted(folder, src, ranges, dtype):
+        read.append(getattr(src, "key", repr(src)))
+        return real(folder, src, ranges, dtype)
+    real = _pretrained.read_block
+    mesh = functp.make_mesh(shape, names)
+    with mock.patch.object(_pretrained, "read_block", counted):
+        apply, params, specs = functp.from_pretrained(path, mesh, dtype=torch.float64, **EAGER)
+    ids, tgt, ref_grads, ref_loss = _reference(path, **EAGER)
+    step = apply.pipeline(microbatches=2, loss_fn=_loss, schedule=schedule)
+    loss, grads = step(params, ids, tgt)
+    mine = apply.unshard(grads)
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if apply.tied else {}
+    worst = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    for k, g in mine.items():
+        r = ref_grads[tied.get(k, k)]
+        worst = max(worst, (g - r).abs().max().item() / max(r.abs().max().item(), 1e-12))
+    return worst, sorted(mine), sorted(set(read))
+
+
+@pytest.mark.parametrize("kind,shape,names,schedule", [
+    ("llama", (2,), ("pp",), "1f1b"), ("gemma", (2, 2), ("pp", "tp"), "zero_bubble"),
+    ("llama", (2, 2), ("dp", "pp"), "gpipe")])
+def test_loads_onto_a_pipeline_reading_only_its_stage(run, tmp_path, kind, shape, names,
+                                                       schedule):
+    # two decoder layers, one a stage; gemma ties its embedding to its head: the last
+    # stage reads the head from the embedding's stored tensor
+    path = _save(tmp_path, kind)
+    for rank, (worst, held, read) in enumerate(run(2 * len(shape), _staged, path, shape,
+                                                   names, schedule, gloo=True)):
+        stage = rank // 2 if names[0] == "pp" and len(shape) > 1 else rank % 2
+        assert worst < TOL.get(kind, 1e-10), (kind, names, rank, worst)
+        layers = {k.split(".")[2] for k in read if k.startswith("model.layers.")}
+        assert layers == {str(stage)}, (rank, read)
+        assert {k.split(".")[2] for k in held if k.startswith("model.layers.")} == {str(stage)}
+        assert ("model.embed_tokens.weight" in read) == (stage == 0 or kind == "gemma"), read
+        assert ("model.norm.weight" in read) == (stage == 1), (rank, read)
+
+
 def _blocks(path):
     warnings.simplefilter("ignore")
     mesh = functp.make_mesh((2,), ("tp",))

@@ -209,7 +209,7 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
             f"parallelism beside a pipeline are not built yet")
     me = mesh.coordinate["pp"]
     inner = _stage_mesh(mesh)
-    applies, params, specs = [], [], []
+    applies, params, specs, modules = [], [], [], []
     for j in range(total // pp):
         vs = me + j * pp
         _check_layer_kinds(model, spans[vs])
@@ -221,6 +221,7 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
             apply, local = _plain(module)
             spec = {k: P() for k in local}
         applies.append(apply)
+        modules.append(module)
         params.append(local)
         specs.append(spec)
     split = sorted({a for spec in specs for sp in spec.values() for a in sp.axes} & set(others))
@@ -231,6 +232,7 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
             f"only the plan's {axis!r} may split them today")
     out = PipelineStages(model, mesh, inner, applies, spans, axis, specs)
     out.batch_axes = tuple(a for a in mesh.axis_names if a in others)
+    out.modules = modules
     out._check_tied(params)
     if len(applies) == 1:
         return out, params[0], specs[0]
@@ -310,7 +312,8 @@ class PipelineStages:
     :class:`Parallelized` each (or a plain function without a tensor-parallel axis);
     ``specs`` – their parameter specs; ``tied`` – the embedding's and head's names of
     a tied embedding, or None; ``batch_axes`` – the data-parallel axes beside ``pp``
-    (each of their rows pipes its own rows of the batch), or ``()``.
+    (each of their rows pipes its own rows of the batch), or ``()``; ``modules`` –
+    the stage modules (the model's shallow copies holding the chunks' layers).
 
     ``apply.pipeline(microbatches=M, loss_fn=..., schedule=...)`` gives the step:
     ``loss, grads = step(params, input_ids, labels)``.

@@ -28,6 +28,7 @@ from ..runtime import _world
 from ..runtime._errors import CheckpointError, ShardingError, first_line
 from ._parallelize import parallelize
 from ._plans import Parallelized
+from ._pp import PipelineStages
 from ._style import Style
 
 __all__ = ["from_pretrained", "init_blocks", "save_pretrained"]
@@ -51,7 +52,9 @@ def from_pretrained(path: str | os.PathLike, mesh: Mesh | None = None, plan: Any
     ``**model_kwargs`` – passed to transformers' ``from_config``
     (``attn_implementation="eager"``, ``experts_implementation="eager"``).
 
-    **Returns:** ``(apply, params, specs)`` as :func:`functp.parallelize`; the model
+    **Returns:** ``(apply, params, specs)`` as :func:`functp.parallelize` (on a mesh
+    with a ``pp`` axis: this rank's pipeline stage, whose decoder layers, and the
+    embedding or the norm and head where it holds them, are all it reads); the model
     (``apply.module``) holds meta parameters only: the blocks are the weights, and
     calling the module itself raises; ``apply.module.generation_config`` is the
     folder's ``generation_config.json`` where it has one, as in transformers. The
@@ -77,9 +80,16 @@ def from_pretrained(path: str | os.PathLike, mesh: Mesh | None = None, plan: Any
     apply, _, specs = parallelize(model, mesh, plan, axis=axis,
                                   distributed_config=distributed_config)
     device = _device(apply.mesh)
-    params = _agreed(apply.mesh, lambda: _load(Folder(path, _WHAT), apply, device))
+    if isinstance(apply, PipelineStages):       # this rank's stage(s) only
+        params = _agreed(apply.mesh, lambda: _load_stages(Folder(path, _WHAT), apply, device))
+        for module in apply.modules:
+            rebuild_buffers(module, device)
+    else:
+        params = _agreed(apply.mesh, lambda: _load(Folder(path, _WHAT), apply, device))
     rebuild_buffers(model, device)
-    apply.released = True
+    for a in apply.chunks if isinstance(apply, PipelineStages) else [apply]:
+        if isinstance(a, Parallelized):
+            a.released = True
     return apply, params, specs
 
 
@@ -139,14 +149,13 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
     return out
 
 
-def _load(folder: Folder, apply: Parallelized, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every parameter's block, read from ``folder``; all sources checked first, so a
-    bad checkpoint fails before any tensor is read."""
-    model, mesh = apply.module, apply.mesh
-    conversions, _ = merges(model)
-    full = dict(model.named_parameters())
-    sources = {n: source_of(folder, names, full[n].shape, full[n].is_floating_point(),
-                            conversions) for n, names in _aliases(model).items()}
+def _load(folder: Folder, apply: Parallelized, device: torch.device,
+          model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter's block of ``apply.module`` (a pipeline stage's module: of the
+    whole ``model``, whose tied names it looks under too), read from ``folder``; all
+    sources checked first, so a bad checkpoint fails before any tensor is read."""
+    mesh = apply.mesh
+    full, sources = _sources(folder, apply.module, model)
     out = {}
     for name, src in sources.items():
         p, spec = full[name], apply.specs[name]
@@ -158,6 +167,33 @@ def _load(folder: Folder, apply: Parallelized, device: torch.device) -> dict[str
             block = style.shard_param(name, whole, spec, mesh, apply.axes.get(name, apply.axis))
         out[name] = block.to(device)
     return out
+
+
+def _load_stages(folder: Folder, stages: PipelineStages, device: torch.device):
+    """The blocks of this rank's pipeline stage(s), a dict per chunk: only their own
+    decoder layers (and the embedding, the norm and head where the stage holds them)
+    are read, so a rank holds about 1/pp of the model. A stage laid out without a
+    tensor-parallel plan reads its parameters whole."""
+    out = []
+    for module, chunk in zip(stages.modules, stages.chunks):
+        if isinstance(chunk, Parallelized):
+            out.append(_load(folder, chunk, device, stages.model))
+            continue
+        full, sources = _sources(folder, module, stages.model)
+        out.append({n: read_block(folder, src, [[(0, d)] for d in full[n].shape],
+                                  full[n].dtype).to(device) for n, src in sources.items()})
+    return out if stages.virtual_stages > 1 else out[0]
+
+
+def _sources(folder: Folder, mine: nn.Module, model: nn.Module | None) -> tuple[dict, dict]:
+    """``mine``'s parameters and each one's checked source in ``folder`` (once per
+    tied group), found under any of its names in ``model`` (default: ``mine``)."""
+    model = model if model is not None else mine
+    conversions, _ = merges(model)
+    tied = {n: names for names in _aliases(model).values() for n in names}
+    full = dict(mine.named_parameters())
+    return full, {n: source_of(folder, tied.get(n, [n]), full[n].shape,
+                               full[n].is_floating_point(), conversions) for n in _aliases(mine)}
 
 
 def _agreed(mesh: Mesh, fn, what: str = _WHAT):
