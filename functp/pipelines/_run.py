@@ -243,6 +243,8 @@ def _agree_shapes(run: Run, stages: list[int]) -> bool:
         row = [float(vs), code, float(out.ndim if ok else -1)] + [float(d) for d in dims]
         row += [0.0] * (3 + _DIMS - len(row))
     rows = gather_rows(row, run.g)
+    if _world.dry_run() is not None:
+        rows = _published(_world.dry_run(), row, stages, run)
     if any(got[0] >= 0 and got[1] == _FAILED for got in rows):
         return True
     for r, got in enumerate(rows):
@@ -262,6 +264,33 @@ def _agree_shapes(run: Run, stages: list[int]) -> bool:
         run.dtype = dtype
         run.trail[vs] = tuple(int(d) for d in got[3:2 + int(got[2])])
     return False
+
+
+def _published(dry, row: list[float], stages: list[int], run: Run) -> list[list[float]]:
+    """The header rows in ``functp.estimate``'s trace of one rank, which has no peers
+    to gather them from: its own row is published for the ranks traced after it, and
+    a boundary another stage sends is the row its rank published (traced before), or
+    else the nearest earlier boundary's (the middle stages are taken to be alike,
+    as the estimate takes them)."""
+    if not hasattr(run, "board_key"):      # every rank's n-th call that agrees headers
+        dry.pipelines = getattr(dry, "pipelines", -1) + 1
+        run.board_key = ("functp.pipeline", dry.pipelines)
+    board = dry.board.setdefault(run.board_key, {})
+    if row[0] >= 0:
+        board[int(row[0])] = row
+    out = [row]
+    for vs in stages:       # (a boundary this rank receives: it holds stage vs + 1)
+        if vs % run.t.stages == run.me or (vs + 1) % run.t.stages != run.me:
+            continue
+        known = [b for b in board if b <= vs]
+        if not known:
+            raise ShardingError(
+                f"functp.estimate of functp.pipeline: stage {vs + 1}'s input is stage "
+                f"{vs}'s output, whose shape only the trace of the rank that holds stage "
+                f"{vs % run.t.stages} tells; trace that rank before this one (ranks='auto', "
+                f"or ranks= listing it)")
+        out.append([float(vs)] + board[max(known)][1:])
+    return out
 
 
 def _raise_failed(run: Run, rows: list[list[float]], text: bytes) -> None:

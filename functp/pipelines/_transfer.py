@@ -50,11 +50,28 @@ def start(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, tuple]],
     does not stop at a tick end for a peer that is not ready to receive. In the check
     mode (whose fingerprint is a collective over the group) and under
     ``functp.simulate`` (whose groups torch's point-to-point calls do not know) one
-    all-to-all, complete on return."""
-    if not (_crosscheck.ENABLED or _world.SIMULATING):
+    all-to-all, complete on return; so too in ``functp.estimate``'s trace, whose
+    fake collectives stand for the transfers."""
+    if not (_crosscheck.ENABLED or _world.SIMULATING or _world.dry_run() is not None):
         return _pairs(sends, recvs, g, dtype)
     got = _all_to_all(sends, recvs, g, dtype)
-    return got, [()] * len(got), []
+    # (estimate's trace: each send's tensor held until the next tick's transfers, as
+    # the point-to-point path holds it until its send completes)
+    held = [(_SENT, t) for _, t in sends] if _world.dry_run() is not None else []
+    return got, [()] * len(got), held
+
+
+class _Sent:
+    """A send that has completed (a fake trace's)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+_SENT = _Sent()
 
 
 def ready(buf: torch.Tensor, waits) -> torch.Tensor:

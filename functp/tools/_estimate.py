@@ -214,8 +214,11 @@ class _DryRank:
     """The rank an estimate traces: what ``process_index``/``process_count`` answer
     and what ``make_mesh`` builds inside it (``_world.dry_run()`` returns it)."""
 
-    def __init__(self, rank: int, size: int, prefix: str):
+    def __init__(self, rank: int, size: int, prefix: str, board: dict | None = None):
         self.rank, self.size, self.prefix = rank, size, prefix
+        # what the ranks traced before this one published for later ones (a
+        # pipeline stage's output shape: pipelines/_run.py), one estimate's
+        self.board = board if board is not None else {}
         self.meshes: dict[tuple, _mesh.Mesh] = {}
         self.members: dict[frozenset, tuple[int, ...]] = {}   # axes -> group's ranks
 
@@ -462,10 +465,10 @@ def estimate(fn: Callable[..., Any], nprocs: int, *args: Any,
     """
     ranks = _check_call(nprocs, ranks, reads, routing, warmup)
     hw = hardware_profile(hardware) if hardware is not None else None
-    est = Estimate(nprocs, hardware=hw)
+    est, board = Estimate(nprocs, hardware=hw), {}     # (board: _DryRank's)
 
     def trace(r):
-        return _fresh_trace(fn, nprocs, r, args, kwargs, hw, (reads, routing), warmup)
+        return _fresh_trace(fn, nprocs, r, args, kwargs, hw, (reads, routing), warmup, board)
     gc.collect()
     gc.freeze()
     try:
@@ -567,8 +570,8 @@ def _distinct_ranks(trace, nprocs: int) -> tuple[dict, dict[int, list[int]]]:
 
 
 def _trace(fn, nprocs: int, rank: int, args, kwargs,
-           hw: Hardware | None, rules: tuple = (None, "uniform"), warmup: int = 0
-           ) -> tuple[RankEstimate, _DryRank]:
+           hw: Hardware | None, rules: tuple = (None, "uniform"), warmup: int = 0,
+           board: dict | None = None) -> tuple[RankEstimate, _DryRank]:
     """Runs ``fn`` once as ``rank`` (and the step it returns ``warmup + 1`` times),
     on fake tensors, under torch's counters."""
     prefix = f"functp_dry{next(_ids)}_"
@@ -576,7 +579,7 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
     devices = _fake_devices.Devices()
     caller = _world.process_state()
     previous = _crosscheck.set_debug(False)     # no peers to compare with
-    dry = _DryRank(rank, nprocs, prefix)
+    dry = _DryRank(rank, nprocs, prefix, board)
     # the host's work is counted for a time prediction only (counting Python calls
     # slows the trace)
     host = _Host() if hw is not None else None
