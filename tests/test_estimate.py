@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 
 import dataclasses
+import math
 import os
 import sys
 
@@ -200,6 +201,21 @@ def test_a_pipeline_stage_traced_alone_says_which_rank_to_trace_first():
         functp.estimate(pipelined, 2, 2, "1f1b", ranks=[1])
     est = functp.estimate(pipelined, 2, 2, "1f1b", ranks=[0, 1])
     assert est.comm.count("permute") > 0 and est[1].peak_bytes > 0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+def test_a_pipeline_stage_waits_its_bubble(schedule):
+    # the predicted time of each stage counts its idle ticks of the schedule's table,
+    # each as long as its busy ones on average: Megatron's (p - 1) / m for 1F1B
+    est = functp.estimate(pipelined, 2, 2, schedule, hardware="h100-sxm")
+    table = functp.pipeline_schedule(schedule, 2, 8)
+    for r in (0, 1):
+        busy = sum(a.ticks for a in table.actions[r])
+        t = est[r].seconds
+        assert t.idle > 0 and math.isclose(t.idle, t.compute * (table.ticks - busy) / busy)
+        assert t.overlapped >= t.compute + t.idle
+    if schedule == "1f1b":      # forward 1 tick, backward 2: (p - 1) / m of the busy time
+        assert math.isclose(est[0].seconds.idle / est[0].seconds.compute, 1 / 8)
 
 
 def test_optimizer_state_is_its_own_category():

@@ -29,6 +29,7 @@ import optree
 import torch
 
 from ..mesh._mesh import Mesh
+from ..runtime import _world
 from ..runtime._errors import ShardingError
 from ._schedule import SCHEDULES, Schedule, pipeline_schedule
 from ._run import Run
@@ -115,6 +116,8 @@ class Pipeline:
                             float(local is not None), _shape_key(chunks, inputs, targets)], g)
         _agree(rows, local)
         keys = tuple(r[6] for r in rows)
+        if _world.dry_run() is not None:    # (estimate's bubble: _host_time.StepTime)
+            _world.dry_run().pipelined.append((sum(a.ticks for a in t.actions[me]), t.ticks))
         known = self._known.pop(me, None)
         run = Run(self, g, chunks, inputs, targets, n,
                   known[1:] if known is not None and known[0] == keys else None)

@@ -19,7 +19,7 @@ import itertools
 import os
 import sys
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import optree
@@ -219,6 +219,8 @@ class _DryRank:
         # what the ranks traced before this one published for later ones (a
         # pipeline stage's output shape: pipelines/_run.py), one estimate's
         self.board = board if board is not None else {}
+        # (this rank's busy ticks, the schedule's ticks) of each pipelined step
+        self.pipelined: list[tuple[int, int]] = []
         self.meshes: dict[tuple, _mesh.Mesh] = {}
         self.members: dict[frozenset, tuple[int, ...]] = {}   # axes -> group's ranks
 
@@ -631,6 +633,9 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
     seconds = None
     if hw is not None:
         seconds = host.time(hw, ops.calls, log.events, dry.members)
+        busy, ticks = map(sum, zip(*dry.pipelined)) if dry.pipelined else (0, 0)
+        if busy:               # a pipeline stage: its bubble (_DryRank.pipelined)
+            seconds = replace(seconds, idle=seconds.compute * (ticks - busy) / busy)
     resident = (mark.resident if mark is not None else
                 sum(breakdown.get(k, 0) for k in ("Parameter", "Buffer", "Optstate")))
     return RankEstimate(rank, log, sum(by_op.values()), by_op, uncounted,

@@ -29,24 +29,27 @@ class StepTime:
     on values), each a ``(compute, communication, host)`` triple, and a bound is
     the sum over stretches of ``max(device, host)``; ``compute``, ``communication``
     and ``host`` are the sums. ``bound`` says which side most of the step sits on
-    (``"host"`` or ``"device"``)."""
+    (``"host"`` or ``"device"``). ``idle``: a pipeline stage's wait for its peers
+    (the bubble), in both bounds: its idle ticks of the schedule's table, each as long
+    as its busy ones on average."""
     compute: float
     communication: float
     host: float = 0.0
     host_calls: int = 0
     python_calls: int = 0
     stretches: tuple = ()
+    idle: float = 0.0
 
     def _parts(self) -> tuple:
         return self.stretches or ((self.compute, self.communication, self.host),)
 
     @property
     def overlapped(self) -> float:
-        return sum(max(c, m, h) for c, m, h in self._parts())
+        return sum(max(c, m, h) for c, m, h in self._parts()) + self.idle
 
     @property
     def serial(self) -> float:
-        return sum(max(c + m, h) for c, m, h in self._parts())
+        return sum(max(c + m, h) for c, m, h in self._parts()) + self.idle
 
     @property
     def bound(self) -> str:
