@@ -218,6 +218,42 @@ def test_a_pipeline_stage_waits_its_bubble(schedule):
         assert math.isclose(est[0].seconds.idle / est[0].seconds.compute, 1 / 8)
 
 
+def _dp_pp_step(mesh):
+    """Four tanh layers over pp (1F1B, 4 microbatches) inside a body manual over dp."""
+    pp, dp = mesh.axis_size("pp"), mesh.axis_size("dp")
+    g = torch.Generator().manual_seed(0)
+    ws = torch.randn(4, 128, 128, generator=g) * 0.05
+    x, y = torch.randn(32, 128, generator=g), torch.randn(32, 128, generator=g)
+    me = mesh.coordinate["pp"]
+
+    def stage(p, h):
+        for w in p:
+            h = torch.tanh(h @ w)
+        return h
+    step = functp.pipeline(stage, mesh, microbatches=4, schedule="1f1b",
+                           loss_fn=lambda a, b: ((a - b) ** 2).mean())
+
+    def body(p, xb, yb):
+        loss, grads = step(p, xb, yb)
+        return (functp.pmean(functp.pvary(loss, "dp"), "dp"),
+                functp.psum(functp.pvary(grads, "dp"), "dp") / dp)
+    f = functp.shard_map(body, mesh, in_specs=(P(), P("dp"), P("dp")), out_specs=(P(), P()),
+                         axis_names={"dp"}, unreduced="dp")
+    return f(ws[me * 4 // pp:(me + 1) * 4 // pp], *functp.shard((x, y), mesh, P("dp")))
+
+
+def test_rank_meshes_weighs_a_pp_axis_by_its_bubble():
+    ranking = functp.rank_meshes(_dp_pp_step, 4, ("dp", "pp"), hardware="h100-sxm")
+    by_pp = {c.shape["pp"]: c for c in ranking}
+    assert all(c.estimate is not None for c in ranking), str(ranking)
+    assert by_pp[1].seconds.idle == 0 and by_pp[2].seconds.idle > 0, str(ranking)
+    # 1F1B's bubble is (p - 1) / m of a stage's busy time
+    for pp in (2, 4):
+        t = by_pp[pp].seconds
+        assert math.isclose(t.idle, t.compute * (pp - 1) / 4), (pp, t)
+    assert by_pp[4].peak_bytes < by_pp[1].peak_bytes     # a quarter of the layers each
+
+
 def test_optimizer_state_is_its_own_category():
     est = functp.estimate(fsdp_adamw, 2, 2, False)
     # AdamW's two moments of every block (half of each leaf, float32) at the peak

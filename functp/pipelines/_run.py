@@ -225,7 +225,9 @@ class Run:
         if self.loss is not None:
             return self.loss
         held = rows[self.last % self.t.stages]
-        return torch.tensor(held[0], dtype=self.dtype or torch.get_default_dtype())
+        # (full, not tensor: in estimate's trace a fake torch.tensor keeps its value as a
+        # constant, and a collective over it then runs for real)
+        return torch.full((), held[0], dtype=self.dtype or torch.get_default_dtype())
 
 
 def _agree_shapes(run: Run, stages: list[int]) -> bool:
