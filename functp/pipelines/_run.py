@@ -224,10 +224,14 @@ class Run:
                 self.grads[chunk] = optree.tree_map(torch.zeros_like, self.chunks[chunk])
         if self.loss is not None:
             return self.loss
-        held = rows[self.last % self.t.stages]
-        # (full, not tensor: in estimate's trace a fake torch.tensor keeps its value as a
-        # constant, and a collective over it then runs for real)
-        return torch.full((), held[0], dtype=self.dtype or torch.get_default_dtype())
+        return _scalar(rows[self.last % self.t.stages][0], self.dtype)
+
+
+def _scalar(value: float, dtype) -> torch.Tensor:
+    """The loss a stage that does not compute it returns: ``torch.full``, not
+    ``torch.tensor``, whose fake in estimate's trace keeps its value as a constant, so
+    that a collective over it (a data-parallel mean) would run for real."""
+    return torch.full((), value, dtype=dtype or torch.get_default_dtype())
 
 
 def _agree_shapes(run: Run, stages: list[int]) -> bool:
