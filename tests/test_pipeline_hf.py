@@ -145,6 +145,34 @@ def test_data_parallel_beside_pp_reduces_once_per_step(run):
         assert batch_axes == ("dp",)
 
 
+def _estimated_step(shape, names, backward):
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=_hf.VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    apply, params, _ = functp.parallelize(transformers.LlamaForCausalLM(config),
+                                          functp.make_mesh(shape, names), "auto")
+    ids = torch.randint(3, _hf.VOCAB, (4, _hf.SEQ))
+    step = apply.pipeline(microbatches=2, loss_fn=_hf._lm_loss, schedule="1f1b",
+                          backward=backward)
+    return step(params, ids, ids)
+
+
+@pytest.mark.parametrize("backward", ["tape", "func"])
+def test_estimate_of_a_transformers_pipeline_with_dp_and_tp(backward):
+    # the stages' modules under the estimate's MemTracker and FlopCounterMode, whose
+    # module hooks see a stage's input (before: a leaf, which autograd.grad refused
+    # them), and the stage mesh's check mode agreed where the mesh's was (before: a
+    # real collective in the dry world)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = functp.estimate(_estimated_step, 8, (2, 2, 2), ("dp", "pp", "tp"), backward,
+                              hardware="h100-sxm")
+    summary = est.comm.summary()
+    assert summary[("all_reduce", ("dp",))] == 3 and summary[("permute", ("pp",))] > 0, summary
+    assert all(est[r].peak_bytes > 0 and est[r].seconds.idle > 0 for r in est.ranks)
+
+
 def _blocks_body():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

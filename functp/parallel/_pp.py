@@ -287,6 +287,8 @@ def _stage_mesh(mesh: Mesh) -> Mesh | None:
                {frozenset(s): mesh._groups[frozenset(s)] for s in _subsets(names)},
                mesh.device_type, dm)
     sub.timeout = mesh.timeout
+    # (a subset of the mesh's ranks: agreed where the mesh is, as in estimate's trace)
+    sub._debug_generation = mesh._debug_generation
     _agree_check_mode(sub)
     return sub
 

@@ -46,19 +46,28 @@ def forward(call: Callable, params: Any, x: Any, mode: str, split: bool) -> Save
         ps = [t.detach().requires_grad_() if _diff(t) else t for t in leaves]
         xi = x.detach().requires_grad_() if need_x else x
         with torch.enable_grad():
-            out = call(optree.tree_unflatten(spec, ps), xi)
+            out = call(optree.tree_unflatten(spec, ps), _inner(xi))
         return Saved(out, xi, ps, None, params)
     if split:
         if need_x:
-            out, vjp = torch.func.vjp(lambda x_: call(params, x_), x)
+            out, vjp = torch.func.vjp(lambda x_: call(params, _inner(x_)), x)
         else:      # the first stage: no input gradient, W takes the parameters' vjp
             out, vjp = torch.func.vjp(lambda p: call(p, x), params)
         return Saved(out, x, None, vjp, params)
     if need_x:
-        out, vjp = torch.func.vjp(call, params, x)
+        out, vjp = torch.func.vjp(lambda p, x_: call(p, _inner(x_)), params, x)
     else:
         out, vjp = torch.func.vjp(lambda p: call(p, x), params)
     return Saved(out, x, None, vjp, params)
+
+
+def _inner(x: torch.Tensor) -> torch.Tensor:
+    """The input a stage computes on: a view of the leaf its gradient is taken for,
+    so that a module hook on it (torch's ModTracker, which FlopCounterMode and
+    MemTracker use: ``functp.estimate``) sees a non-leaf, which
+    ``torch.autograd.grad`` lets it ask about ("A leaf node was passed to
+    _will_engine_execute_node" otherwise)."""
+    return x.view_as(x)
 
 
 def backward(s: Saved, ct: torch.Tensor, mode: str, split: bool):
