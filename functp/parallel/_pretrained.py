@@ -149,51 +149,60 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
     return out
 
 
-def _load(folder: Folder, apply: Parallelized, device: torch.device,
-          model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-    """Every parameter's block of ``apply.module`` (a pipeline stage's module: of the
-    whole ``model``, whose tied names it looks under too), read from ``folder``; all
-    sources checked first, so a bad checkpoint fails before any tensor is read."""
-    mesh = apply.mesh
-    full, sources = _sources(folder, apply.module, model)
-    out = {}
-    for name, src in sources.items():
-        p, spec = full[name], apply.specs[name]
-        style = apply._style(name)
-        if type(style).shard_param is Style.shard_param:
-            block = read_block(folder, src, block_ranges(p.shape, spec, mesh, name), p.dtype)
-        else:      # a style with its own block rule: read the leaf whole, once
-            whole = read_block(folder, src, [[(0, n)] for n in p.shape], p.dtype)
-            block = style.shard_param(name, whole, spec, mesh, apply.axes.get(name, apply.axis))
-        out[name] = block.to(device)
-    return out
+def _load(folder: Folder, apply: Parallelized, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every parameter's block, read from ``folder``; all sources checked first, so a
+    bad checkpoint fails before any tensor is read."""
+    model = apply.module
+    return _read(folder, apply, *_sources(folder, model, *_names(model)), device)
 
 
 def _load_stages(folder: Folder, stages: PipelineStages, device: torch.device):
     """The blocks of this rank's pipeline stage(s), a dict per chunk: only their own
     decoder layers (and the embedding, the norm and head where the stage holds them)
-    are read, so a rank holds about 1/pp of the model. A stage laid out without a
-    tensor-parallel plan reads its parameters whole."""
-    out = []
-    for module, chunk in zip(stages.modules, stages.chunks):
-        if isinstance(chunk, Parallelized):
-            out.append(_load(folder, chunk, device, stages.model))
-            continue
-        full, sources = _sources(folder, module, stages.model)
-        out.append({n: read_block(folder, src, [[(0, d)] for d in full[n].shape],
-                                  full[n].dtype).to(device) for n, src in sources.items()})
+    are read, so a rank holds about 1/pp of the model. Every chunk's sources are
+    checked before any tensor is read; they are found under any of their names in
+    the whole model (a tied head under the embedding's)."""
+    names = _names(stages.model)
+    found = [_sources(folder, module, *names) for module in stages.modules]
+    out = [_read(folder, chunk if isinstance(chunk, Parallelized) else None, full, sources,
+                 device) for chunk, (full, sources) in zip(stages.chunks, found)]
     return out if stages.virtual_stages > 1 else out[0]
 
 
-def _sources(folder: Folder, mine: nn.Module, model: nn.Module | None) -> tuple[dict, dict]:
-    """``mine``'s parameters and each one's checked source in ``folder`` (once per
-    tied group), found under any of its names in ``model`` (default: ``mine``)."""
-    model = model if model is not None else mine
+def _names(model: nn.Module) -> tuple[list, dict[str, list[str]]]:
+    """``model``'s weight conversions and, for each parameter name, all its names."""
     conversions, _ = merges(model)
-    tied = {n: names for names in _aliases(model).values() for n in names}
+    return conversions, {n: names for names in _aliases(model).values() for n in names}
+
+
+def _sources(folder: Folder, mine: nn.Module, conversions: list, tied: dict
+             ) -> tuple[dict, dict]:
+    """``mine``'s parameters and each one's checked source in ``folder`` (once per
+    tied group), found under any of its names (``tied``: :func:`_names`)."""
     full = dict(mine.named_parameters())
     return full, {n: source_of(folder, tied.get(n, [n]), full[n].shape,
                                full[n].is_floating_point(), conversions) for n in _aliases(mine)}
+
+
+def _read(folder: Folder, apply: Parallelized | None, full: dict, sources: dict,
+          device: torch.device) -> dict[str, torch.Tensor]:
+    """The blocks of ``sources`` as ``apply`` lays them out (None: whole tensors)."""
+    out = {}
+    for name, src in sources.items():
+        p = full[name]
+        if apply is None:
+            out[name] = read_block(folder, src, [[(0, n)] for n in p.shape], p.dtype).to(device)
+            continue
+        style = apply._style(name)
+        if type(style).shard_param is Style.shard_param:
+            block = read_block(folder, src, block_ranges(p.shape, apply.specs[name],
+                                                         apply.mesh, name), p.dtype)
+        else:      # a style with its own block rule: read the leaf whole, once
+            whole = read_block(folder, src, [[(0, n)] for n in p.shape], p.dtype)
+            block = style.shard_param(name, whole, apply.specs[name], apply.mesh,
+                                      apply.axes.get(name, apply.axis))
+        out[name] = block.to(device)
+    return out
 
 
 def _agreed(mesh: Mesh, fn, what: str = _WHAT):

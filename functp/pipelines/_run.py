@@ -278,10 +278,9 @@ def _published(dry, row: list[float], stages: list[int], run: Run) -> list[list[
     a boundary another stage sends is the row its rank published (traced before), or
     else the nearest earlier boundary's (the middle stages are taken to be alike,
     as the estimate takes them)."""
-    if not hasattr(run, "board_key"):      # every rank's n-th call that agrees headers
-        dry.pipelines = getattr(dry, "pipelines", -1) + 1
-        run.board_key = ("functp.pipeline", dry.pipelines)
-    board = dry.board.setdefault(run.board_key, {})
+    # (keyed by the call's place among this trace's pipelined steps: the n-th on
+    # every rank, Pipeline.__call__ having counted this one in dry.pipelined)
+    board = dry.board.setdefault(("functp.pipeline", len(dry.pipelined) - 1), {})
     if row[0] >= 0:
         board[int(row[0])] = row
     out = [row]

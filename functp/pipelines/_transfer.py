@@ -52,12 +52,13 @@ def start(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, tuple]],
     ``functp.simulate`` (whose groups torch's point-to-point calls do not know) one
     all-to-all, complete on return; so too in ``functp.estimate``'s trace, whose
     fake collectives stand for the transfers."""
-    if not (_crosscheck.ENABLED or _world.SIMULATING or _world.dry_run() is not None):
+    dry = _world.dry_run() is not None
+    if not (_crosscheck.ENABLED or _world.SIMULATING or dry):
         return _pairs(sends, recvs, g, dtype)
     got = _all_to_all(sends, recvs, g, dtype)
     # (estimate's trace: each send's tensor held until the next tick's transfers, as
     # the point-to-point path holds it until its send completes)
-    held = [(_SENT, t) for _, t in sends] if _world.dry_run() is not None else []
+    held = [(_SENT, t) for _, t in sends] if dry else []
     return got, [()] * len(got), held
 
 
