@@ -433,6 +433,38 @@ def test_the_container_probe_on_gloo_processes(run):
             assert status == ["replayed", "replayed"], (wrap, status)
 
 
+def _past_while_running():
+    """What a peer's watcher reads of this rank (runtime/_watch.went_past) while the
+    first call records and while the second replays, from a forward hook."""
+    from functp.runtime import _watch
+    mesh = functp.make_mesh((2,), ("tp",))
+    model = _Blocks()
+    apply, params, specs = functp.parallelize(model, mesh, _PLAN)
+    seen = []
+    model.register_forward_hook(
+        lambda *_: seen.append((_watch.state.planned, _watch.went_past(_watch.state.planned))))
+    step = functp.shard_map(lambda p, xb: (apply(p, (xb,), 2) ** 2).mean(), mesh,
+                            in_specs=(specs, P()), out_specs=P())
+    x = torch.randn(4, 8, dtype=torch.float64)
+    before = functp.set_debug(False)         # (the check mode never replays)
+    try:
+        for _ in range(2):
+            torch.func.grad(step)(params, x)
+    finally:
+        functp.set_debug(before)
+    return seen, sorted(_watch.state.agreed)
+
+
+def test_a_call_still_recording_is_not_taken_for_a_replayed_one(run):
+    # (a rank still recording its first call, its agreement to come, was taken for one
+    # that replayed it by the watcher of a peer already waiting in that agreement: the
+    # divergence error on a correct program, the peer's recording merely slower)
+    for seen, agreed in run(2, _past_while_running, gloo=True):
+        first, second = seen[0][0], seen[1][0]
+        assert seen == [(first, False), (second, True)], seen
+        assert first in agreed and second not in agreed, (seen, agreed)
+
+
 def test_one_walk_gives_the_key_and_the_recorder_the_same_tensors():
     from functp.ops._call_leaves import call_tensors, flatten_call
     a, b, c, d = (torch.zeros(k + 1) for k in range(4))

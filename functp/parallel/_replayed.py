@@ -252,14 +252,21 @@ def call(apply, params: dict, args: tuple, kwargs: dict, run):
         if apply._config_key is not None:
             key += apply._config_key()
         # (counted on every rank alike: a peer left in this call's agreement finds a
-        # rank that replayed it by the count, without a collective: runtime/_watch)
+        # rank that replayed it by the count, without a collective: runtime/_watch.
+        # The call is taken as one this rank agrees at until it is known to replay:
+        # a rank still recording it, its agreement to come, must not be taken for one
+        # that replayed it by a peer's watcher, which reads these at any moment)
         w = _watch.state
-        w.planned, w.key = w.planned + 1, key
+        n = w.planned + 1
+        w.agreed.add(n)
+        w.planned, w.key = n, key
         if records.seen != records.live:      # a forward hook added or removed since
             records.clear()
         rec = records.get(key)
-        if rec is not None and not _crosscheck.ENABLED and rec.why is None:
-            return _replay(apply, tr, rec, params, run)
+        if rec is not None and not _crosscheck.ENABLED:
+            w.agreed.discard(n)
+            if rec.why is None:
+                return _replay(apply, tr, rec, params, run)
     finally:
         push_rule(mode)
     if rec is not None and not _crosscheck.ENABLED:
@@ -350,7 +357,6 @@ def _agree(apply, tr, rec: Record, params: dict, key: tuple) -> None:
     # the host sync of the result below is where this rank waits
     w = _watch.state
     w.describe = _summary
-    w.agreed.add(w.planned)
     w.agreeing = (op, g)
     try:
         rows = _gather_ints([rec.why is None, rec.digest() & 0x7FFFFFFF], g.key, device, op)

@@ -69,7 +69,7 @@ class _State:
     planned = 0           # made so far, recorded or replayed
     key = None            # the latest one's replay key, in words by describe(key)
     describe = None
-    agreed: set = set()   # the numbers of those this rank entered the agreement at
+    agreed: set = set()   # the numbers of those this rank agrees at (see went_past)
     agreeing = None       # (op, group) while in one, its host sync included (NCCL)
 
 
@@ -162,7 +162,7 @@ def _replayed(post: dict) -> dict | None:
     agreement for (``post``) without entering it: None if it did not (it is behind,
     or it takes part)."""
     n = post.get("planned", 0)
-    if post["op"].startswith(AGREEMENT) and state.planned >= n and n not in state.agreed:
+    if post["op"].startswith(AGREEMENT) and went_past(n):
         mine = _describe((post["op"], None))
         words = state.describe(state.key) if state.describe and state.key else "?"
         mine.update(op=f"replayed planned call #{n} instead (its latest a call with "
@@ -170,6 +170,14 @@ def _replayed(post: dict) -> dict | None:
                     replayed=True)
         return mine
     return None
+
+
+def went_past(n: int) -> bool:
+    """Whether this rank made its parallelized call ``n`` without entering its
+    agreement (it replayed it). A call being recorded counts as agreed at from its
+    start (``parallel/_replayed`` marks it before it counts it), its agreement still
+    to come: the watcher reads these while the main thread writes them."""
+    return state.planned >= n and n not in state.agreed
 
 
 def _watch() -> None:
