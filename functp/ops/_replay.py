@@ -150,7 +150,8 @@ class Recorder:
         self.nested: dict[int, str] = {}    # serial -> the running module it is inside
         #                                     an argument of (a container's leaf)
         self.running: list = []             # (hook, [(pos, serial)]), innermost last
-        self.trace: list = []               # ("op", ins, outs, in_hook, running) | boundary
+        self.trace: list = []               # ("op", ins, outs, in_hook, running, grad
+        #                                     mode) | boundary
         self.lifts: dict = {}               # root -> axes its pvary'd values needed
         self.in_hook = 0                    # inside a style's prepare_input/output
         self.frames = _context.entered()[0]     # (a frame entered since: nested code)
@@ -207,7 +208,8 @@ class Recorder:
                 n = self.serial(t)
                 self.src[n] = roots if t.requires_grad else EMPTY
                 outs.append(n)
-        self.trace.append(("op", ins, tuple(outs), self.in_hook > 0, self._running_hooks()))
+        self.trace.append(("op", ins, tuple(outs), self.in_hook > 0, self._running_hooks(),
+                           torch.is_grad_enabled()))
 
     def implicit(self, t: torch.Tensor, missing: frozenset) -> None:
         """The union rule pvary'd ``t`` over ``missing`` (cached or not)."""
@@ -343,10 +345,13 @@ def _rerun(r: Recorder, result: tuple) -> None:
 
     for e in r.trace:
         if e[0] == "op":
-            _, ins, outs, in_hook, running = e
+            _, ins, outs, in_hook, running, graded = e
             vs = [seen(i, running) for i in ins]
             u = join(vs) if vs else EMPTY        # (the union rule's own join)
-            if not in_hook and any(r.grad[i] and v != u for i, v in zip(ins, vs)):
+            # (an op under no_grad records no backward: a pvary its replay lacks there
+            # changes no gradient, and its output's vma is the union either way)
+            if not in_hook and graded and any(r.grad[i] and v != u
+                                              for i, v in zip(ins, vs)):
                 r.fail(f"an op inside the module would need a pvary to {sorted(u)} in a "
                        f"replay (the module's own code, no boundary)")
                 return
