@@ -7,6 +7,7 @@ a loss curve, periodic checkpoints, and resuming from one on another mesh.
     python examples/train_lm.py --simulate          # 4 simulated ranks in this process
     python examples/train_lm.py --mesh 1x4 --resume runs/lm/step_000100 --steps 200
     python examples/train_lm.py --mesh 2x1 --cp 2 --seq 2048   # dp2 x cp2: long sequences
+    python examples/train_lm.py --mesh 1x2 --pp 2               # pp2 x tp2: a pipeline
     python examples/train_lm.py --compile           # the whole step as one compiled graph
 
 The text is the Python standard library's own source (the top-level modules, 1 MB;
@@ -43,6 +44,19 @@ The rest of the model is per token, and the loss is the mean over dp and cp of t
 ranks' means, so the run trains to the losses of the run without ``--cp`` (same
 seed, same batches) up to float32 rounding, each rank's projections, MLP and norms
 running on ``1/N`` of each sequence's tokens.
+
+``--pp N`` splits the model's layers into N pipeline stages over a mesh axis ``pp``
+(processes: dp x pp x tp): ``functp.parallelize`` on that mesh gives each rank its
+stage (the embedding on the first, the norm and head on the last, each laid out by
+the tp plan), and ``apply.pipeline(microbatches=--microbatches, schedule=--schedule)``
+is the step: every rank is given the whole batch, each dp row pipes its own rows, and
+the loss and gradients are the unpipelined model's. The clip's norm is the whole
+model's (``functp.clip_by_global_norm(grads, 1.0, pipeline=apply)``: every stage's
+gradients in it), so the run trains to the losses of the run without ``--pp`` up to
+float32 rounding (``--float64``: ~1e-12). Evaluation runs the pipelined step and
+keeps its loss (a pipeline has no forward-only schedule yet); checkpoints of a
+pipeline are not written yet (``--resume`` and ``--ckpt-every`` are refused/skipped
+with ``--pp``), nor are ``--cp`` and ``--compile`` beside it.
 
 ``--compile [BACKEND]`` runs the whole step, ``functp.value_and_grad`` of the loss,
 ``functp.clip_by_global_norm`` and ``functp.adamw(...).update(..., donate=True)`` (the
@@ -94,6 +108,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(a third mesh axis; processes: dp x cp x tp)")
     ap.add_argument("--cp-strategy", default="allgather", choices=("allgather", "ulysses", "ring"),
                     help="functp.attention's strategy over the cp axis (default allgather)")
+    ap.add_argument("--pp", type=int, default=1,
+                    help="pipeline parallel: split the layers into this many stages "
+                         "(a mesh axis; processes: dp x pp x tp)")
+    ap.add_argument("--microbatches", type=int, default=4,
+                    help="microbatches per step of each dp row's pipeline (with --pp)")
+    ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "zero_bubble"),
+                    help="the pipeline's schedule (with --pp; default 1f1b)")
     ap.add_argument("--float64", action="store_true",
                     help="train in float64: runs with and without --cp or --compile then "
                          "agree to ~1e-12 rather than float32's rounding")
@@ -108,7 +129,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--seq {args.seq} does not split over --cp {args.cp}: the load-balanced "
                  f"layout gives each rank two equal chunks, so use a multiple of "
                  f"{2 * args.cp}")
-    args.nproc = args.dp * args.cp * args.tp
+    if args.pp < 1 or args.microbatches < 1:
+        ap.error("--pp and --microbatches: at least 1")
+    if args.pp > 1 and (args.cp > 1 or args.compile or args.resume):
+        ap.error("--pp: --cp, --compile and --resume beside a pipeline are not built yet")
+    if args.pp > args.layers:
+        ap.error(f"--pp {args.pp}: more stages than the model's {args.layers} layers")
+    args.nproc = args.dp * args.cp * args.pp * args.tp
     return args
 
 
@@ -254,8 +281,11 @@ def main(argv=None) -> bool:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
     cp = args.cp > 1
+    pp = args.pp > 1
     if cp:           # the batch over dp, each sequence over SEQ_AXIS, heads over tp
         mesh = functp.make_mesh((args.dp, args.cp, args.tp), ("dp", SEQ_AXIS, "tp"))
+    elif pp:         # the batch over dp, the layers over pp, heads over tp
+        mesh = functp.make_mesh((args.dp, args.pp, args.tp), ("dp", "pp", "tp"))
     else:
         mesh = functp.make_mesh((args.dp, args.tp), ("dp", "tp"))
     rank0 = functp.process_index() == 0
@@ -286,10 +316,19 @@ def main(argv=None) -> bool:
 
     loss_fn = functp.shard_map(local_loss, mesh, in_specs=(specs, batch_spec, batch_spec),
                                out_specs=P())
+    if pp:
+        # apply is this rank's stage: its step takes the whole batch on every rank and
+        # returns the batch's mean loss and this stage's gradients
+        pipe_step = apply.pipeline(microbatches=args.microbatches, loss_fn=lm_loss,
+                                   schedule=args.schedule)
+        loss_fn = lambda p, ids, targets: pipe_step(p, ids, targets)[0]   # noqa: E731
 
     def place(ids_targets):
         """A whole batch -> this rank's rows (and, over cp, its two chunks of each
-        sequence, the same layout for ids and targets: targets were shifted before)."""
+        sequence, the same layout for ids and targets: targets were shifted before;
+        a pipeline's step is given the whole batch)."""
+        if pp:
+            return ids_targets
         if cp:
             return functp.cp_shard(ids_targets, mesh, axis=SEQ_AXIS, spec=batch_spec)
         return functp.shard(ids_targets, mesh, batch_spec)
@@ -328,6 +367,8 @@ def main(argv=None) -> bool:
         opt_specs = opt.specs(specs)
     else:
         grad_fn = torch.func.grad_and_value(loss_fn)
+        if pp:
+            grad_fn = lambda p, ids, targets: pipe_step(p, ids, targets)[::-1]   # noqa: E731
         params = {k: v.clone().requires_grad_() for k, v in params.items()}
         opt = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     optimizer = "functp.adamw" if args.compile else "torch.optim.AdamW"
@@ -362,11 +403,12 @@ def main(argv=None) -> bool:
                   f"{f'cp={args.cp}, ' if cp else ''}tp={args.tp}): parameters, and "
                   f"{'AdamW' if not args.compile else optimizer} state for {kept} of them")
 
-    @torch.no_grad()
     def evaluate() -> float:
-        losses = [loss_fn({k: v.detach() for k, v in params.items()},
-                          *place(batch_at(held_out, i, args.batch, args.seq, seed=1))).item()
-                  for i in range(4)]
+        # (a pipeline's step, its gradients dropped: it has no forward-only schedule)
+        with torch.no_grad() if not pp else torch.enable_grad():
+            losses = [loss_fn({k: v.detach() for k, v in params.items()},
+                              *place(batch_at(held_out, i, args.batch, args.seq, seed=1))).item()
+                      for i in range(4)]
         return sum(losses) / len(losses)
 
     def save(step: int) -> str:
@@ -388,7 +430,10 @@ def main(argv=None) -> bool:
         os.makedirs(args.out, exist_ok=True)
         n = sum(v.numel() for v in model.parameters())
         where = (f"mesh (dp={args.dp}, cp={args.cp}, tp={args.tp}), attention "
-                 f"{args.cp_strategy}" if cp else f"mesh (dp={args.dp}, tp={args.tp})")
+                 f"{args.cp_strategy}" if cp else
+                 f"mesh (dp={args.dp}, pp={args.pp}, tp={args.tp}), {args.schedule} over "
+                 f"{args.microbatches} microbatches" if pp else
+                 f"mesh (dp={args.dp}, tp={args.tp})")
         print(f"{len(tokens):,} bytes of Python's standard library ({split:,} train); model "
               f"{n / 1e6:.2f}M parameters; {where}; {args.batch} x {args.seq} tokens a step"
               f"{f'; the whole step compiled ({args.compile})' if args.compile else ''}",
@@ -413,7 +458,9 @@ def main(argv=None) -> bool:
             loss, params, opt_state = compiled_step(params, opt_state, ids, targets)
         else:
             grads, loss = grad_fn({k: v.detach() for k, v in params.items()}, ids, targets)
-            grads, _ = functp.clip_by_global_norm(grads, 1.0, mesh, specs)
+            # (a pipeline's: the whole model's norm, every stage's gradients in it)
+            grads, _ = (functp.clip_by_global_norm(grads, 1.0, pipeline=apply) if pp else
+                        functp.clip_by_global_norm(grads, 1.0, mesh, specs))
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             functp.set_grads(params, grads)
@@ -437,7 +484,10 @@ def main(argv=None) -> bool:
                 f.write(json.dumps(row) + "\n")
         bar.update(step, row["loss"], tok_s)
         if step % args.ckpt_every == 0:
-            if simulated:
+            if pp:
+                if step == args.ckpt_every:
+                    bar.write("(checkpoints of a pipeline's stages are not written yet)")
+            elif simulated:
                 if step == args.ckpt_every:
                     bar.write("(checkpoints are skipped under --simulate: functp.save needs "
                               "torchrun's process group)")

@@ -233,6 +233,22 @@ def test_train_lm_with_cp_trains_to_the_losses_without(lm_without_flags, tmp_pat
     _same_losses(got, lm_without_flags, rel=_F64)
 
 
+@pytest.fixture(scope="module")
+def lm_two_layers(tmp_path_factory):
+    return _simulated_train_lm(tmp_path_factory.mktemp("lm_two"), "--layers", "2")
+
+
+@pytest.mark.parametrize("mesh,schedule", [("2x1", "1f1b"), ("1x2", "zero_bubble")])
+def test_train_lm_with_pp_trains_to_the_losses_without(lm_two_layers, tmp_path, mesh, schedule):
+    # the two layers in two stages beside dp2 or tp2, 4 microbatches per dp row, the
+    # whole batch given to every rank; the clip (active: a stage's own norm is 1.2-2.5
+    # here) is by the whole model's norm, every stage's gradients in it (a stage's own
+    # norm gave other losses from step 2 on)
+    got = _simulated_train_lm(tmp_path, "--layers", "2", "--mesh", mesh, "--pp", "2",
+                              "--schedule", schedule)
+    _same_losses(got, lm_two_layers, rel=_F64)
+
+
 def test_train_lm_compiled_whole_step_trains_to_the_eager_losses(lm_without_flags, tmp_path):
     # two torchrun processes: gradients, clip_by_global_norm and functp.adamw(donate=
     # True) as one torch.compile(fullgraph=True) graph (aot_eager here: Inductor's

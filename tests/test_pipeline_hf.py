@@ -4,6 +4,7 @@ the unsharded float64 model (1e-10), a tied embedding's gradient summed over its
 stages, the model's tensor-parallel plan beside pp, a user's split, and the errors."""
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -143,6 +144,56 @@ def test_data_parallel_beside_pp_reduces_once_per_step(run):
         # the loss; the blocks split over tp and those replicated over it
         assert ops == ["all_reduce"] * 3, ops
         assert batch_axes == ("dp",)
+
+
+def _norms_body(shape, names, kind, schedule):
+    """The whole model's gradient norm from a pipelined step's gradients
+    (``global_norm(pipeline=apply)``, p = 2, 1, inf) against the unsplit model's, and
+    the clip's factor against the unsplit clip's: ``[(p, error)]``."""
+    from functp.models import LLAMA_TP_PLAN, Llama, LlamaConfig
+    torch.manual_seed(0)
+    if kind == "functp":       # functp's own Llama, by its _pp_plan and tp plan
+        model = Llama(LlamaConfig(vocab_size=_hf.VOCAB, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=4, num_attention_heads=8,
+                                  num_key_value_heads=4, head_dim=4)).double()
+        plan, fwd = LLAMA_TP_PLAN, lambda a, p, ids: a(p, ids)
+    else:                      # a tied transformers Llama: its embedding counted once
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = _hf._build("llama", num_hidden_layers=4, tie_word_embeddings=True)
+        plan, fwd = "auto", lambda a, p, ids: a(p, input_ids=ids, use_cache=False).logits
+    ids, tgt = _data(8)
+    ref_apply, full = functp.functionalize(model)
+    ref = torch.func.grad(lambda p: _hf._lm_loss(fwd(ref_apply, p, ids), tgt))(full)
+    mesh = functp.make_mesh(shape, names)
+    apply, params, _ = functp.parallelize(model, mesh, plan, axis="tp")
+    _, grads = apply.pipeline(microbatches=4, loss_fn=_hf._lm_loss, schedule=schedule)(
+        params, ids, tgt)
+    out = []
+    for p in (2.0, 1.0, math.inf):
+        want = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, p) for g in ref.values()]), p)
+        got = functp.global_norm(grads, pipeline=apply, norm_type=p)
+        out.append((p, abs(got.item() - want.item()) / want.item()))
+    clipped, norm = functp.clip_by_global_norm(grads, 0.1, pipeline=apply)
+    mine = apply.unshard(clipped)
+    coef = 0.1 / (norm + 1e-6)
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if kind != "functp" else {}
+    out.append(("clip", max((g - coef * ref[tied.get(k, k)]).abs().max().item()
+                            for k, g in mine.items())))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["functp", "transformers_tied"])
+def test_the_global_norm_of_a_pipelines_gradients_is_the_whole_models(run, kind):
+    # (a stage's own norm, clip_by_global_norm(grads, 1.0, stage_mesh, stage_specs),
+    # clips each stage by another factor: examples/train_lm.py --pp then trained to
+    # other losses from its second step)
+    for shape, names, schedule in [((2, 2, 2), ("dp", "pp", "tp"), "1f1b"),
+                                   ((2,), ("pp",), "zero_bubble")]:
+        for rank in run(math.prod(shape), _norms_body, shape, names, kind, schedule):
+            for what, err in rank:
+                assert err <= 1e-12, (shape, what, err)
 
 
 def _estimated_step(shape, names, backward):

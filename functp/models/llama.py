@@ -150,7 +150,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    """``Llama(cfg)(ids) -> logits``; ``ids`` of shape ``[batch, seq]``."""
+    """``Llama(cfg)(ids) -> logits``; ``ids`` of shape ``[batch, seq]``.
+
+    On a mesh with a ``pp`` axis ``functp.parallelize`` splits it into pipeline
+    stages by ``_pp_plan`` (transformers' form: each part's inputs and outputs): a
+    later stage is called with the previous one's hidden states as
+    ``inputs_embeds=``, its embedding removed."""
+
+    _pp_plan = {"embed_tokens": (["input_ids"], ["inputs_embeds"]),
+                "layers": (["hidden_states"], ["hidden_states"]),
+                "norm": (["hidden_states"], ["hidden_states"]),
+                "lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -164,8 +174,9 @@ class Llama(nn.Module):
                 if isinstance(m, RMSNorm):
                     m.weight.add_(0.1 * torch.randn_like(m.weight))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(ids)
+    def forward(self, ids: torch.Tensor | None = None, *,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             x = layer(x)
         return self.lm_head(self.norm(x))

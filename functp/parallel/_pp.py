@@ -330,6 +330,7 @@ class PipelineStages:
         self.virtual_stages = len(applies)
         self.tied = _tied_names(model, _parts(model))
         self.batch_axes = ()
+        self._transformers = hasattr(model, "config") and hasattr(model, "generation_config")
 
     def __repr__(self) -> str:
         pp = self.mesh.axis_size("pp")
@@ -342,6 +343,8 @@ class PipelineStages:
         hidden states on the others; **Returns:** the next stage's hidden states, or
         the logits on the last. (The ``stage_fn`` of :func:`functp.pipeline`.)"""
         apply = self.chunks[stage // self.mesh.axis_size("pp")]
+        if not self._transformers:         # (functp.models.Llama: ids, or inputs_embeds)
+            return apply(params, x) if stage == 0 else apply(params, inputs_embeds=x)
         kw = {"input_ids": x} if stage == 0 else {"inputs_embeds": x}
         return apply(params, use_cache=False, **kw).logits
 

@@ -65,23 +65,69 @@ def _stat_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _stage_axes(tree: Any, pipeline: Any) -> tuple[list, list, list]:
+    """A pipeline stage's gradients as ``(leaves, axes per leaf, the axes' groups)``
+    over the whole mesh: each leaf's split axes within its stage, and ``pp`` (every
+    stage holds its own parameters); a tied head left out on the last stage (it holds
+    the same summed gradient as the first stage's embedding: counted once). The groups
+    are the same on every stage, in one order (a stage's leaves meet other splits
+    first, or not at all: each group's sum is a collective every stage joins)."""
+    if _context.top() is not None:
+        raise ShardingError("functp.global_norm(pipeline=...) takes the step's gradients "
+                            "outside a shard_map body (where apply.pipeline's step returns them)")
+    v, pp = pipeline.virtual_stages, pipeline.mesh.axis_size("pp")
+    chunks = tree if v > 1 else [tree]
+    leaves, axes = [], []
+    for j, chunk in enumerate(chunks):
+        spec = pipeline.specs[j]
+        if pipeline.tied is not None and (pipeline.stage, j) == (pp - 1, v - 1):
+            chunk = {k: t for k, t in chunk.items() if k != pipeline.tied[1]}
+            spec = {k: s for k, s in spec.items() if k != pipeline.tied[1]}
+        if pipeline.stage_mesh is None:
+            items = [(None, x, None) for x in optree.tree_leaves(chunk)]
+        else:
+            items, _ = leaf_specs(chunk, pipeline.stage_mesh, spec, "tree")
+        for _, x, s in items:
+            split = s.axes if s is not None else ()
+            leaves.append(x)
+            axes.append(tuple(a for a in pipeline.mesh.axis_names if a in split or a == "pp")
+                        if isinstance(x, torch.Tensor) else None)
+    mesh, tp = pipeline.mesh, pipeline.axis
+    order = [("pp",)]
+    if tp in mesh.axis_names and mesh.axis_size(tp) > 1:
+        order.append(tuple(a for a in mesh.axis_names if a in ("pp", tp)))
+    for x, a in zip(leaves, axes):
+        if a is not None and a not in order:      # (parallelize refuses such a split)
+            raise ShardingError(f"functp.global_norm(pipeline=...): a gradient of shape "
+                                f"{tuple(x.shape)} is split over {list(a)}, not {order}")
+    return leaves, axes, order
+
+
 def global_norm(tree: Any, mesh: Mesh | None = None, specs: Any = None, *,
-                norm_type: float = 2.0) -> torch.Tensor:
+                norm_type: float = 2.0, pipeline: Any = None) -> torch.Tensor:
     """The norm of the *global* tensors whose local blocks ``tree`` holds.
 
     **Arguments:** ``tree`` – a pytree of local blocks (e.g. gradients); ``mesh`` and
     ``specs`` – their layout (a spec pytree prefix, as for :func:`shard`). Inside a
     ``shard_map`` body both may be omitted when vma tracking is on: each leaf's vma
     says which axes its block is split over. ``norm_type`` – 2 (default), any p > 0,
-    or ``inf``.
+    or ``inf``. ``pipeline`` – instead of ``mesh`` and ``specs``, the ``apply`` that
+    ``parallelize`` returns on a mesh with a ``pp`` axis, for the gradients its step
+    returns (this rank's stage): the norm is then the whole model's, every stage's
+    gradients in it and a tied embedding's once.
 
     **Returns:** a 0-d tensor, the same on every rank: what
     ``torch.nn.utils.clip_grad_norm_`` computes on the unsharded tensors. Example::
 
         norm = functp.global_norm(grads, mesh, specs)    # e.g. specs = {"w": P("tp")}
+        norm = functp.global_norm(grads, pipeline=apply)  # a pipelined step's gradients
     """
-    leaves, axes, fr = _split_axes(tree, mesh, specs, "global_norm")
-    m = fr.mesh if fr is not None else mesh
+    order = None
+    if pipeline is not None:
+        (leaves, axes, order), fr, m = _stage_axes(tree, pipeline), None, pipeline.mesh
+    else:
+        leaves, axes, fr = _split_axes(tree, mesh, specs, "global_norm")
+        m = fr.mesh if fr is not None else mesh
     p = float(norm_type)
     if not p > 0:
         raise ShardingError(f"functp.global_norm: norm_type must be > 0 or inf, got {norm_type}")
@@ -95,6 +141,8 @@ def global_norm(tree: Any, mesh: Mesh | None = None, specs: Any = None, *,
         v = x.detach() if fr is None else x
         v = v.to(d).abs()
         groups.setdefault(a, []).append(v.amax() if math.isinf(p) else (v ** p).sum())
+    if order is not None:
+        groups = {a: groups.get(a, [torch.zeros((), dtype=dtype)]) for a in order}
     if not groups:
         return torch.zeros((), dtype=dtype)
     op = "max" if math.isinf(p) else "sum"
@@ -108,18 +156,19 @@ def global_norm(tree: Any, mesh: Mesh | None = None, specs: Any = None, *,
 
 
 def clip_by_global_norm(grads: Any, max_norm: float, mesh: Mesh | None = None,
-                        specs: Any = None, *, norm_type: float = 2.0) -> tuple[Any, torch.Tensor]:
+                        specs: Any = None, *, norm_type: float = 2.0,
+                        pipeline: Any = None) -> tuple[Any, torch.Tensor]:
     """Scales ``grads`` so that their global norm is at most ``max_norm``.
 
     **Arguments:** as :func:`global_norm`, plus ``max_norm``.
 
     **Returns:** ``(clipped grads, the global norm before clipping)``. The scale is
     ``torch.nn.utils.clip_grad_norm_``'s: ``min(1, max_norm / (norm + 1e-6))``, the
-    same on every rank. Example::
+    same on every rank (of every pipeline stage, with ``pipeline=``). Example::
 
         grads, norm = functp.clip_by_global_norm(grads, 1.0, mesh, specs)
     """
-    norm = global_norm(grads, mesh, specs, norm_type=norm_type)
+    norm = global_norm(grads, mesh, specs, norm_type=norm_type, pipeline=pipeline)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     return optree.tree_map(lambda g: g * coef.to(g.dtype) if isinstance(g, torch.Tensor)
                            and g.is_floating_point() else g, grads), norm
