@@ -21,7 +21,9 @@ runs each once, after a barrier), and the medians are rank 0's:
   overlap": the same with ``functp.set_overlap(enabled=False)``;
 - functp ..., inputs' order: the buckets kept in the inputs' order (never rebuilt
   in the order the first backward's gradients came in);
-- compute: the step with no communication (the floor).
+- compute: the step with no communication (the floor);
+- with ``FUNCTP_BUCKETS="1/4,4/4"`` (first/rest MiB pairs): functp tape and
+  ``torch.func.grad`` with those buckets (how the default was chosen, issue 55).
 
 Ratios are to the hand step; collectives are counted per step (functp's comm_log,
 DDP's through a counting comm hook). Writes ``results/overlap.json``.
@@ -192,6 +194,16 @@ def variants(x, y):
         with functp.comm_log() as log:
             step()
         out[name] = (step, len(log))
+    # other defaults to choose from (issue 55): "FIRST/REST" MiB pairs, FUNCTP_BUCKETS
+    for pair in filter(None, os.environ.get("FUNCTP_BUCKETS", "").split(",")):
+        first, rest = (float(v) for v in pair.split("/"))
+        kw = dict(first_bucket_mb=first, bucket_mb=rest)
+        for name, step in ((f"functp tape, {first:g}+{rest:g} MiB", setting(tape, **kw)),
+                           (f"functp func.grad, {first:g}+{rest:g} MiB",
+                            setting(func_grad, **kw))):
+            with functp.comm_log() as log:
+                step()
+            out[name] = (step, len(log))
     return out
 
 

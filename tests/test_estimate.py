@@ -573,9 +573,11 @@ def test_communication_buffers_at_the_peak(monkeypatch, n):
 def test_gradient_bucket_is_communication():
     # three 512 x 512 replicated weights: the first gradient leaves alone (a 1 MiB
     # first bucket, out of place), the other two in one 2 MiB bucket reduced in place
-    # (all_reduce_); the peak is a 16 MiB scratch made while the gradients (the
-    # collectives' buffers, or views of them) are held
+    # (all_reduce_; DDP's buckets, min_buckets=1: by default these 3 MiB would make
+    # three); the peak is a 16 MiB scratch made while the gradients (the collectives'
+    # buffers, or views of them) are held
     def program():
+        functp.set_overlap(min_buckets=1)
         mesh = functp.make_mesh((2,), ("dp",))
         ps = functp.shard({k: torch.randn(512, 512) for k in "abc"}, mesh, P())
 
@@ -586,7 +588,11 @@ def test_gradient_bucket_is_communication():
         step = functp.shard_map(loss, mesh, in_specs=(P(), P("dp")), out_specs=P())
         grads = torch.func.grad(step)(ps, torch.randn(8, 512))
         return grads, torch.zeros(4096, 1024)
-    est = functp.estimate(program, 2)
+    prev = functp.set_overlap()
+    try:
+        est = functp.estimate(program, 2)
+    finally:
+        functp.set_overlap(**prev)
     mib = 2 ** 20
     assert [e.nbytes for e in est.comm.events] == [4, mib, 2 * mib]
     assert est.memory == {"Communication": 3 * mib,

@@ -92,6 +92,38 @@ def test_dp_step_gradients_in_buckets(run, shape, how):
     assert run(n, _dp_body, shape, how, 25.0) == [2] * n
 
 
+def _min_buckets_body(how, k):
+    mesh = functp.make_mesh((2,), ("dp",))
+    p, x = _params(), randn(B * 2, D, seed=9)
+    ref_g, ref_loss = torch.func.grad_and_value(_global_loss)(p, x)
+    with overlap(first_bucket_mb=WEIGHT_MB, bucket_mb=25.0, min_buckets=k), \
+            functp.comm_log() as log:
+        loss, g = _dp_step(mesh, how, p, functp.shard(x, mesh, P("dp")))
+    assert_tree_close(loss, ref_loss, "loss")
+    assert_tree_close(g, ref_g, "grads")
+    return log.count("all_reduce")
+
+
+@pytest.mark.parametrize("how", ["tape", "func_grad"])
+def test_a_small_models_gradients_make_min_buckets(run, how):
+    # bucket_mb (25 MiB) caps a bucket; where a dtype's gradients would make fewer than
+    # min_buckets, they are cut smaller (not below first_bucket_mb): the pmean, the
+    # first weight's bucket, then the other three weights in 1, 2 or 3 buckets
+    assert run(2, _min_buckets_body, how, 1) == [3, 3]
+    assert run(2, _min_buckets_body, how, 2) == [4, 4]
+    assert run(2, _min_buckets_body, how, LAYERS) == [1 + LAYERS] * 2
+
+
+def test_the_default_bucket_size_follows_the_gradients_size():
+    from functp.ops._buckets import bucket_bytes
+    cfg, mib = functp.set_overlap(), 2**20
+    assert (cfg["bucket_mb"], cfg["first_bucket_mb"], cfg["min_buckets"]) == (25.0, 1.0, 8)
+    assert bucket_bytes(32 * mib, cfg) == 4 * mib       # benchmarks/overlap.py's model
+    assert bucket_bytes(4 * 2**30, cfg) == 25 * mib     # a large model's: DDP's
+    assert bucket_bytes(2 * mib, cfg) == 1 * mib        # not below the first bucket
+    assert bucket_bytes(32 * mib, dict(cfg, min_buckets=1)) == 25 * mib
+
+
 def _nested_body(kind):
     mesh = functp.make_mesh((2,), ("dp",))
     p, x = _params(), randn(2 * B, D, seed=9)
@@ -408,6 +440,8 @@ def test_set_overlap_checks_and_restores():
         assert functp.set_overlap()["bucket_mb"] == 2.0
         with pytest.raises(ValueError, match="bucket_mb must be > 0"):
             functp.set_overlap(bucket_mb=0)
+        with pytest.raises(ValueError, match="min_buckets must be an int >= 1"):
+            functp.set_overlap(min_buckets=0)
     finally:
         functp.set_overlap(**prev)
     assert functp.set_overlap() == prev

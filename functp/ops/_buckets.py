@@ -5,8 +5,8 @@ The buckets must not depend on the order in which a rank used its inputs (expert
 in the order their tokens arrive), nor on whether it used them at all, or two ranks
 would pair different gradients in one all-reduce. So they are cut per group (by its
 axes) and dtype from the inputs' own order (reversed, as DDP cuts them from the
-parameters': the last used fill first), ``bucket_mb`` each, the first
-``first_bucket_mb``; a group's ranks compare their layouts (count and hash of the
+parameters': the last used fill first), ``bucket_mb`` each (or less, so that a dtype's
+gradients make ``min_buckets``: :func:`bucket_bytes`), the first ``first_bucket_mb``; a group's ranks compare their layouts (count and hash of the
 inputs' shapes and dtypes) once per layout, before its first bucket launches. After a
 layout's first backward the buckets follow the order the group's first rank got its
 gradients in then (agreed in one all-gather, as DDP rebuilds its buckets once); from
@@ -25,6 +25,19 @@ from ..mesh._mesh import group_of
 from ..runtime import _world
 from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import DisableFuncTorch, c10d_functional as _c10d
+
+def bucket_bytes(total: int, cfg: dict) -> float:
+    """A bucket's size (after the first) for a stream of ``total`` bytes of gradients:
+    ``bucket_mb``, or less, so that the stream makes ``min_buckets`` of them, but not
+    less than ``first_bucket_mb``. DDP's 25 MiB buckets hold a small model's gradients
+    in one bucket, launched when the backward is nearly over: two hosts, 8 x
+    Linear(1024) (32 MiB), gained nothing from the overlap (DDP 0.99-1.04x the
+    unbucketed step); buckets of an eighth of it gave 0.83-0.94x
+    (benchmarks/README.md, issue 55), and a large model's are DDP's still."""
+    mib = 2**20
+    return min(cfg["bucket_mb"] * mib,
+               max(cfg["first_bucket_mb"] * mib, total / cfg["min_buckets"]))
+
 
 # a tensor's vma tag, (run, axes): ``_vma._TAG`` (``_vma`` imports this, through ``_overlap``)
 _VMA = "_functp_vma"
@@ -118,13 +131,14 @@ class Buckets:
         plan = []
         for s, js in enumerate(streams):
             cur, size, start, prev = [], 0, len(plan), 0
-            lim = (cfg["first_bucket_mb"] if s == lead else cfg["bucket_mb"]) * 2**20
+            rest = bucket_bytes(sum(self.meta[j][3] for j in js), cfg)
+            lim = cfg["first_bucket_mb"] * 2**20 if s == lead else rest
             for j in js:
                 cur.append(j)
                 size += self.meta[j][3]
                 if size >= lim:
                     plan.append(cur)
-                    cur, size, prev, lim = [], 0, lim, cfg["bucket_mb"] * 2**20
+                    cur, size, prev, lim = [], 0, lim, rest
             # (half the bucket it would join: the first, small, bucket leaves early and
             # keeps to itself what is not small beside it)
             if cur and size < prev / 2 and len(plan) > start:

@@ -63,7 +63,8 @@ READY = "_functp_ready"       # a grad_ready output's: its launch point is made
 
 # the settings, read at each launch: the process's, or a simulated rank's own (set in
 # its thread, as a process under torchrun sets its own)
-_settings = {"enabled": True, "bucket_mb": 25.0, "first_bucket_mb": 1.0, "forward": True}
+_settings = {"enabled": True, "bucket_mb": 25.0, "first_bucket_mb": 1.0, "min_buckets": 8,
+             "forward": True}
 
 
 class _Rank(threading.local):
@@ -82,7 +83,8 @@ def _get() -> dict:
 
 
 def set_overlap(enabled: bool | None = None, bucket_mb: float | None = None,
-                first_bucket_mb: float | None = None, forward: bool | None = None) -> dict:
+                first_bucket_mb: float | None = None, forward: bool | None = None,
+                min_buckets: int | None = None) -> dict:
     """Sets how a shard_map body's communication overlaps its computation: the
     gradients of its replicated inputs are reduced during the backward (functp
     launches each bucket's all-reduce as soon as its gradients are complete, and
@@ -93,7 +95,11 @@ def set_overlap(enabled: bool | None = None, bucket_mb: float | None = None,
     every collective waited on at once (the behaviour before overlap); ``bucket_mb`` –
     a bucket's size in MiB (DDP's ``bucket_cap_mb``, 25 by default);
     ``first_bucket_mb`` – the first bucket's (1 MiB: launched early, as DDP's first
-    bucket); ``forward`` – False: forward collectives (``psum``, ``all_gather``...)
+    bucket); ``min_buckets`` – buckets are made smaller than ``bucket_mb`` (not than
+    ``first_bucket_mb``) where a body's gradients of one dtype would make fewer (8 by
+    default: a 32 MiB model's gradients travel in 4 MiB buckets, which across two
+    hosts hid the all-reduce DDP's 25 MiB leave to the backward's end; 1: DDP's
+    buckets); ``forward`` – False: forward collectives (``psum``, ``all_gather``...)
     waited on at once (True by default). None leaves a setting as it is.
     Set it alike on every rank (inside :func:`functp.simulate`, a rank's call sets its
     own, as a process's would).
@@ -107,6 +113,11 @@ def set_overlap(enabled: bool | None = None, bucket_mb: float | None = None,
     """
     prev = dict(_get())
     new = dict(prev)
+    if min_buckets is not None:
+        if isinstance(min_buckets, bool) or not isinstance(min_buckets, int) or min_buckets < 1:
+            raise ValueError(f"functp.set_overlap: min_buckets must be an int >= 1, got "
+                             f"{min_buckets!r}")
+        new["min_buckets"] = min_buckets
     for k, v in (("enabled", enabled), ("bucket_mb", bucket_mb),
                  ("first_bucket_mb", first_bucket_mb), ("forward", forward)):
         if v is not None:
