@@ -175,6 +175,9 @@ def _norms_body(shape, names, kind, schedule):
             torch.stack([torch.linalg.vector_norm(g, p) for g in ref.values()]), p)
         got = functp.global_norm(grads, pipeline=apply, norm_type=p)
         out.append((p, abs(got.item() - want.item()) / want.item()))
+    if apply.stage_mesh is not None:      # (one stage's norm: refused, naming the fix)
+        with pytest.raises(functp.ShardingError, match="pass pipeline=apply"):
+            functp.clip_by_global_norm(grads, 0.1, apply.stage_mesh, apply.specs[0])
     clipped, norm = functp.clip_by_global_norm(grads, 0.1, pipeline=apply)
     mine = apply.unshard(clipped)
     coef = 0.1 / (norm + 1e-6)

@@ -289,6 +289,9 @@ def _stage_mesh(mesh: Mesh) -> Mesh | None:
     sub.timeout = mesh.timeout
     # (a subset of the mesh's ranks: agreed where the mesh is, as in estimate's trace)
     sub._debug_generation = mesh._debug_generation
+    # (a norm over it is one stage's: functp.global_norm refuses it, pipeline= is the
+    # whole model's)
+    sub._stage_of = mesh
     _agree_check_mode(sub)
     return sub
 

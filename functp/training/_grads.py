@@ -126,6 +126,13 @@ def global_norm(tree: Any, mesh: Mesh | None = None, specs: Any = None, *,
     if pipeline is not None:
         (leaves, axes, order), fr, m = _stage_axes(tree, pipeline), None, pipeline.mesh
     else:
+        if getattr(mesh, "_stage_of", None) is not None and _context.top() is None:
+            raise ShardingError(
+                f"functp.global_norm: {mesh} is a pipeline stage's mesh (apply.stage_mesh): "
+                f"over it the norm is that stage's gradients' alone, and each stage would "
+                f"clip by its own; pass pipeline=apply (global_norm(grads, pipeline=apply), "
+                f"clip_by_global_norm(grads, max_norm, pipeline=apply)) for the whole "
+                f"model's norm")
         leaves, axes, fr = _split_axes(tree, mesh, specs, "global_norm")
         m = fr.mesh if fr is not None else mesh
     p = float(norm_type)
