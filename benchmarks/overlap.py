@@ -178,6 +178,14 @@ def variants(x, y):
                 _buckets.REBUILD = True
         return run
 
+    # other buckets to choose from (issue 55): "FIRST/REST" MiB pairs in FUNCTP_BUCKETS,
+    # each exactly those sizes (min_buckets=1: not cut smaller by the default's rule)
+    candidates = []
+    for pair in filter(None, os.environ.get("FUNCTP_BUCKETS", "").split(",")):
+        first, rest = (float(v) for v in pair.split("/"))
+        kw = dict(first_bucket_mb=first, bucket_mb=rest, min_buckets=1)
+        candidates += [(f"functp tape, {first:g}+{rest:g} MiB", setting(tape, **kw)),
+                       (f"functp func.grad, {first:g}+{rest:g} MiB", setting(func_grad, **kw))]
     for name, step in (("functp tape", tape), ("functp torch.func.grad", func_grad),
                        ("functp.value_and_grad", vag),
                        (f"functp tape, {SMALL_MB:g} MiB buckets", setting(tape, **small)),
@@ -190,20 +198,11 @@ def variants(x, y):
                        (f"functp func.grad, {SMALL_MB:g} MiB, inputs' order",
                         inputs_order(setting(func_grad, **small))),
                        ("functp tape, no overlap", setting(tape, enabled=False)),
-                       ("functp torch.func.grad, no overlap", setting(func_grad, enabled=False))):
+                       ("functp torch.func.grad, no overlap", setting(func_grad, enabled=False)),
+                       *candidates):
         with functp.comm_log() as log:
             step()
         out[name] = (step, len(log))
-    # other defaults to choose from (issue 55): "FIRST/REST" MiB pairs, FUNCTP_BUCKETS
-    for pair in filter(None, os.environ.get("FUNCTP_BUCKETS", "").split(",")):
-        first, rest = (float(v) for v in pair.split("/"))
-        kw = dict(first_bucket_mb=first, bucket_mb=rest)
-        for name, step in ((f"functp tape, {first:g}+{rest:g} MiB", setting(tape, **kw)),
-                           (f"functp func.grad, {first:g}+{rest:g} MiB",
-                            setting(func_grad, **kw))):
-            with functp.comm_log() as log:
-                step()
-            out[name] = (step, len(log))
     return out
 
 

@@ -314,14 +314,15 @@ def main(argv=None) -> bool:
         # (every rank holds as many tokens: the mean of the means is the whole mean)
         return functp.pmean(lm_loss(apply(p, ids), targets), batch_axes)
 
-    loss_fn = functp.shard_map(local_loss, mesh, in_specs=(specs, batch_spec, batch_spec),
-                               out_specs=P())
     if pp:
         # apply is this rank's stage: its step takes the whole batch on every rank and
         # returns the batch's mean loss and this stage's gradients
         pipe_step = apply.pipeline(microbatches=args.microbatches, loss_fn=lm_loss,
                                    schedule=args.schedule)
         loss_fn = lambda p, ids, targets: pipe_step(p, ids, targets)[0]   # noqa: E731
+    else:
+        loss_fn = functp.shard_map(local_loss, mesh,
+                                   in_specs=(specs, batch_spec, batch_spec), out_specs=P())
 
     def place(ids_targets):
         """A whole batch -> this rank's rows (and, over cp, its two chunks of each
@@ -366,9 +367,8 @@ def main(argv=None) -> bool:
         compiled_step = torch.compile(train_step, fullgraph=True, backend=args.compile)
         opt_specs = opt.specs(specs)
     else:
-        grad_fn = torch.func.grad_and_value(loss_fn)
-        if pp:
-            grad_fn = lambda p, ids, targets: pipe_step(p, ids, targets)[::-1]   # noqa: E731
+        grad_fn = (torch.func.grad_and_value(loss_fn) if not pp else  # (grads, loss)
+                   lambda p, ids, targets: pipe_step(p, ids, targets)[::-1])
         params = {k: v.clone().requires_grad_() for k, v in params.items()}
         opt = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     optimizer = "functp.adamw" if args.compile else "torch.optim.AdamW"

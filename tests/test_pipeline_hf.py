@@ -189,9 +189,9 @@ def _norms_body(shape, names, kind, schedule):
 
 @pytest.mark.parametrize("kind", ["functp", "transformers_tied"])
 def test_the_global_norm_of_a_pipelines_gradients_is_the_whole_models(run, kind):
-    # (a stage's own norm, clip_by_global_norm(grads, 1.0, stage_mesh, stage_specs),
-    # clips each stage by another factor: examples/train_lm.py --pp then trained to
-    # other losses from its second step)
+    # (a stage's own norm clips each stage by another factor: examples/train_lm.py --pp
+    # then trained to other losses from its second step; over apply.stage_mesh that
+    # norm is refused)
     for shape, names, schedule in [((2, 2, 2), ("dp", "pp", "tp"), "1f1b"),
                                    ((2,), ("pp",), "zero_bubble")]:
         for rank in run(math.prod(shape), _norms_body, shape, names, kind, schedule):

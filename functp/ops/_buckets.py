@@ -6,8 +6,9 @@ in the order their tokens arrive), nor on whether it used them at all, or two ra
 would pair different gradients in one all-reduce. So they are cut per group (by its
 axes) and dtype from the inputs' own order (reversed, as DDP cuts them from the
 parameters': the last used fill first), ``bucket_mb`` each (or less, so that a dtype's
-gradients make ``min_buckets``: :func:`bucket_bytes`), the first ``first_bucket_mb``; a group's ranks compare their layouts (count and hash of the
-inputs' shapes and dtypes) once per layout, before its first bucket launches. After a
+gradients make ``min_buckets``: :func:`bucket_bytes`), the first ``first_bucket_mb``; a
+group's ranks compare their layouts (count and hash of the inputs' shapes and dtypes)
+once per layout, before its first bucket launches. After a
 layout's first backward the buckets follow the order the group's first rank got its
 gradients in then (agreed in one all-gather, as DDP rebuilds its buckets once); from
 then on they are known at the body's entry, so that each bucket is one launch point.
@@ -25,6 +26,7 @@ from ..mesh._mesh import group_of
 from ..runtime import _world
 from ..runtime._errors import ShardingError
 from ..runtime._torch_compat import DisableFuncTorch, c10d_functional as _c10d
+
 
 def bucket_bytes(total: int, cfg: dict) -> float:
     """A bucket's size (after the first) for a stream of ``total`` bytes of gradients:

@@ -75,12 +75,12 @@ def _stage_axes(tree: Any, pipeline: Any) -> tuple[list, list, list]:
     if _context.top() is not None:
         raise ShardingError("functp.global_norm(pipeline=...) takes the step's gradients "
                             "outside a shard_map body (where apply.pipeline's step returns them)")
-    v, pp = pipeline.virtual_stages, pipeline.mesh.axis_size("pp")
-    chunks = tree if v > 1 else [tree]
+    chunks = tree if pipeline.virtual_stages > 1 else [tree]
+    head = pipeline._tied_holders()[1]          # (rank, chunk) holding the tied head
     leaves, axes = [], []
     for j, chunk in enumerate(chunks):
         spec = pipeline.specs[j]
-        if pipeline.tied is not None and (pipeline.stage, j) == (pp - 1, v - 1):
+        if pipeline.tied is not None and (pipeline.stage, j) == head:
             chunk = {k: t for k, t in chunk.items() if k != pipeline.tied[1]}
             spec = {k: s for k, s in spec.items() if k != pipeline.tied[1]}
         if pipeline.stage_mesh is None:
