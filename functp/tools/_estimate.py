@@ -6,9 +6,9 @@ under torch's ``FakeTensorMode``: tensors carry shapes, dtypes and devices but n
 data, and ``make_mesh`` builds a mesh with no process groups behind it (the c10d
 functional ops functp issues have fake kernels: they return the right shapes and
 move nothing). What is measured is measured with torch's own counters on that run:
-``comm_log`` for the collectives, ``FlopCounterMode`` for FLOPs, ``MemTracker`` for
-memory. They see the same operators, in the same order, as on a real run, which is
-why the collectives and FLOPs are exact and the memory close. A step time is a
+``comm_log`` for the collectives, ``FlopCounterMode``'s formulas for FLOPs,
+``MemTracker`` for memory. They see the same operators, in the same order, as on a
+real run, which is why the collectives and FLOPs are exact and the memory close. A step time is a
 prediction from a hardware profile (``_hardware``), with two bounds.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import optree
 import torch
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import flop_registry
 
 from ..runtime import _comm_log
 from ..runtime import _crosscheck
@@ -56,22 +56,36 @@ _NO_COMPUTE = {"aten.detach", "aten.clone", "aten.copy_", "aten._to_copy", "aten
 
 
 class _OpRecorder(TorchDispatchMode):
-    """Below ``FlopCounterMode``: every operator it lets through (after its
-    decompositions), with the FLOPs torch's formula gives this call and the bytes
-    the call reads and writes (for the time model)."""
+    """Every operator the program dispatches, decomposed as ``FlopCounterMode``
+    decomposes it, with the FLOPs torch's formula (``flop_registry``, the counter's
+    own) gives this call and the bytes the call reads and writes (for the time model);
+    ``flops``: their totals per operator, as ``FlopCounterMode`` counts them. (One mode
+    in place of FlopCounterMode over a recorder: every mode on the stack costs each
+    operator of a trace ~10 us, and the counter evaluated each formula a second time.)"""
 
     def __init__(self, host: "_Host | None" = None) -> None:
         super().__init__()
         self.calls: list[tuple[str, int, int, str]] = []   # (operator, flops, bytes, dtype)
+        self.flops: dict[Any, int] = {}                    # operator packet -> FLOPs
         self.uncounted: dict[str, int] = {}
         self.host = host
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # FlopCounterMode's rule: an operator without a formula (as it looks one up)
+        # is decomposed where torch can, its parts dispatched here again
+        if func not in flop_registry and func is not torch.ops.prim.device.default:
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         out = func(*args, **kwargs)
-        name = str(func._overloadpacket)
-        formula = flop_registry.get(func._overloadpacket)
+        packet = func._overloadpacket
+        name = str(packet)
+        formula = flop_registry.get(packet)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        if formula is not None:
+            self.flops[packet] = self.flops.get(packet, 0) + flops
         tensors = [t for t in optree.tree_leaves((args, kwargs, out), none_is_leaf=True)
                    if isinstance(t, torch.Tensor)]
         # a view moves nothing; a collective's time is the comm model's, not memory's
@@ -591,17 +605,17 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
             fargs, fkwargs = optree.tree_map(lambda x: values.fake_of(mode, x),
                                              (args, kwargs), none_is_leaf=True)
             # (MemTracker on top, as on a real run: it sees the operators the
-            # program calls, not FlopCounterMode's decompositions of them; the
+            # program calls, not the recorder's decompositions of them; the
             # values just above the fakes, where the others see every operator)
             with _comm_log.comm_log() as log, _OpRecorder(host) as ops, \
-                    FlopCounterMode(display=False) as flops, _tracker_class()(host) as mem:
+                    _tracker_class()(host) as mem:
                 if host is not None:
                     host.watch(ops.calls, log.events)
                     values.on_sync = host.sync
                 try:
                     result, mark = _run(
                         fn, fargs, fkwargs, host, warmup,
-                        lambda: _Mark(ops, log, flops, mem, values, host))
+                        lambda: _Mark(ops, log, mem, values, host))
                 except (DataDependentOutputException, DynamicOutputShapeException) as e:
                     raise _host_reads.refused(e, rank) from None
                 except RuntimeError as e:
@@ -613,7 +627,7 @@ def _trace(fn, nprocs: int, rank: int, args, kwargs,
         _crosscheck.set_debug(previous)
         _mesh.forget_groups(prefix)
         _world.restore_state(caller)      # the program's draws are not the caller's
-    counts = flops.get_flop_counts().get("Global", {})
+    counts = ops.flops
     calls, uncounted = ops.calls, ops.uncounted
     if mark is not None:              # the measured step's own, from its start
         counts = {op: n - mark.flops.get(op, 0) for op, n in counts.items()}
@@ -673,9 +687,9 @@ class _Mark:
     collectives, FLOPs and reads so far; the memory peak restarted there, the bytes
     held then its resident bytes; the host's count starts there."""
 
-    def __init__(self, ops, log, flops, mem, values, host) -> None:
+    def __init__(self, ops, log, mem, values, host) -> None:
         self.calls, self.events = len(ops.calls), len(log.events)
-        self.flops = dict(flops.get_flop_counts().get("Global", {}))
+        self.flops = dict(ops.flops)
         self.uncounted = dict(ops.uncounted)
         values.forget_reads()
         self.resident = mem.restart()
