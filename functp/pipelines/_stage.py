@@ -63,8 +63,8 @@ def forward(call: Callable, params: Any, x: Any, mode: str, split: bool) -> Save
 
 def _inner(x: torch.Tensor) -> torch.Tensor:
     """The input a stage computes on: a view of the leaf its gradient is taken for,
-    so that a module hook on it (torch's ModTracker, which FlopCounterMode and
-    MemTracker use: ``functp.estimate``) sees a non-leaf, which
+    so that a module hook on it (torch's ModTracker, which MemTracker uses:
+    ``functp.estimate``) sees a non-leaf, which
     ``torch.autograd.grad`` lets it ask about ("A leaf node was passed to
     _will_engine_execute_node" otherwise)."""
     return x.view_as(x)
