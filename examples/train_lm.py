@@ -53,8 +53,8 @@ is the step: every rank is given the whole batch, each dp row pipes its own rows
 the loss and gradients are the unpipelined model's. The clip's norm is the whole
 model's (``functp.clip_by_global_norm(grads, 1.0, pipeline=apply)``: every stage's
 gradients in it), so the run trains to the losses of the run without ``--pp`` up to
-float32 rounding (``--float64``: ~1e-12). Evaluation runs the pipelined step and
-keeps its loss (a pipeline has no forward-only schedule yet); checkpoints of a
+float32 rounding (``--float64``: ~1e-12). Evaluation is the step's forward only
+(``step.evaluate``: no activations kept, no backward); checkpoints of a
 pipeline are not written yet (``--resume`` and ``--ckpt-every`` are refused/skipped
 with ``--pp``), nor are ``--cp`` and ``--compile`` beside it.
 
@@ -319,7 +319,7 @@ def main(argv=None) -> bool:
         # returns the batch's mean loss and this stage's gradients
         pipe_step = apply.pipeline(microbatches=args.microbatches, loss_fn=lm_loss,
                                    schedule=args.schedule)
-        loss_fn = lambda p, ids, targets: pipe_step(p, ids, targets)[0]   # noqa: E731
+        loss_fn = pipe_step.evaluate       # (forward only: no activations kept)
     else:
         loss_fn = functp.shard_map(local_loss, mesh,
                                    in_specs=(specs, batch_spec, batch_spec), out_specs=P())
@@ -404,8 +404,7 @@ def main(argv=None) -> bool:
                   f"{'AdamW' if not args.compile else optimizer} state for {kept} of them")
 
     def evaluate() -> float:
-        # (a pipeline's step, its gradients dropped: it has no forward-only schedule)
-        with torch.no_grad() if not pp else torch.enable_grad():
+        with torch.no_grad():
             losses = [loss_fn({k: v.detach() for k, v in params.items()},
                               *place(batch_at(held_out, i, args.batch, args.seq, seed=1))).item()
                       for i in range(4)]

@@ -11,6 +11,7 @@ import torch
 
 import functp
 from functp import P
+from functp.pipelines._schedule import Schedule
 
 D, VOCAB = 4, 7
 SCHEDS = [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2)]
@@ -26,7 +27,7 @@ def _check_table(s):
             assert a.tick + a.ticks <= b.tick, f"rank {r} runs two actions at once: {a}, {b}"
         for a in acts:
             end[(a.kind, r + a.chunk * pp, a.microbatch)] = (a.tick, a.tick + a.ticks)
-    kinds = "FBW" if s.schedule == "zero_bubble" else "FB"
+    kinds = {"zero_bubble": "FBW", "forward": "F"}.get(s.schedule, "FB")
     want = {(k, vs, mb) for k in kinds for vs in range(pp * v) for mb in range(m)}
     assert set(end) == want and sum(map(len, s.actions)) == len(want), "each action once"
     for (k, vs, mb), (start, _) in end.items():
@@ -53,6 +54,12 @@ def test_schedule_tables_are_valid_and_bounded():
                 assert abs(s.bubble - (pp - 1) / (v * m + pp - 1)) < 1e-12, (sched, pp, m, v)
             if sched == "zero_bubble" and m >= pp > 1:
                 assert s.bubble < functp.pipeline_schedule("1f1b", pp, m).bubble
+            # evaluate's table: every forward once, GPipe's forward phase, nothing held
+            f = Schedule("forward", pp, m, v)
+            _check_table(f)
+            assert f.peak_in_flight == [0] * pp
+            if v == 1 or m % pp == 0:          # (interleaved's rounds of pp otherwise)
+                assert f.ticks == pp - 1 + m * v, (pp, m, v, f.ticks)
 
 
 def test_schedule_text_and_errors():
@@ -152,8 +159,14 @@ def _exact_body(cases, debug=None, calls=1):
             assert sorted(gj) == sorted(ref)
             err = max([err] + [_maxdiff(gj[k], ref[k]) for k in ref])
         in_flight = step.peak_saved
+        # evaluation, forward only, on other rows: the unsharded loss, nothing kept
+        held_ids = torch.randint(0, VOCAB, (n, 3), generator=g)
+        held_tgt = torch.randint(0, VOCAB, (n, 3), generator=g)
+        ev = step.evaluate(mine if sched == "interleaved" else mine[0], held_ids, held_tgt)
+        err = max(err, abs(ev.item() - _ce(_full(p, held_ids), held_tgt).item()))
         bound = m if sched == "gpipe" and r == 0 else None
-        errs.append((sched, v, m, mode, err, in_flight, bound, step.schedule.peak_in_flight[r]))
+        errs.append((sched, v, m, mode, err, in_flight, bound, step.schedule.peak_in_flight[r],
+                     step.peak_saved))
     return errs
 
 
@@ -164,8 +177,9 @@ def _maxdiff(a, b) -> float:
 
 def _assert_exact(results):
     for rank, rows in enumerate(results):
-        for sched, v, m, mode, err, live, bound, table_peak in rows:
+        for sched, v, m, mode, err, live, bound, table_peak, eval_saved in rows:
             assert err < 1e-10, f"rank {rank} {sched} v={v} M={m} {mode}: off by {err}"
+            assert eval_saved == 0, (rank, sched, eval_saved)    # evaluate keeps nothing
             # the executor's count of live saved activations is the table's
             assert live == table_peak, (rank, sched, m, live, table_peak)
             if bound is not None:
@@ -306,7 +320,10 @@ def _error_body(case):
         step = functp.pipeline(stage, mesh, microbatches=m, schedule=sched, loss_fn=_ce,
                                virtual_stages=2 if sched == "interleaved" else 1)
     try:
-        step(p, ids, ids)
+        if case == "evaluate" and r == 0:     # rank 0 evaluates while rank 1 trains
+            step.evaluate(p, ids, ids)
+        else:
+            step(p, ids, ids)
     except functp.ShardingError as e:
         loss, _ = functp.pipeline(_stage, mesh, microbatches=2, loss_fn=_ce)(p if case != "chunks" else _stage_params(_model(), r, 2), ids, ids)
         return str(e), loss.item()       # (and the axis still works afterwards)
@@ -316,6 +333,7 @@ def _error_body(case):
 @pytest.mark.parametrize("case, says", [
     ("microbatches", r"disagree on microbatches \(stage 0: 3, stage 1: 4\)"),
     ("schedule", r"disagree on schedule \(stage 0: 1f1b, stage 1: gpipe\)"),
+    ("evaluate", r"disagree on schedule \(stage 0: forward, stage 1: 1f1b\)"),
     ("shape", r"stage 0's output for microbatch 2 has shape \(1, 3, 3\)"),
     ("loss", r"loss_fn returned shape \(2, 3\)"),
     ("chunks", "must be a list of 2 chunks"),

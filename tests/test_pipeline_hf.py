@@ -19,8 +19,8 @@ SCHEDULES = [("gpipe", None), ("1f1b", None), ("zero_bubble", None),
              ("interleaved", "v2")]
 
 
-def _data(n=6):
-    g = torch.Generator().manual_seed(0)
+def _data(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
     return (torch.randint(3, _hf.VOCAB, (n, _hf.SEQ), generator=g),
             torch.randint(_hf.VOCAB, (n, _hf.SEQ), generator=g))
 
@@ -33,8 +33,9 @@ def _reference(model, ids, tgt):
 
 def _body(cases, shape, names, layers=4):
     """Each case ``(schedule, tied, stages, backward, microbatches)``: the largest error
-    of the loss and of this rank's gradients (gathered over tp) against the unsharded
-    model's, and which parameters this rank held."""
+    of the loss, of this rank's gradients (gathered over tp) and of ``step.evaluate``'s
+    loss on other sequences against the unsharded model's, and which parameters this
+    rank held."""
     out = []
     for sched, tied, stages, mode, m in cases:
         with warnings.catch_warnings():
@@ -50,6 +51,10 @@ def _body(cases, shape, names, layers=4):
         full = apply.unshard(grads)
         chunks = full if isinstance(full, list) else [full]
         err, held = abs(loss.item() - ref_l.item()), []
+        held_ids, held_tgt = _data(seed=1)          # (evaluation: forward only)
+        with torch.no_grad():
+            want = _hf._lm_loss(model(input_ids=held_ids, use_cache=False).logits, held_tgt)
+            err = max(err, abs(step.evaluate(params, held_ids, held_tgt).item() - want.item()))
         for c in chunks:
             for k, g in c.items():
                 want = ref_g["model.embed_tokens.weight" if tied and k == "lm_head.weight" else k]

@@ -307,6 +307,23 @@ def _tied_names(model: nn.Module, parts: dict) -> tuple[str, str] | None:
     return None
 
 
+def _by_rows(fn: Callable, stage_mesh: Mesh, dp: tuple, rows: int) -> Callable:
+    """``fn`` given the whole batch: with data-parallel axes ``dp`` beside pp, each of
+    their ``rows`` rows of the mesh is handed its own sequences."""
+    def run(params, ids, labels):
+        if not dp:
+            return fn(params, ids, labels)
+        n = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.ndim else -1
+        if n % rows:
+            raise ShardingError(
+                f"apply.pipeline: the batch's {n} sequences (input_ids of shape "
+                f"{tuple(getattr(ids, 'shape', ()))}) must split evenly over the "
+                f"data-parallel axes {list(dp)} ({rows} rows of the mesh), each "
+                f"row piping its own; give a batch that is a multiple of {rows}")
+        return fn(params, *shard((ids, labels), stage_mesh, P(dp)))   # this row's rows
+    return run
+
+
 class PipelineStages:
     """What :func:`functp.parallelize` returns as ``apply`` on a mesh with a ``pp``
     axis: this rank's stage of the model (``v`` stages with virtual stages).
@@ -391,12 +408,15 @@ class PipelineStages:
         this rank's blocks (a tied embedding's the sum of both its uses). With
         data-parallel axes (``batch_axes``) each of their rows pipes its own rows of
         the batch (``microbatches`` of those), which must split evenly over them.
+        ``step.evaluate(params, input_ids, labels)``: the same loss, forward only
+        (:meth:`Pipeline.evaluate`: no activations kept, no backward).
 
         Example (2 ranks, a transformers Llama)::
 
             apply, params, specs = functp.parallelize(model, functp.make_mesh((2,), ("pp",)))
             step = apply.pipeline(microbatches=4, loss_fn=lm_loss)
             loss, grads = step(params, ids, labels)
+            eval_loss = step.evaluate(params, held_out_ids, held_out_labels)
         """
         v = self.virtual_stages
         if (schedule == "interleaved") != (v > 1):
@@ -424,26 +444,22 @@ class PipelineStages:
                 grads = _summed(pvary(grads, dp), spec, dp, 1 / rows)
             return loss, grads
 
+        def evaluated(params, ids, labels):        # (forward only: Pipeline.evaluate)
+            loss = inner.evaluate(params, ids, labels)
+            return psum(pvary(loss, dp), dp) / rows if dp else loss
+
         if self.stage_mesh is None:
+            body.evaluate = evaluated
             return body
         from ..mapping._shard_map import shard_map
         batch = P(dp) if dp else P()
-        step = shard_map(body, self.stage_mesh, in_specs=(spec, batch, batch),
-                         out_specs=(P(), spec), unreduced=dp)
-        if not dp:
-            return step
-
-        def split_step(params, ids, labels):
-            n = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.ndim else -1
-            if n % rows:
-                raise ShardingError(
-                    f"apply.pipeline: the batch's {n} sequences (input_ids of shape "
-                    f"{tuple(getattr(ids, 'shape', ()))}) must split evenly over the "
-                    f"data-parallel axes {list(dp)} ({rows} rows of the mesh), each "
-                    f"row piping its own; give a batch that is a multiple of {rows}")
-            mine = shard((ids, labels), self.stage_mesh, batch)   # this row's sequences
-            return step(params, *mine)
-        return split_step
+        mapped = shard_map(body, self.stage_mesh, in_specs=(spec, batch, batch),
+                           out_specs=(P(), spec), unreduced=dp)
+        mapped_eval = shard_map(evaluated, self.stage_mesh, in_specs=(spec, batch, batch),
+                                out_specs=P())
+        step = _by_rows(mapped, self.stage_mesh, dp, rows)
+        step.evaluate = _by_rows(mapped_eval, self.stage_mesh, dp, rows)
+        return step
 
     def _sum_tied(self, grads):
         """The tied embedding's two gradients added, on both of its holders."""

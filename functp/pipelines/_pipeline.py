@@ -31,11 +31,13 @@ import torch
 from ..mesh._mesh import Mesh
 from ..runtime import _world
 from ..runtime._errors import ShardingError
-from ._schedule import SCHEDULES, Schedule, pipeline_schedule
+from ._schedule import FORWARD, SCHEDULES, Schedule, pipeline_schedule
 from ._run import Run
 from ._transfer import gather_rows
 
 __all__ = ["pipeline", "Pipeline"]
+
+_CODES = SCHEDULES + (FORWARD,)     # the agreement's schedule column (evaluate: FORWARD)
 
 
 def pipeline(stage_fn: Callable, mesh: Mesh, *, axis: str = "pp", microbatches: int,
@@ -89,11 +91,13 @@ def _takes_stage(fn: Callable) -> bool:
 
 class Pipeline:
     """A pipelined step (made by :func:`pipeline`): ``step(params, inputs, targets)``
-    returns ``(loss, grads)``.
+    returns ``(loss, grads)``; ``step.evaluate(params, inputs, targets)`` the loss
+    alone, forward only.
 
     **Attributes:** ``schedule`` – the :class:`Schedule` it runs (``.text()``,
     ``.plot()``); ``peak_saved`` – after a call, the most microbatches whose saved
-    activations this rank held at once (a count the executor keeps).
+    activations this rank held at once (a count the executor keeps; 0 after
+    ``evaluate``).
     """
 
     def __init__(self, stage_fn, mesh, axis, table: Schedule, loss_fn, backward):
@@ -101,31 +105,61 @@ class Pipeline:
         self.loss_fn, self.backward = loss_fn, backward
         self._with_stage = _takes_stage(stage_fn)
         self.peak_saved = 0
-        self._plans: dict = {}      # rank -> its transfers and actions, from the table
-        self._known: dict = {}      # rank -> (every rank's shape key, trail, dtype)
+        self._forward: Schedule | None = None    # evaluate's table, made at its first call
+        # keyed (rank, schedule): a training call's and an evaluation's are kept apart
+        self._plans: dict = {}      # -> its transfers and actions, from the table
+        self._known: dict = {}      # -> (every rank's shape key, trail, dtype)
 
     def __call__(self, params, inputs, targets):
         t = self.schedule
+        run = self._run(t, params, inputs, targets)
+        loss = run.close()          # (raises on every rank alike: nothing is kept then)
+        self._known[(run.me, t.schedule)] = (run.keys, run.trail, run.dtype)
+        grads = run.grads if t.schedule == "interleaved" else run.grads[0]
+        return loss, grads
+
+    def evaluate(self, params, inputs, targets) -> torch.Tensor:
+        """The batch's mean loss, as the step computes it, forward only: each stage runs
+        its microbatches' forwards under ``torch.no_grad`` as soon as their inputs
+        arrive (GPipe's forward phase: ``pp - 1 + M * v`` ticks, interleaved with M a
+        multiple of pp), keeping no activations and computing no gradient. Same
+        arguments as the step, and the same agreement: a rank that evaluates while a
+        peer trains raises on every rank.
+
+        **Returns:** the loss on every rank of the pp axis.
+
+        Example (2 ranks, one tanh layer per stage)::
+
+            eval_loss = step.evaluate(w_of_this_stage, x_held_out, y_held_out)
+        """
+        t = self.schedule
+        if self._forward is None:
+            self._forward = Schedule(FORWARD, t.stages, t.microbatches, t.virtual_stages)
+        run = self._run(self._forward, params, inputs, targets)
+        loss = run.close()
+        self._known[(run.me, FORWARD)] = (run.keys, run.trail, run.dtype)
+        return loss
+
+    def _run(self, t: Schedule, params, inputs, targets):
+        """The agreement, then the ticks of table ``t``: the :class:`Run` to close."""
         g = self.mesh.axis_group(self.axis, "functp.pipeline")
         me, pp, v, m = g.index, t.stages, t.virtual_stages, t.microbatches
-        chunks = params if t.schedule == "interleaved" else [params]
+        chunks = params if self.schedule.schedule == "interleaved" else [params]
         n = _batch_size(inputs)
         local = _local_error(t, chunks, n)
-        rows = gather_rows([float(m), float(SCHEDULES.index(t.schedule)), float(v),
+        rows = gather_rows([float(m), float(_CODES.index(t.schedule)), float(v),
                             float(n), float(len(chunks)) if isinstance(chunks, list) else -1.0,
                             float(local is not None), _shape_key(chunks, inputs, targets)], g)
         _agree(rows, local)
         keys = tuple(r[6] for r in rows)
         if _world.dry_run() is not None:    # (estimate's bubble: _host_time.StepTime)
             _world.dry_run().pipelined.append((sum(a.ticks for a in t.actions[me]), t.ticks))
-        known = self._known.pop(me, None)
-        run = Run(self, g, chunks, inputs, targets, n,
+        known = self._known.pop((me, t.schedule), None)
+        run = Run(self, t, g, chunks, inputs, targets, n,
                   known[1:] if known is not None and known[0] == keys else None)
+        run.keys = keys
         run.ticks()
-        loss = run.close()          # (raises on every rank alike: nothing is kept then)
-        self._known[me] = (keys, run.trail, run.dtype)
-        grads = run.grads if t.schedule == "interleaved" else run.grads[0]
-        return loss, grads
+        return run
 
 
 def _batch_size(inputs) -> int:
@@ -169,7 +203,7 @@ def _agree(rows: list[list[float]], local: str | None) -> None:
     for col, name in enumerate(names):
         vals = [r[col] for r in rows]
         if len(set(vals)) > 1:
-            show = (lambda x: SCHEDULES[int(x)]) if col == 1 else (lambda x: int(x))
+            show = (lambda x: _CODES[int(x)]) if col == 1 else (lambda x: int(x))
             per = ", ".join(f"stage {i}: {show(x)}" for i, x in enumerate(vals))
             raise ShardingError(f"functp.pipeline: the stages disagree on {name} ({per}); "
                                 f"every rank of the pp axis must call the same pipeline "

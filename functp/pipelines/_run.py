@@ -26,6 +26,7 @@ from ..ops import _context
 from ..runtime import _crosscheck, _world
 from ..runtime._errors import ShardingError, first_line
 from . import _stage
+from ._schedule import FORWARD
 from ._transfer import gather_rows, ready, start
 
 __all__ = ["Run"]
@@ -60,13 +61,14 @@ class Run:
     """The state of one call: inputs cut into microbatches, what each forward saved,
     what arrived and waits to be sent, the gradients summed so far."""
 
-    def __init__(self, step, g, chunks, inputs, targets, n: int, known=None):
-        t = self.t = step.schedule
+    def __init__(self, step, t, g, chunks, inputs, targets, n: int, known=None):
+        self.t = t                     # the table: the step's, or evaluate's forwards
         self.step, self.g, self.chunks, self.me = step, g, chunks, g.index
         self.last = t.stages * t.virtual_stages - 1
         self.xs, self.ys = _cut(inputs, t.microbatches), _cut(targets, t.microbatches)
         self.rows = [int(optree.tree_leaves(x)[0].shape[0]) for x in self.xs]
         self.n, self.split = n, t.schedule == "zero_bubble"
+        self.forward_only = t.schedule == FORWARD
         self.typed = _typer(inputs)
         self.saved, self.inbox, self.outbox = {}, {}, {}
         self.trail: dict = {}          # virtual stage -> its output's trailing shape
@@ -76,10 +78,10 @@ class Run:
         self.loss = None
         self.error = None              # (what, stage, microbatch, shape) met during the ticks
         self.failed = None             # (action, virtual stage, exception) this rank raised
-        plan = step._plans.get(self.me)   # from the table alone: the same every call
+        plan = step._plans.get((self.me, t.schedule))   # from the table alone
         if plan is None:
-            plan = step._plans[self.me] = (*_transfers(t),
-                                           {a.tick: a for a in t.actions[self.me]})
+            plan = step._plans[(self.me, t.schedule)] = (
+                *_transfers(t), {a.tick: a for a in t.actions[self.me]})
         self.moves, self.firsts, self.mine = plan
         if known is not None:          # the headers of an earlier call (Pipeline.__call__)
             self.trail, self.dtype, self.firsts = dict(known[0]), known[1], {}
@@ -97,7 +99,7 @@ class Run:
             if tick in self.firsts and _agree_shapes(self, self.firsts[tick]):
                 return                  # a stage failed before its first send: close
             if tick in self.moves:
-                self.transfer(self.moves[tick])
+                _transfer(self, self.moves[tick])
 
     def call(self, vs: int, mb: int):
         fn, with_stage, loss_fn = self.step.stage_fn, self.step._with_stage, self.step.loss_fn
@@ -114,14 +116,12 @@ class Run:
         if a.kind == "F":
             x = (self.xs[a.microbatch] if vs == 0
                  else ready(*self.inbox.pop(("F", vs, a.microbatch))))
-            s = self.saved[key] = _stage.forward(self.call(vs, a.microbatch),
-                                                 self.chunks[a.chunk], x, mode, self.split)
-            self.step.peak_saved = max(self.step.peak_saved, len(self.saved))
+            out = self.forward(vs, a, x)
             if vs == self.last:
-                self.add_loss(s.out, vs, a.microbatch)
+                self.add_loss(out, vs, a.microbatch)
             else:
-                self.outbox[("F", vs + 1, a.microbatch)] = s.out.detach() if isinstance(
-                    s.out, torch.Tensor) else s.out
+                self.outbox[("F", vs + 1, a.microbatch)] = out.detach() if isinstance(
+                    out, torch.Tensor) else out
         elif a.kind == "B":
             s = self.saved[key] if self.split else self.saved.pop(key)
             ct = (torch.tensor(self.rows[a.microbatch] / self.n, dtype=s.out.dtype)
@@ -135,6 +135,18 @@ class Run:
         else:
             s = self.saved.pop(key)
             self.add_grads(a.chunk, _stage.weight_grad(s, self.call(vs, a.microbatch)))
+
+    def forward(self, vs: int, a, x):
+        """Virtual stage ``vs``'s output for ``a``'s microbatch (its loss on the last),
+        kept with what its backward needs; under evaluate, nothing is kept."""
+        call, params = self.call(vs, a.microbatch), self.chunks[a.chunk]
+        if self.forward_only:
+            with torch.no_grad():
+                return call(params, x)
+        s = self.saved[(a.chunk, a.microbatch)] = _stage.forward(
+            call, params, x, self.step.backward, self.split)
+        self.step.peak_saved = max(self.step.peak_saved, len(self.saved))
+        return s.out
 
     def add_loss(self, out, vs: int, mb: int) -> None:
         if not isinstance(out, torch.Tensor) or out.ndim:
@@ -158,33 +170,6 @@ class Run:
     def shape_of(self, key) -> tuple:
         kind, vs, mb = key
         return (self.rows[mb], *self.trail[vs - 1 if kind == "F" else vs])
-
-    def transfer(self, moves: list) -> None:
-        sends, recvs, local = [], [], []
-        for src, dst, key in moves:
-            if src == self.me:
-                out, want = self.outbox.pop(key, None), self.shape_of(key)
-                if out is None:         # this rank raised: zeros keep its peers going
-                    out = torch.zeros(want, dtype=self.dtype)
-                elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != want
-                      or out.dtype != self.dtype):
-                    self.note("shape", key[1] - 1 if key[0] == "F" else key[1] + 1,
-                              key[2], getattr(out, "shape", ()))
-                    out = torch.zeros(want, dtype=self.dtype)
-                (local if dst == self.me else sends).append((dst, out) if dst != self.me
-                                                            else (key, out))
-            elif dst == self.me:
-                recvs.append((src, key))
-        for key, out in local:          # (typed: what arrives varies as the batch does)
-            self.inbox[key] = (self.typed(out), ())
-        if any(src != dst for src, dst, _ in moves):
-            got, waits, sending = start(
-                sends, [(src, self.shape_of(key)) for src, key in recvs], self.g, self.dtype)
-            for (_, key), x, w in zip(recvs, got, waits):
-                self.inbox[key] = (self.typed(x), w)
-            if sending:                 # (a send's tensor is kept until it completes)
-                self.sending = [s for s in self.sending if not s[0].is_completed()]
-                self.sending += sending
 
     def drain(self) -> None:
         """Waits for every send, and for the receives a rank that raised never read:
@@ -220,11 +205,42 @@ class Run:
             if got[2]:
                 _raise_noted(got, self)
         for chunk, gp in enumerate(self.grads):
-            if gp is None:      # no backward ran for this chunk: zeros
+            if gp is None and not self.forward_only:   # no backward ran for it: zeros
                 self.grads[chunk] = optree.tree_map(torch.zeros_like, self.chunks[chunk])
         if self.loss is not None:
             return self.loss
         return _scalar(rows[self.last % self.t.stages][0], self.dtype)
+
+
+def _transfer(run: Run, moves: list) -> None:
+    """A tick end's transfers on this rank: what it sends (zeros where it raised or its
+    output has another shape: noted), receives (started, waited for where read) and
+    hands itself (a stage's next virtual stage on the same rank)."""
+    sends, recvs, local = [], [], []
+    for src, dst, key in moves:
+        if src == run.me:
+            out, want = run.outbox.pop(key, None), run.shape_of(key)
+            if out is None:         # this rank raised: zeros keep its peers going
+                out = torch.zeros(want, dtype=run.dtype)
+            elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != want
+                  or out.dtype != run.dtype):
+                run.note("shape", key[1] - 1 if key[0] == "F" else key[1] + 1,
+                          key[2], getattr(out, "shape", ()))
+                out = torch.zeros(want, dtype=run.dtype)
+            (local if dst == run.me else sends).append((dst, out) if dst != run.me
+                                                        else (key, out))
+        elif dst == run.me:
+            recvs.append((src, key))
+    for key, out in local:          # (typed: what arrives varies as the batch does)
+        run.inbox[key] = (run.typed(out), ())
+    if any(src != dst for src, dst, _ in moves):
+        got, waits, sending = start(
+            sends, [(src, run.shape_of(key)) for src, key in recvs], run.g, run.dtype)
+        for (_, key), x, w in zip(recvs, got, waits):
+            run.inbox[key] = (run.typed(x), w)
+        if sending:                 # (a send's tensor is kept until it completes)
+            run.sending = [s for s in run.sending if not s[0].is_completed()]
+            run.sending += sending
 
 
 def _scalar(value: float, dtype) -> torch.Tensor:

@@ -19,6 +19,9 @@ tick, the first of these that is ready:
 
 The orders are Megatron's: microbatches ascending; interleaved, in rounds of ``pp``
 microbatches per chunk (forwards chunk 0 first, backwards the last chunk first).
+
+``"forward"`` is the table :meth:`Pipeline.evaluate` runs: every forward and no
+backward, each as soon as its input is there (GPipe's forward phase), nothing held.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from ..runtime._errors import ShardingError
 __all__ = ["Action", "Schedule", "pipeline_schedule", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+FORWARD = "forward"          # evaluation's table: forwards only (Pipeline.evaluate)
 _TICKS = {"F": 1, "B": 2, "I": 1, "W": 1}     # I: a zero-bubble input gradient ("B")
 
 
@@ -57,7 +61,7 @@ def _order(pp: int, m: int, v: int, backward: bool) -> list[tuple[int, int]]:
 
 
 def _limit(schedule: str, pp: int, m: int, v: int, rank: int) -> int:
-    if schedule == "gpipe":
+    if schedule in ("gpipe", FORWARD):
         return m * v
     if schedule == "interleaved":
         return min(m * v, (pp - rank - 1) * 2 + (v - 1) * pp + 1)
@@ -68,14 +72,16 @@ class _Rank:
     """One rank's queues and state while the schedule is simulated."""
 
     def __init__(self, schedule, pp, m, v, rank):
-        self.fwd, self.bwd = _order(pp, m, v, False), _order(pp, m, v, True)
+        self.fwd = _order(pp, m, v, False)
+        self.bwd = [] if schedule == FORWARD else _order(pp, m, v, True)
         self.w: list[tuple[int, int]] = []
         self.limit, self.live, self.busy_until = _limit(schedule, pp, m, v, rank), 0, 0
         self.split = schedule == "zero_bubble"
         self.last = "F"          # the kind of its last forward or backward
         # live: forwards whose backward did not run; held: whose activations are
         # still kept (until W under zero-bubble), at most pp (rank 0's 1F1B peak)
-        self.held, self.cap = 0, self.limit if schedule == "gpipe" else max(pp, self.limit)
+        self.held = 0
+        self.cap = self.limit if schedule in ("gpipe", FORWARD) else max(pp, self.limit)
 
 
 def _simulate(schedule: str, pp: int, m: int, v: int) -> list[list[Action]]:
@@ -84,7 +90,8 @@ def _simulate(schedule: str, pp: int, m: int, v: int) -> list[list[Action]]:
     done: dict = {}          # (kind, virtual stage, microbatch) -> the tick it ends
     ranks = [_Rank(schedule, pp, m, v, r) for r in range(pp)]
     out: list[list[Action]] = [[] for _ in range(pp)]
-    tick, left = 0, 2 * pp * m * v + (pp * m * v if schedule == "zero_bubble" else 0)
+    per = {FORWARD: 1, "zero_bubble": 3}.get(schedule, 2)     # actions per microbatch
+    tick, left = 0, per * pp * m * v
 
     def ready(key, t):
         return key in done and done[key] < t
@@ -154,6 +161,9 @@ class Schedule:
         closing = "W" if schedule == "zero_bubble" else "B"
         self.peak_in_flight = []
         for acts in self.actions:
+            if schedule == FORWARD:      # (a forward keeps nothing for a backward)
+                self.peak_in_flight.append(0)
+                continue
             live = peak = 0
             for a in acts:
                 live += 1 if a.kind == "F" else -1 if a.kind == closing else 0
@@ -206,7 +216,8 @@ class Schedule:
         names = {"F": "forward", "B": "backward" if self.schedule != "zero_bubble"
                  else "input grad (B)", "W": "weight grad (W)"}
         ax.legend(handles=[Patch(color=colours[k], label=names[k]) for k in
-                           ("FBW" if self.schedule == "zero_bubble" else "FB")],
+                           ("FBW" if self.schedule == "zero_bubble" else
+                                                   "F" if self.schedule == FORWARD else "FB")],
                   loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8)
         ax.set_yticks(range(self.stages), [f"rank {r}" for r in range(self.stages)])
         ax.invert_yaxis()
