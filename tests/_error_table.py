@@ -165,6 +165,14 @@ ERRORS = [
           "first (a functp.pmean/psum over ('dp', 'tp') inside the step, or a copy of one "
           "rank's value), or give it a spec that mentions 'dp' if its blocks are meant to "
           "differ"),
+    Error('mine = {f"layers.{functp.process_index()}.w": w}      # each rank its own layer\n'
+          f'functp.save("{_PATH}", mine, mesh, P())\n',
+          "CheckpointError",
+          "functp.save: the ranks save different trees: 'layers.1.w' is on rank 1, not on "
+          f"rank 0 (rank 0 saves 1 leaves, rank 1 1) ({_PATH})\nevery rank must pass the "
+          "same tree, its own block of each leaf. A pipeline's stages (parallelize on a "
+          "mesh with a 'pp' axis) hold different layers: functp.save does not take them "
+          "yet"),
     Error('class Config:\n'
           '    lr = 0.1\n\n'
           f'functp.save("{_PATH}", {{"w": w, "cfg": Config()}}, mesh, P())\n',

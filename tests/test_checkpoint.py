@@ -836,6 +836,30 @@ def test_the_allowlist_admits_what_dcp_writes(tmp_path):
     assert _safe_pickle.load_metadata(raw) == pickle.loads(raw)
 
 
+# -- ranks that save different trees: refused, with the check mode or without -----------------
+
+def _save_stage_like(path, debug):
+    """Rank r saves its own layers, as a pipeline's stages hold them."""
+    r = dist.get_rank()
+    names = [f"layers.{i}.w" for i in ([0, 1] if r == 0 else [2, 3])]
+    tree = {"params": {k: randn(2, seed=i) for i, k in enumerate(names)}}
+    prev = functp.set_debug(debug)
+    try:
+        return _outcome(lambda: functp.save(path, tree, _mesh2(), P()))
+    finally:
+        functp.set_debug(prev)
+
+
+def test_ranks_saving_different_trees_raise_on_every_rank(run, tmp_path):
+    # the tree file keeps rank 0's structure: without this check the other ranks'
+    # leaves were written but missing from what load reads, with no error
+    path = str(tmp_path / "ckpt")
+    for debug in (False, True):
+        _all_raise(run(2, _save_stage_like, path, debug), "different trees",
+                   "'params.layers.2.w' is on rank 1, not on rank 0")
+        assert not os.path.exists(os.path.join(path, ".metadata")), "nothing was written"
+
+
 # -- check mode: replicated leaves that differ are caught at save ---------------------------
 
 

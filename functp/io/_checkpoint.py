@@ -43,7 +43,7 @@ from ._checksums import record_checksums, unmark, verify
 from ._failures import all_ok, dcp_call, need_numpy, peer_loss
 from ._folder import Reader, Saved, ValuesAsData, open_folder
 from ._format import FORMAT, FORMAT_KEY, OWN, TREE_KEY, TRUST
-from ._replicas import check_replicas
+from ._replicas import check_replicas, same_tree
 from ._tree_file import checkpoint_keys, tree_record
 
 __all__ = ["save", "load", "full_state_dict"]
@@ -121,6 +121,7 @@ def save(path: str | os.PathLike, tree: Any, mesh: Mesh, specs: Any, *,
         return (items, treespec, keys, tree_file,
                 shapes_for(items, treespec, mesh, shapes, what))
     items, treespec, keys, tree_file, n_list = all_ok(what, path, device, prepare)
+    same_tree(what, path, keys, device)
     if _crosscheck.ENABLED:
         check_replicas(what, path, items, keys, mesh)
     if n_list is None:      # one all-gather; every rank checks the same table
