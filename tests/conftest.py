@@ -9,6 +9,13 @@ import sys
 # 2-core machine spin-wait on one another (tests/test_hf_moe.py alone: 88 s with two
 # threads, 57 s with one, serially; 35 s on two workers)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor's CPU kernels without the vector ISA (scalar C++): what the tests check is
+# functp's graphs, their collectives and their values, which Inductor's CPU vector
+# code does not change, while g++ then compiles each kernel without ATen's vector
+# headers. With an empty Inductor cache (a fresh machine, CI) test_compile.py and
+# test_whole_step.py took 306 CPU-s with it, 266 without (2026-12-04); GPU runs
+# generate Triton, not this.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

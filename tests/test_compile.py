@@ -561,13 +561,20 @@ def _compiled_hf_body(model_type: str, shape: tuple, names: tuple, paths: tuple,
                       backend: str = "inductor", check_vma: bool = True,
                       fields: dict | None = None, aot_eager_paths: tuple = ()):
     """``paths`` compiled with ``backend``, and ``aot_eager_paths`` (also in ``paths``)
-    with aot_eager: the same model and step, built once."""
+    with aot_eager: the same model and step, built once. Inductor compiles rank 0's
+    graphs only, rank 1 runs the same graphs on aot_eager: the ranks' programs are one
+    program (SPMD), so a second Inductor compile would lower the same graphs again
+    (~7 CPU-s of the Llama test's 41 with an empty Inductor cache), while rank 0's
+    compiled collectives still pair with a peer's and its values flow into rank 1's
+    (which is then held to Inductor's tolerance too)."""
     import torch._dynamo
     step, params, args = _hf_step(model_type, shape, names, check_vma, **(fields or {}))
     for path, make in _steps(step, params, args).items():
         if path not in paths:
             continue
         backend_ = "aot_eager" if path in aot_eager_paths else backend
+        if backend_ == "inductor" and torch.distributed.get_rank() != 0:
+            backend_ = "aot_eager"
         with functp.comm_log() as log:
             eager = make(lambda f: f)(params)
         torch._dynamo.reset()
@@ -578,7 +585,7 @@ def _compiled_hf_body(model_type: str, shape: tuple, names: tuple, paths: tuple,
         scale = max(v.abs().max().item() for v in eager.values())
         worst = max((got[k] - eager[k]).abs().max().item() for k in eager) / scale
         # (Inductor: the models' float32 rotary tables, see above)
-        exact = backend_ != "inductor" or model_type == "gpt2"
+        exact = backend != "inductor" or path in aot_eager_paths or model_type == "gpt2"
         assert worst < (1e-10 if exact else 1e-6), f"{what}: {worst:.2e}"
         assert not census.syncs, f"{what}: host syncs in the compiled graphs {census.syncs}"
         assert len(census.collectives) == len(log), (
