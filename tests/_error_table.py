@@ -165,14 +165,17 @@ ERRORS = [
           "first (a functp.pmean/psum over ('dp', 'tp') inside the step, or a copy of one "
           "rank's value), or give it a spec that mentions 'dp' if its blocks are meant to "
           "differ"),
-    Error('mine = {f"layers.{functp.process_index()}.w": w}      # each rank its own layer\n'
+    Error('r = functp.process_index()\n'
+          'mine = {f"layers.{r}.w": w, "state.0.exp_avg": torch.zeros(r + 1)}   '
+          '# stage-numbered\n'
           f'functp.save("{_PATH}", mine, mesh, P())\n',
           "CheckpointError",
-          "functp.save: the ranks save different trees: 'layers.1.w' is on rank 1, not on "
-          f"rank 0 (rank 0 saves 1 leaves, rank 1 1) ({_PATH})\nevery rank must pass the "
-          "same tree, its own block of each leaf. A pipeline's stages (parallelize on a "
-          "mesh with a 'pp' axis) hold different layers: functp.save does not take them "
-          "yet"),
+          "functp.save: the ranks save different trees (a pipeline's stages), but together "
+          "they are not one checkpoint: 'state.0.exp_avg' has the shape (1,) at {'dp': 0, "
+          f"'tp': 0}}, (2,) at {{'dp': 0, 'tp': 1}} ({_PATH})\neach key must be the same "
+          "leaf on every rank that holds it, every block of a split leaf held by some rank. "
+          "An optimizer's state_dict() numbers each stage's parameters from 0: save the "
+          "states by parameter name instead (docs/pipelines.md)"),
     Error('class Config:\n'
           '    lr = 0.1\n\n'
           f'functp.save("{_PATH}", {{"w": w, "cfg": Config()}}, mesh, P())\n',

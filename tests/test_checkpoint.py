@@ -838,26 +838,69 @@ def test_the_allowlist_admits_what_dcp_writes(tmp_path):
 
 # -- ranks that save different trees: refused, with the check mode or without -----------------
 
-def _save_stage_like(path, debug):
-    """Rank r saves its own layers, as a pipeline's stages hold them."""
-    r = dist.get_rank()
-    names = [f"layers.{i}.w" for i in ([0, 1] if r == 0 else [2, 3])]
-    tree = {"params": {k: randn(2, seed=i) for i, k in enumerate(names)}}
+def _stage_tree(stage: int, odd: str = "") -> tuple[dict, dict]:
+    """A pipeline stage's tree (stage 0 layers 0-1 and the embedding, stage 1 layers
+    2-3 and the head), and its specs; ``odd``: one way to make the stages' union no
+    checkpoint. (Split leaves of a stage: the transformers case, on pp x tp.)"""
+    layers = [0, 1] if stage == 0 else [2, 3]
+    tree = {"params": {f"layers.{i}.w": randn(2, seed=i) for i in layers},
+            "step": 7 if odd != "value" or stage == 0 else 8}
+    specs = {"params": {k: P() for k in tree["params"]}, "step": P()}
+    first = "embed" if stage == 0 else "head"
+    if odd == "opt":                   # an optimizer's state numbered from 0 per stage
+        tree["params"]["state.0.exp_avg"] = randn(2 + stage, seed=9)
+        specs["params"]["state.0.exp_avg"] = P()
+    tree["params"][first] = randn(4 if first == "embed" else 2, seed=5 + stage)
+    specs["params"][first] = P()
+    if odd == "half" and stage == 0:   # a split leaf whose other block nobody holds
+        specs["params"][first] = P("x")
+    return tree, specs
+
+
+def _save_stage_like(path, debug, odd=""):
+    """Rank r saves stage r's tree, as a pipeline's stages hold them."""
+    mesh = _mesh2()
+    tree, specs = _stage_tree(dist.get_rank(), odd)
     prev = functp.set_debug(debug)
     try:
-        return _outcome(lambda: functp.save(path, tree, _mesh2(), P()))
+        out = _outcome(lambda: functp.save(path, tree, mesh, specs))
+        if out is not None or odd:
+            return out
+        # on the other split: rank r loads the other stage's part of the union
+        theirs, their_specs = _stage_tree(1 - dist.get_rank())
+        got = functp.load(path, mesh, their_specs, like=theirs)
+        return [(k, torch.equal(got["params"][k], theirs["params"][k]))
+                for k in sorted(theirs["params"])] + [got["step"]]
     finally:
         functp.set_debug(prev)
 
 
-def test_ranks_saving_different_trees_raise_on_every_rank(run, tmp_path):
-    # the tree file keeps rank 0's structure: without this check the other ranks'
-    # leaves were written but missing from what load reads, with no error
+def test_a_pipelines_stages_save_their_union_and_load_on_another_split(run, tmp_path):
+    # each rank saves its own stage's leaves (different trees): the checkpoint is their
+    # union, so it loads whole on one process and in parts on any split
     path = str(tmp_path / "ckpt")
     for debug in (False, True):
-        _all_raise(run(2, _save_stage_like, path, debug), "different trees",
-                   "'params.layers.2.w' is on rank 1, not on rank 0")
-        assert not os.path.exists(os.path.join(path, ".metadata")), "nothing was written"
+        for rank, got in enumerate(run(2, _save_stage_like, path, debug)):
+            assert all(ok for k, ok in got[:-1]) and got[-1] == 7, (rank, got)
+            assert len(got) == 4, got           # the other stage's 3 leaves and step
+        whole = functp.load(path)
+        assert sorted(whole["params"]) == ["embed", "head", "layers.0.w", "layers.1.w",
+                                           "layers.2.w", "layers.3.w"], whole
+        assert torch.equal(whole["params"]["head"], randn(2, seed=6))
+        assert torch.equal(whole["params"]["layers.2.w"], randn(2, seed=2))
+
+
+@pytest.mark.parametrize("odd,words", [
+    ("opt", ["'params.state.0.exp_avg'", "numbers each stage's parameters"]),
+    ("half", ["'params.embed' is split over ['x'] but only 1 of its 2 blocks is saved"]),
+    ("value", ["the value 'step' is 7 on one rank, 8 on another"]),
+])
+def test_stages_whose_union_is_no_checkpoint_raise_on_every_rank(run, tmp_path, odd, words):
+    path = str(tmp_path / "ckpt")
+    msgs = _all_raise(run(2, _save_stage_like, path, False, odd), "different trees",
+                      "not one checkpoint", *words[:1])
+    assert all(w in m for m in msgs for w in words), msgs
+    assert not os.path.exists(os.path.join(path, ".metadata")), "nothing was written"
 
 
 # -- check mode: replicated leaves that differ are caught at save ---------------------------

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import functp
+from functp import P
 
 pytest.importorskip("transformers")
 import _hf  # noqa: E402
@@ -263,6 +264,71 @@ def test_on_gloo_processes(run):
         for rank, rows in enumerate(run(4, _body, cases, (2, 2), names, gloo=True)):
             for (sched, _, mode, err, _) in rows:
                 assert err < 1e-10, (names, rank, sched, mode, err)
+
+
+def _trained(tied: bool):
+    """A tiny Llama whose weights are no longer their initial values (every rank
+    alike), so a load that returns fresh blocks cannot pass for one that read them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _hf._build("llama", num_hidden_layers=4, tie_word_embeddings=tied)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def _checkpoint_body(path: str, tied: bool):
+    """Saves pp2 x tp2's stages (each its own layers), then loads the checkpoint on
+    pp4, on dp2 x tp2 without a pipeline and whole on one process: the largest
+    difference from the model's own tensors in each, and the keys each held."""
+    model = _trained(tied)
+    mesh = functp.make_mesh((2, 2), ("pp", "tp"))
+    _, params, specs = functp.parallelize(model, mesh, "auto")
+    functp.save(path, {"params": params, "step": 5}, mesh, {"params": specs, "step": P()})
+    want = dict(model.state_dict())
+    out = []
+    for shape, names in (((4,), ("pp",)), ((2, 2), ("dp", "tp"))):
+        other = functp.make_mesh(shape, names)
+        apply, blocks, their = functp.parallelize(model, other, "auto")
+        like = {"params": {k: torch.zeros_like(v) for k, v in blocks.items()}, "step": 0}
+        got = functp.load(path, other, {"params": their, "step": P()}, like=like)
+        full = apply.unshard(got["params"])
+        out.append((names, got["step"], sorted(full), max(
+            (full[k] - want[k]).abs().max().item() for k in full)))
+    whole = functp.load(path)["params"]
+    out.append((None, 5, sorted(whole), max((whole[k] - want[k]).abs().max().item()
+                                            for k in whole)))
+    # the stages written as one transformers folder, which transformers loads whole
+    import transformers
+    folder = path + "_hf"
+    functp.save_pretrained(folder, params, specs, mesh, model.config)
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(
+        folder, dtype=torch.float64, output_loading_info=True)
+    got = loaded.state_dict()
+    out.append((info["missing_keys"], info["unexpected_keys"], sorted(got),
+                max((got[k] - want[k]).abs().max().item() for k in want)))
+    return out
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_checkpoint_of_stages_loads_on_another_pp_size_and_without_pp(run, tmp_path, tied):
+    # pp2 x tp2 -> pp4 (each rank one layer), -> dp2 x tp2, -> one process, and as a
+    # transformers folder: equal to the model's tensors bit for bit (float64, moved)
+    model = _trained(tied)
+    names = sorted(model.state_dict())
+    results = run(4, _checkpoint_body, str(tmp_path / "ckpt"), tied, gloo=True)
+    for rank, rows in enumerate(results):
+        (_, s4, keys4, e4), (_, s2, keys2, e2), (_, _, whole, ew), hf = rows
+        assert (s4, s2, e4, e2, ew) == (5, 5, 0.0, 0.0, 0.0), (rank, rows)
+        # save_pretrained: every stage's weights, the tied one once
+        assert (list(hf[0]), list(hf[1]), hf[2], hf[3]) == ([], [], names, 0.0), (rank, hf)
+        assert whole == names, (rank, whole)               # every stage's keys
+        assert f"model.layers.{rank}.mlp.up_proj.weight" in keys4, (rank, keys4)
+        assert len([k for k in keys4 if ".layers." in k]) == 9, keys4    # one layer
+        assert ("lm_head.weight" in keys4) == (rank == 3 or False), (rank, keys4)
+        assert "model.layers.3.mlp.up_proj.weight" in keys2, keys2      # all layers
 
 
 # -- what is refused, with the reason, on every rank -----------------------------------------

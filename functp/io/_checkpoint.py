@@ -44,6 +44,7 @@ from ._failures import all_ok, dcp_call, need_numpy, peer_loss
 from ._folder import Reader, Saved, ValuesAsData, open_folder
 from ._format import FORMAT, FORMAT_KEY, OWN, TREE_KEY, TRUST
 from ._replicas import check_replicas, same_tree
+from ._stage_trees import union_of_trees
 from ._tree_file import checkpoint_keys, tree_record
 
 __all__ = ["save", "load", "full_state_dict"]
@@ -95,8 +96,11 @@ def save(path: str | os.PathLike, tree: Any, mesh: Mesh, specs: Any, *,
     ranks first compare a CRC32 of each leaf and raise if replicas differ; without
     it a difference is not noticed. The CRC32 of every stored byte range goes into
     ``.functp_checksums.json``, written last: without it :func:`load` calls the
-    checkpoint incomplete. A failure on any rank raises :class:`CheckpointError` on
-    every rank, its first line the cause. Example::
+    checkpoint incomplete. Ranks may save different trees (a pipeline's stages, each
+    its own layers): the checkpoint is then their union, refused unless each key is
+    the same leaf on every rank holding it and every block of a split leaf is held.
+    A failure on any rank raises :class:`CheckpointError` on every rank, its first
+    line the cause. Example::
 
         functp.save("ckpt/step100", {"params": local, "opt": opt.state_dict()}, mesh,
                     {"params": specs, "opt": opt_specs})
@@ -121,11 +125,8 @@ def save(path: str | os.PathLike, tree: Any, mesh: Mesh, specs: Any, *,
         return (items, treespec, keys, tree_file,
                 shapes_for(items, treespec, mesh, shapes, what))
     items, treespec, keys, tree_file, n_list = all_ok(what, path, device, prepare)
-    same_tree(what, path, keys, device)
-    if _crosscheck.ENABLED:
-        check_replicas(what, path, items, keys, mesh)
-    if n_list is None:      # one all-gather; every rank checks the same table
-        n_list = shapes_for(items, treespec, mesh, None, what)
+    tree_file, n_list = _agreed(what, path, items, treespec, keys, tree_file, n_list, mesh,
+                                device)
     ops = _RawOps(mesh)
     state: dict[str, Any] = {}
     with torch.no_grad():
@@ -151,6 +152,22 @@ def save(path: str | os.PathLike, tree: Any, mesh: Mesh, specs: Any, *,
     record_checksums(what, path, meta, device, tree_file)
 
 
+def _agreed(what: str, path: str, items, treespec, keys, tree_file: bytes, n_list, mesh,
+            device) -> tuple[bytes, list]:
+    """The tree file and the leaves' global shapes, agreed by the ranks: one tree (the
+    check mode compares its replicas) or, where the ranks' trees differ (a pipeline's
+    stages), their union, checked to be one checkpoint."""
+    if not same_tree(keys, device):
+        tree_file, union_shapes = union_of_trees(what, path, items, keys, tree_file, mesh,
+                                                 device)
+        return tree_file, union_shapes if n_list is None else n_list
+    if _crosscheck.ENABLED:
+        check_replicas(what, path, items, keys, mesh)
+    if n_list is None:      # one all-gather; every rank checks the same table
+        n_list = shapes_for(items, treespec, mesh, None, what)
+    return tree_file, n_list
+
+
 @peer_loss("functp.load")
 def load(path: str | os.PathLike, mesh: Mesh | None = None, specs: Any = None, *,
          like: Any = None, convert: bool = False, trusted: bool = False) -> Any:
@@ -158,7 +175,8 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None, specs: Any = None, *
     on ``mesh`` (any mesh: DCP reads just the pieces each rank needs).
 
     **Arguments:** ``like`` – a tree with the structure to load (a subset of the saved
-    tree is fine); by default, the saved structure. Its non-tensor leaves are
+    tree is fine, and may differ between ranks: a pipeline's stages); by default, the
+    saved structure. Its non-tensor leaves are
     placeholders; a tensor leaf (e.g. this mesh's freshly built block) must have the
     saved global shape or this rank's block of it under ``specs``, and the saved dtype
     unless ``convert=True``, which casts to its dtype. ``mesh=None`` loads the full

@@ -43,6 +43,14 @@ def _crc(file: str, start: int, length: int) -> int:
     return crc
 
 
+def _same_keys(keys: list[str], device: torch.device) -> bool:
+    """Whether every rank passes the same keys: one all-reduce of their CRC32."""
+    crc = zlib.crc32("\n".join(keys).encode())
+    t = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t[0]) == -int(t[1])
+
+
 def _writer(relative_path: str, world: int) -> int:
     """The rank that wrote a data file: DCP names them ``__{rank}_{n}.distcp``
     (filesystem.py, ``_FileSystemWriter.prepare_global_plan`` and ``write_data``).
@@ -100,16 +108,19 @@ def unmark(path: str) -> None:
 
 def verify(what: str, path: str, meta, sums, fqns, device: torch.device | None) -> None:
     """Checks every stored range of the keys ``fqns`` against its checksum, before DCP
-    reads it. With ``device`` the ranks share the work (rank r the ranges i with
-    ``i % world == r``) and agree on the first bad range in one all-reduce, so every
-    rank raises the same error; without, this process checks them all."""
+    reads it. With ``device`` the ranks share the work when they load the same keys
+    (rank r the ranges i with ``i % world == r``), each checks its own keys' when they
+    do not (a pipeline's stages), and they agree on the first bad range in one
+    all-reduce, so every rank raises the same error; without, this process checks
+    them all."""
     if sums is None:
         return               # plain DCP: nothing to check against
-    entries = _entries(meta, fqns)
-    mine = (range(len(entries)) if device is None
-            else range(dist.get_rank(), len(entries), dist.get_world_size()))
+    entries = _entries(meta)                    # (the same list on every rank)
+    wanted = [i for i, (index, _) in enumerate(entries) if index.fqn in fqns]
+    if device is not None and _same_keys(sorted(fqns), device):
+        wanted = wanted[dist.get_rank()::dist.get_world_size()]
     bad = len(entries)
-    for i in mine:
+    for i in wanted:
         index, s = entries[i]
         rec = sums.get(_entry_key(index))
         try:

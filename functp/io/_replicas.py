@@ -1,7 +1,7 @@
-"""What the ranks save must agree before a save writes anything: the same tree on
-every rank (always: one small all-reduce), and, in the check mode
-(``FUNCTP_DEBUG=1``), equal blocks on the ranks that replicate a leaf (a checkpoint
-keeps one copy of it)."""
+"""What the ranks save must agree on before a save writes anything: whether every
+rank saves the same tree (always: one small all-reduce; if not, ``_stage_trees``
+checks their union), and, in the check mode (``FUNCTP_DEBUG=1``), equal blocks on
+the ranks that replicate a leaf (a checkpoint keeps one copy of it)."""
 from __future__ import annotations
 
 import json
@@ -17,37 +17,19 @@ from ..runtime._errors import CheckpointError
 from ._failures import all_ok
 from ._tree_file import encode
 
-__all__ = ["check_replicas", "same_tree"]
+__all__ = ["check_replicas", "fingerprint", "same_tree"]
 
-def same_tree(what: str, path: str, keys: list[str], device: torch.device) -> None:
-    """Every rank saves the same keys (paths), or every rank raises naming a key that
-    differs: the tree file holds one structure for all ranks (rank 0's), so a rank's
-    other leaves would be written but missing from what :func:`load` reads (a
-    pipeline's stages, each holding its own layers, are the common case). One
-    all-reduce of a CRC32 of the keys; the keys are gathered only when they differ."""
+def same_tree(keys: list[str], device: torch.device) -> bool:
+    """Whether every rank saves the same keys (paths), in one all-reduce of a CRC32 of
+    them: the tree file then holds rank 0's structure; otherwise (a pipeline's stages,
+    each holding its own layers) the union's (``_stage_trees``)."""
     crc, n = zlib.crc32("\n".join(keys).encode()), len(keys)
     t = torch.tensor([crc, -crc, n, -n], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    if int(t[0]) == -int(t[1]) and int(t[2]) == -int(t[3]):
-        return
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, keys)
-    r = next(r for r, ks in enumerate(every) if ks != every[0])
-    mine, theirs = set(every[0]), set(every[r])
-    if theirs - mine:
-        odd = f"'{min(theirs - mine)}' is on rank {r}, not on rank 0"
-    elif mine - theirs:
-        odd = f"'{min(mine - theirs)}' is on rank 0, not on rank {r}"
-    else:
-        odd = "the same leaves, in another order"
-    raise CheckpointError(
-        f"{what}: the ranks save different trees: {odd} (rank 0 saves {len(every[0])} "
-        f"leaves, rank {r} {len(every[r])}) ({path})\nevery rank must pass the same tree, "
-        f"its own block of each leaf. A pipeline's stages (parallelize on a mesh with a "
-        f"'pp' axis) hold different layers: functp.save does not take them yet")
+    return int(t[0]) == -int(t[1]) and int(t[2]) == -int(t[3])
 
 
-def _fingerprint(x: Any) -> int:
+def fingerprint(x: Any) -> int:
     """CRC32 of a leaf's dtype, shape and bytes (of its data encoding, for a value)."""
     if not isinstance(x, torch.Tensor):
         return zlib.crc32(json.dumps(encode(x)).encode())
@@ -64,7 +46,7 @@ def check_replicas(what: str, path: str, items, keys, mesh: Mesh) -> None:
     word. One small all-gather of a CRC32 per leaf; every rank raises the same error."""
     check = mesh.check
     fps = all_ok(what, path, torch.device(mesh.device_type),
-                  lambda: [_fingerprint(x) for _, x, _ in items])
+                  lambda: [fingerprint(x) for _, x, _ in items])
     gather = lambda t: _crosscheck._gather(t.to(check.device), check, f"{what} (check of "
                                            f"replicated leaves)").view(check.size, -1).cpu()
     if not keys:

@@ -28,7 +28,7 @@ from ..runtime import _world
 from ..runtime._errors import CheckpointError, ShardingError, first_line
 from ._parallelize import parallelize
 from ._plans import Parallelized
-from ._pp import PipelineStages
+from ._pp import PipelineStages, _stage_mesh
 from ._style import Style
 
 __all__ = ["from_pretrained", "init_blocks", "save_pretrained"]
@@ -362,12 +362,17 @@ def save_pretrained(path: str | os.PathLike, params: dict[str, torch.Tensor],
     if generation_config is None and _generates(config):
         from transformers import GenerationConfig
         generation_config = GenerationConfig.from_model_config(config)
-    writer, files = _writers(params, specs, mesh)
+    writer, files = _writers(params, specs, mesh, _tied_heads(config))
     me = _world.process_index()
     mine = {}
-    for name in names:        # every rank, in one order: one gather per parameter
-        spec = specs[name]
-        full = unview(unshard(view(params[name].detach(), spec), mesh, view_spec(spec)), spec)
+    # every rank of a stage (all ranks, without a pipeline), in one order: one gather
+    # per parameter, over the stage's own mesh (its ranks hold the same parameters)
+    piped = "pp" in mesh.axis_names and mesh.axis_size("pp") > 1
+    stage = _stage_mesh(mesh) if piped else mesh
+    for name in (n for n in names if n in writer):
+        spec, x = specs[name], params[name].detach()
+        full = x if stage is None else unview(unshard(view(x, spec), stage, view_spec(spec)),
+                                              spec)
         if writer[name] == me:
             mine[name] = full.cpu().contiguous()
         del full
@@ -381,7 +386,7 @@ def save_pretrained(path: str | os.PathLike, params: dict[str, torch.Tensor],
     # file is written, then the index: each step on every rank before the next
     _agreed(mesh, lambda: me == 0 and _clear(path, config, generation_config), what)
     _agreed(mesh, write, what)
-    _agreed(mesh, lambda: me == 0 and _commit(path, params, writer, files), what)
+    _agreed(mesh, lambda: me == 0 and _commit(path, writer, files), what)
 
 
 # what a loader reads in place of an index or shards: a folder holding one of these
@@ -395,9 +400,9 @@ _SHARD = re.compile(r"(pytorch_)?model.*-\d{5}-of-\d{5}\.(safetensors|bin)")
 _TMP = ".functp-tmp"
 
 
-def _generates(config: Any) -> bool:
-    """Whether the model of ``config`` can generate (transformers then saves its
-    generation config): ``architectures[0]``'s class, else its causal LM class."""
+def _model_class(config: Any) -> Any:
+    """The class ``from_pretrained`` builds for ``config``: ``architectures[0]``'s,
+    else its causal LM class; None if neither."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     archs = getattr(config, "architectures", None) or []
@@ -406,8 +411,14 @@ def _generates(config: Any) -> bool:
         try:
             cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         except (KeyError, ValueError):
-            return False
-    return bool(getattr(cls, "can_generate", lambda: False)())
+            return None
+    return cls
+
+
+def _generates(config: Any) -> bool:
+    """Whether the model of ``config`` can generate (transformers then saves its
+    generation config)."""
+    return bool(getattr(_model_class(config), "can_generate", lambda: False)())
 
 
 def _replace(final: str, write) -> None:
@@ -434,13 +445,13 @@ def _clear(path: str, config: Any, generation_config: Any) -> None:
         generation_config.save_pretrained(path)
 
 
-def _commit(path: str, params: dict, writer: dict, files: dict) -> None:
+def _commit(path: str, writer: dict, files: dict) -> None:
     """(rank 0, every file written) the index, atomically; then the shards and
     temporary files of other saves, which no index names any more."""
     if len(files) > 1:
         total = sum(int(os.path.getsize(os.path.join(path, f))) for f in files.values())
         index = {"metadata": {"total_size": total},
-                 "weight_map": {k: files[writer[k]] for k in sorted(params)}}
+                 "weight_map": {k: files[writer[k]] for k in sorted(writer)}}
 
         def dump(tmp):
             with open(tmp, "w") as f:
@@ -454,18 +465,38 @@ def _commit(path: str, params: dict, writer: dict, files: dict) -> None:
             os.remove(full)
 
 
-def _writers(params: dict, specs: dict, mesh: Mesh) -> tuple[dict[str, int], dict[int, str]]:
-    """Which rank writes each parameter (largest first, to the rank with the fewest
-    bytes so far) and each writing rank's file name: the same on every rank."""
-    n = _world.process_count()
+def _writers(params: dict, specs: dict, mesh: Mesh, tied: dict
+             ) -> tuple[dict[str, int], dict[int, str]]:
+    """Which rank writes each parameter of every rank's ``params`` (largest first, to
+    the rank holding it with the fewest bytes so far; a pipeline's stages each hold
+    their own) and each writing rank's file name: the same on every rank, from one
+    gather of every rank's names and sizes. A tied head (``tied``: head -> embedding)
+    is left to the embedding where a rank holds that: the weight is written once."""
     size = {k: v.numel() * mesh.axis_size(specs[k].axes) * v.element_size()
             if specs[k].axes else v.numel() * v.element_size() for k, v in params.items()}
-    load, writer = [0] * n, {}
-    for k in sorted(params, key=lambda k: (-size[k], k)):
-        r = min(range(n), key=lambda r: (load[r], r))
+    every = [json.loads(b) for b in _world.all_gather_bytes(json.dumps(size).encode())]
+    holders: dict[str, list[int]] = {}
+    for r, sizes in enumerate(every):
+        for k, n in sizes.items():
+            holders.setdefault(k, []).append(r)
+            size[k] = n
+    load, writer = [0] * len(every), {}
+    for k in sorted(holders, key=lambda k: (-size[k], k)):
+        if tied.get(k) in holders:
+            continue
+        r = min(holders[k], key=lambda r: (load[r], r))
         writer[k], load[r] = r, load[r] + size[k]
     used = sorted(set(writer.values()))
     if len(used) == 1:
         return writer, {used[0]: SINGLE}
     return writer, {r: f"model-{i + 1:05d}-of-{len(used):05d}.safetensors"
                     for i, r in enumerate(used)}
+
+
+def _tied_heads(config: Any) -> dict[str, str]:
+    """``{head: embedding}`` of the weights ``config``'s model ties (none when it does
+    not tie them): a pipeline's last stage holds the head as its own copy."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return {}
+    keys = getattr(_model_class(config), "_tied_weights_keys", None)
+    return dict(keys) if isinstance(keys, dict) else {}
