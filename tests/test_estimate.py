@@ -134,11 +134,11 @@ PROGRAMS = {"tp_mlp_grad": (tp_mlp_grad, ()), "fsdp_adamw_grad": (fsdp_adamw, (F
             "pipeline_zero_bubble": (pipelined, ("zero_bubble",))}
 
 
-# 1F1B and zero-bubble run ranks ahead of their peers: a real send holds its tensor
-# until the peer's matching receive is posted, which the trace takes to be by the
-# next tick's transfers (measured on 2 and 4 gloo processes: the estimate 2.5-6.1%
-# below; GPipe 0-0.6%)
-PEAK_TOL = {"pipeline_1f1b": 0.08, "pipeline_zero_bubble": 0.08}
+# (a pipeline's sent activations are held until the peer is heard from, in the trace
+# as on gloo: measured on 2 and 4 processes, every schedule's peak equal to 2%,
+# exact on most ranks; it was 2.5-6.1% below while gloo's sends were held to the
+# step's end)
+PEAK_TOL: dict[str, float] = {}
 
 
 class _Totals(MemTracker):

@@ -212,6 +212,38 @@ def test_schedules_exact_on_gloo(run):
     _assert_exact(run(4, _exact_body, cases[:4], False, 2, gloo=True))
 
 
+def _sending_body(schedule: str, microbatches: int) -> int:
+    """The most sent activations a step on gloo processes held at once, point-to-point
+    (the check mode off)."""
+    mesh = functp.make_mesh((functp.process_count(),), ("pp",))
+    g = torch.Generator().manual_seed(0)
+    w = [torch.randn(16, 16, generator=g) * 0.05 for _ in range(2)]
+    x = torch.randn(2 * microbatches, 16, generator=g)
+    step = functp.pipeline(lambda p, h: torch.tanh(torch.tanh(h @ p[0]) @ p[1]), mesh,
+                           microbatches=microbatches, schedule=schedule,
+                           loss_fn=lambda a, b: ((a - b) ** 2).mean())
+    previous = functp.set_debug(False)
+    try:
+        step(w, x, x)
+    finally:
+        functp.set_debug(previous)
+    return step.peak_sending
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sent_activations_are_freed_as_the_peers_answer(run, world):
+    # a send's tensor is freed once its peer has been heard from since (a later
+    # transfer from it read): gloo's send works never say they completed before
+    # wait(), so every microbatch's sent activation was held to the step's end (12
+    # of them here), past 1F1B's memory bound
+    for sched in ("1f1b", "zero_bubble", "gpipe"):
+        held = run(world, _sending_body, sched, 12, gloo=True)
+        bound = world if sched != "gpipe" else 12      # (GPipe's forwards come first)
+        assert all(0 < h <= bound for h in held), (sched, held)
+        if sched == "1f1b":     # the warm-up's forwards, then one each way
+            assert all(h <= max(world - r, 2) for r, h in enumerate(held)), held
+
+
 # -- accumulation, and a tp axis beside pp --------------------------------------------------
 
 def _accumulate_body():

@@ -97,14 +97,15 @@ class Pipeline:
     **Attributes:** ``schedule`` – the :class:`Schedule` it runs (``.text()``,
     ``.plot()``); ``peak_saved`` – after a call, the most microbatches whose saved
     activations this rank held at once (a count the executor keeps; 0 after
-    ``evaluate``).
+    ``evaluate``); ``peak_sending`` – the most sent activations it held at once,
+    each freed once the peer it went to has been heard from since.
     """
 
     def __init__(self, stage_fn, mesh, axis, table: Schedule, loss_fn, backward):
         self.stage_fn, self.mesh, self.axis, self.schedule = stage_fn, mesh, axis, table
         self.loss_fn, self.backward = loss_fn, backward
         self._with_stage = _takes_stage(stage_fn)
-        self.peak_saved = 0
+        self.peak_saved = self.peak_sending = 0
         self._forward: Schedule | None = None    # evaluate's table, made at its first call
         # keyed (rank, schedule): a training call's and an evaluation's are kept apart
         self._plans: dict = {}      # -> its transfers and actions, from the table

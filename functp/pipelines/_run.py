@@ -73,7 +73,10 @@ class Run:
         self.saved, self.inbox, self.outbox = {}, {}, {}
         self.trail: dict = {}          # virtual stage -> its output's trailing shape
         self.dtype = None              # what the transfers carry (one dtype per step)
-        self.sending: list = []        # (send work, tensor) not known to be complete
+        # (send work, tensor(s), peers, tick) not known to be complete, and the latest
+        # tick whose transfer from each peer this rank has read (_release)
+        self.sending: list = []
+        self.heard: dict[int, int] = {}
         self.grads = [None] * len(chunks)
         self.loss = None
         self.error = None              # (what, stage, microbatch, shape) met during the ticks
@@ -85,7 +88,7 @@ class Run:
         self.moves, self.firsts, self.mine = plan
         if known is not None:          # the headers of an earlier call (Pipeline.__call__)
             self.trail, self.dtype, self.firsts = dict(known[0]), known[1], {}
-        step.peak_saved = 0
+        step.peak_saved = step.peak_sending = 0
 
     def ticks(self) -> None:
         mine = self.mine
@@ -99,7 +102,7 @@ class Run:
             if tick in self.firsts and _agree_shapes(self, self.firsts[tick]):
                 return                  # a stage failed before its first send: close
             if tick in self.moves:
-                _transfer(self, self.moves[tick])
+                _transfer(self, self.moves[tick], tick)
 
     def call(self, vs: int, mb: int):
         fn, with_stage, loss_fn = self.step.stage_fn, self.step._with_stage, self.step.loss_fn
@@ -115,7 +118,7 @@ class Run:
         mode = self.step.backward
         if a.kind == "F":
             x = (self.xs[a.microbatch] if vs == 0
-                 else ready(*self.inbox.pop(("F", vs, a.microbatch))))
+                 else self.received(("F", vs, a.microbatch)))
             out = self.forward(vs, a, x)
             if vs == self.last:
                 self.add_loss(out, vs, a.microbatch)
@@ -125,7 +128,7 @@ class Run:
         elif a.kind == "B":
             s = self.saved[key] if self.split else self.saved.pop(key)
             ct = (torch.tensor(self.rows[a.microbatch] / self.n, dtype=s.out.dtype)
-                  if vs == self.last else ready(*self.inbox.pop(("B", vs, a.microbatch))))
+                  if vs == self.last else self.received(("B", vs, a.microbatch)))
             if ct.shape != s.out.shape:     # a loss or output of the wrong shape, noted
                 ct = torch.zeros_like(s.out)  # already: the step runs on to its error
             gx, gp = _stage.backward(s, ct, mode, self.split)
@@ -171,12 +174,22 @@ class Run:
         kind, vs, mb = key
         return (self.rows[mb], *self.trail[vs - 1 if kind == "F" else vs])
 
+    def received(self, key):
+        """What arrived for ``key``, once its receive has completed; the sends it
+        proves complete are released (:func:`_release`)."""
+        x, waits, peer, tick = self.inbox.pop(key)
+        x = ready(x, waits)
+        if peer is not None and tick > self.heard.get(peer, -1):
+            self.heard[peer] = tick
+            _release(self)
+        return x
+
     def drain(self) -> None:
         """Waits for every send, and for the receives a rank that raised never read:
         the step's transfers end with it."""
-        for work, _ in self.sending:
+        for work, *_ in self.sending:
             work.wait()
-        for x, waits in self.inbox.values():
+        for x, waits, *_ in self.inbox.values():
             ready(x, waits)
         self.sending, self.inbox = [], {}
 
@@ -212,7 +225,23 @@ class Run:
         return _scalar(rows[self.last % self.t.stages][0], self.dtype)
 
 
-def _transfer(run: Run, moves: list) -> None:
+def _release(run: Run) -> None:
+    """Waits for (and so frees the tensors of) the sends to peers this rank has since
+    heard from: a peer posts a tick's receives with that tick's sends, in one batch,
+    so a transfer read from it at tick t means its receives of every send up to t
+    are posted, and those sends end now, without waiting on the peer. (gloo's send
+    works never report completion before wait(): held until the step's end, every
+    microbatch's sent activation stayed alive, past 1F1B's memory bound.)"""
+    keep = []
+    for s in run.sending:
+        if all(run.heard.get(p, -1) >= s[3] for p in s[2]):
+            s[0].wait()
+        else:
+            keep.append(s)
+    run.sending = keep
+
+
+def _transfer(run: Run, moves: list, tick: int) -> None:
     """A tick end's transfers on this rank: what it sends (zeros where it raised or its
     output has another shape: noted), receives (started, waited for where read) and
     hands itself (a stage's next virtual stage on the same rank)."""
@@ -232,15 +261,19 @@ def _transfer(run: Run, moves: list) -> None:
         elif dst == run.me:
             recvs.append((src, key))
     for key, out in local:          # (typed: what arrives varies as the batch does)
-        run.inbox[key] = (run.typed(out), ())
+        run.inbox[key] = (run.typed(out), (), None, tick)
     if any(src != dst for src, dst, _ in moves):
         got, waits, sending = start(
             sends, [(src, run.shape_of(key)) for src, key in recvs], run.g, run.dtype)
-        for (_, key), x, w in zip(recvs, got, waits):
-            run.inbox[key] = (run.typed(x), w)
+        for (src, key), x, w in zip(recvs, got, waits):
+            run.inbox[key] = (run.typed(x), w, src, tick)
         if sending:                 # (a send's tensor is kept until it completes)
+            # one work a send, or one for the batch (a coalesced backend): its peers
+            peers = ([(dst,) for dst, _ in sends] if len(sending) == len(sends)
+                     else [tuple(dst for dst, _ in sends)] * len(sending))
             run.sending = [s for s in run.sending if not s[0].is_completed()]
-            run.sending += sending
+            run.sending += [(w, t, p, tick) for (w, t), p in zip(sending, peers)]
+            run.step.peak_sending = max(run.step.peak_sending, len(run.sending))
 
 
 def _scalar(value: float, dtype) -> torch.Tensor:

@@ -56,23 +56,23 @@ def start(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, tuple]],
     if not (_crosscheck.ENABLED or _world.SIMULATING or dry):
         return _pairs(sends, recvs, g, dtype)
     got = _all_to_all(sends, recvs, g, dtype)
-    # (estimate's trace: each send's tensor held until the next tick's transfers, as
-    # the point-to-point path holds it until its send completes)
-    held = [(_SENT, t) for _, t in sends] if dry else []
+    # (estimate's trace: each send's tensor held as the point-to-point path holds it,
+    # until the sender has heard from its peer since: the pipeline's _release)
+    held = [(_HELD, t) for _, t in sends] if dry else []
     return got, [()] * len(got), held
 
 
-class _Sent:
-    """A send that has completed (a fake trace's)."""
+class _Held:
+    """A fake trace's send: complete once waited for, as gloo's are."""
 
     def is_completed(self) -> bool:
-        return True
+        return False
 
     def wait(self) -> None:
         pass
 
 
-_SENT = _Sent()
+_HELD = _Held()
 
 
 def ready(buf: torch.Tensor, waits) -> torch.Tensor:
