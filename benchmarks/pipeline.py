@@ -7,8 +7,12 @@ Each stage is a run of residual tanh layers (D x D, float32); the batch is cut i
 M microbatches. Per schedule, both libraries run the same step on the same weights,
 alternated (functp then torch, then torch then functp) for ``--steps`` rounds; rank
 0 prints each one's median step time, their ratio (functp / torch), each library's
-loss (they must agree) and functp's table bubble and activations held (rank 0).
-CPU gloo times are noisy and host-bound at these sizes: read ratios, not seconds.
+loss (they must agree), functp's table bubble and activations held (rank 0), each
+peak memory per stage (MemTracker's total over one more step, and what
+functp.estimate predicts; torch's schedules do not run under MemTracker) and
+the measured idle fraction of rank 0: 1 - (its stages' forward and backward of the M
+microbatches, timed alone, no transfer) / (the step's median). CPU gloo times are
+noisy and host-bound at these sizes: read ratios, not seconds.
 """
 from __future__ import annotations
 
@@ -71,6 +75,34 @@ def torch_step(sched, stages, x, y, pp, rank):
     return sum(losses) / len(losses) if losses else None
 
 
+def peak(fn) -> int:
+    """MemTracker's peak total over ``fn()`` (its module hooks left out: they cannot
+    follow torch.func's wrappers, which functp's stages run under)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Totals(MemTracker):
+        def _pre_fw_hook(self, *a):
+            pass
+        _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
+    with Totals() as mem:
+        fn()
+    return next(iter(mem.get_tracker_snapshot("peak").values()))["Total"]
+
+
+def busy(ws, x, y) -> float:
+    """This rank's compute alone: each chunk's forward and backward of every
+    microbatch, no transfer (median of 5)."""
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for w in ws:
+            w = w.detach().requires_grad_()
+            for xm, ym in zip(x.chunk(M), y.chunk(M)):
+                mse(layers(w, xm), ym).backward()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     mesh = functp.make_mesh((functp.process_count(),), ("pp",))
@@ -105,9 +137,23 @@ def main() -> None:
                 if i:                                  # (the first round warms up)
                     times[who].append(dt)
         med = {k: statistics.median(v_) for k, v_ in times.items()}
+        dist.barrier()
+        fpeak = peak(lambda: step(fw, x, y))
+        # (torch's schedules under MemTracker raise in their backward: "A leaf node was
+        # passed to _will_engine_execute_node but we are currently running
+        # autograd.grad()", its module tracker's gradient hooks against their
+        # autograd.grad over the stage's inputs; functp's estimate stands beside it)
+        est = functp.estimate(lambda: functp.pipeline(           # (the same shapes)
+            layers, functp.make_mesh((pp,), ("pp",)), microbatches=M, schedule=fschedule,
+            loss_fn=mse, virtual_stages=fv)(fw, x, y), pp)
+        peaks = [None] * pp
+        stands = next(r for r in est.ranks if rank in est.alike[r])
+        dist.all_gather_object(peaks, (fpeak, est[stands].peak_bytes))
+        compute = busy([b.w for b in mine], x, y)
         rows.append((name, med["functp"], med["torch"], floss.item(),
                      None if tloss is None else float(tloss.detach()), step.schedule.bubble,
-                     step.peak_saved))
+                     step.peak_saved, peaks, 1 - compute / med["functp"],
+                     1 - compute / med["torch"]))
     if rank == pp - 1:
         for r in rows:
             print(f"{r[0]:12s} loss functp {r[3]:.6f} torch {r[4]:.6f}", flush=True)
@@ -116,10 +162,14 @@ def main() -> None:
         print(f"pp={pp}, M={M}, {ROWS} rows x D={D} per microbatch, "
               f"{LAYERS_PER_VS} layers per virtual stage, {STEPS} rounds, medians")
         print(f"{'schedule':12s} {'functp ms':>10s} {'torch ms':>10s} {'ratio':>6s} "
-              f"{'bubble':>7s} {'held':>5s}")
-        for name, f, t, _, _, bubble, held in rows:
+              f"{'bubble':>7s} {'held':>5s} {'idle functp':>11s} {'idle torch':>10s}")
+        for name, f, t, _, _, bubble, held, _, fi, ti in rows:
             print(f"{name:12s} {f * 1e3:10.1f} {t * 1e3:10.1f} {f / t:6.2f} "
-                  f"{bubble:7.3f} {held:5d}")
+                  f"{bubble:7.3f} {held:5d} {fi:11.2f} {ti:10.2f}")
+        print("functp's peak memory per stage, KiB (MemTracker / functp.estimate):")
+        for name, peaks in [(r[0], r[7]) for r in rows]:
+            print(f"{name:12s} " + "  ".join(f"{a / 1024:.0f}/{b / 1024:.0f}"
+                                             for a, b in peaks))
     dist.barrier()
     dist.destroy_process_group()
 
