@@ -92,30 +92,33 @@ SLOW_TESTS = {
 }
 
 
-# The longest tests (seconds on one of -n 2's workers, the whole suite, 2026-12-02, the
-# machine shared), longest first: they start first, dealt in turn to the workers' shares
-# (--dist worksteal, set in pytest_configure below, hands each worker a contiguous share
-# of the collection, then an idle worker takes the back half of the other's queue), so
-# that the workers end together on short tests instead of one running a 60 s test
-# alone at the end
+# The longest tests (seconds on one of -n 2's workers, the whole suite with an empty
+# Inductor cache, 2026-12-04), longest first: they start first, dealt in turn to the
+# workers' shares (--dist worksteal, set in pytest_configure below, hands each worker a
+# contiguous share of the collection, then an idle worker takes the back half of the
+# other's queue), so that the workers end together on short tests instead of one
+# running a 40 s test alone at the end
 LONGEST = [
-    "test_estimate.py::test_every_hf_model_class_estimates_under_func_grad_without_a_mask",  # 147
-    "test_compile.py::test_inductor_compiles_a_transformers_llama_through_parallelize_tp2",  # 117
+    "test_estimate.py::test_every_hf_model_class_estimates_under_func_grad_without_a_mask",  # 42
+    "test_examples.py::test_train_llama_full_matches_unsharded_in_float64_and_bf16",   # 41
     "test_examples.py::test_train_lm_loss_falls_and_resumes_on_another_mesh_in_a_fresh_process",
+    "test_compile.py::test_inductor_compiles_a_transformers_llama_through_parallelize_tp2",  # 35
+    "test_examples.py::test_train_lm_compiled_whole_step_trains_to_the_eager_losses",  # 32
     "test_compile.py::test_inductor_compiles_a_tied_sliding_window_gemma3_through_"
-    "parallelize_tp2",                                                                 # 93
-    "test_docs.py::test_doc_torchrun_snippets_print_what_the_page_shows",   # 90 (all 8: 148)
-    "test_examples.py::test_train_llama_full_matches_unsharded_in_float64_and_bf16",   # 81
-    "test_compile.py::test_inductor_compiles_a_check_vma_false_body_of_gpt2",          # 75
-    "test_docs.py::test_doc_snippets_print_what_the_page_shows",                       # 57 (8: 69)
-    "test_watch.py::test_a_rank_0_only_evaluation_is_an_error_on_every_rank",          # 41
-    "test_whole_step.py::test_the_compiled_train_step_is_one_graph_equal_to_the_eager_step",
-    "test_watch.py::test_a_plain_argument_on_some_ranks_only_is_an_error_on_every_rank",  # 38
-    "test_compile.py::test_compiled_transformers_step_matches_eager",                  # 29 (8: 132)
-    "test_compile.py::test_inductor_buckets_functp_all_reduces",                       # 30
-    "test_examples.py::test_train_2d_launches_itself_and_matches_unsharded",           # 30
+    "parallelize_tp2",                                                                 # 25
     "test_whole_step_compile.py::test_compiled_whole_step_of_transformers_models_equals_eager",
-    "test_checkpoint.py::test_packed_weights_and_their_adam_moments_resume_on_any_mesh",  # 21
+    "test_docs.py::test_doc_torchrun_snippets_print_what_the_page_shows",   # 22 (all 9: 61)
+    "test_docs.py::test_doc_snippets_print_what_the_page_shows",            # 23 (all 8: 31)
+    "test_compile.py::test_inductor_compiles_a_check_vma_false_body_of_gpt2",          # 21
+    "test_watch.py::test_a_rank_0_only_evaluation_is_an_error_on_every_rank",          # 21
+    "test_examples.py::test_train_2d_launches_itself_and_matches_unsharded",           # 20
+    "test_watch.py::test_a_plain_argument_on_some_ranks_only_is_an_error_on_every_rank",  # 20
+    "test_whole_step.py::test_the_compiled_train_step_is_one_graph_equal_to_the_eager_step",
+    "test_compile.py::test_compiled_transformers_step_matches_eager",                  # 15 (8: 56)
+    "test_replay_probe.py::test_a_rank_that_replayed_while_a_peer_agrees_is_found_without_"
+    "waiting",                                                                         # 14
+    "test_checkpoint.py::test_packed_weights_and_their_adam_moments_resume_on_any_mesh",  # 14
+    "test_compile.py::test_inductor_buckets_functp_all_reduces",                       # 8
 ]
 
 

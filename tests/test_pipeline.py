@@ -357,7 +357,8 @@ def _error_body(case):
         else:
             step(p, ids, ids)
     except functp.ShardingError as e:
-        loss, _ = functp.pipeline(_stage, mesh, microbatches=2, loss_fn=_ce)(p if case != "chunks" else _stage_params(_model(), r, 2), ids, ids)
+        again = functp.pipeline(_stage, mesh, microbatches=2, loss_fn=_ce)
+        loss, _ = again(p if case != "chunks" else _stage_params(_model(), r, 2), ids, ids)
         return str(e), loss.item()       # (and the axis still works afterwards)
     return None, None
 
