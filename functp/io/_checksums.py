@@ -16,14 +16,14 @@ import torch.distributed as dist
 from ..runtime._errors import CheckpointError
 from ._failures import all_ok
 from ._format import METADATA, SUMS, TREE
+from ._replicas import same_tree
 
 __all__ = ["record_checksums", "unmark", "verify"]
 
-def _entries(meta, fqns=None) -> list[tuple[Any, Any]]:
-    """``[(MetadataIndex, _StorageInfo)]`` of the stored byte ranges (of the keys
-    ``fqns``; all by default), in one order on every rank."""
-    items = [(i, s) for i, s in meta.storage_data.items() if fqns is None or i.fqn in fqns]
-    return sorted(items, key=lambda e: (e[0].fqn, tuple(e[0].offset or ())))
+def _entries(meta) -> list[tuple[Any, Any]]:
+    """``[(MetadataIndex, _StorageInfo)]`` of the stored byte ranges, in one order on
+    every rank."""
+    return sorted(meta.storage_data.items(), key=lambda e: (e[0].fqn, tuple(e[0].offset or ())))
 
 
 def _entry_key(index) -> tuple[str, tuple[int, ...] | None]:
@@ -41,14 +41,6 @@ def _crc(file: str, start: int, length: int) -> int:
                 raise EOFError(f"{file} ends before byte {start + length}")
             crc, length = zlib.crc32(b, crc), length - len(b)
     return crc
-
-
-def _same_keys(keys: list[str], device: torch.device) -> bool:
-    """Whether every rank passes the same keys: one all-reduce of their CRC32."""
-    crc = zlib.crc32("\n".join(keys).encode())
-    t = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t[0]) == -int(t[1])
 
 
 def _writer(relative_path: str, world: int) -> int:
@@ -117,7 +109,7 @@ def verify(what: str, path: str, meta, sums, fqns, device: torch.device | None) 
         return               # plain DCP: nothing to check against
     entries = _entries(meta)                    # (the same list on every rank)
     wanted = [i for i, (index, _) in enumerate(entries) if index.fqn in fqns]
-    if device is not None and _same_keys(sorted(fqns), device):
+    if device is not None and same_tree(sorted(fqns), device):
         wanted = wanted[dist.get_rank()::dist.get_world_size()]
     bad = len(entries)
     for i in wanted:

@@ -20,9 +20,10 @@ from ._tree_file import encode
 __all__ = ["check_replicas", "fingerprint", "same_tree"]
 
 def same_tree(keys: list[str], device: torch.device) -> bool:
-    """Whether every rank saves the same keys (paths), in one all-reduce of a CRC32 of
-    them: the tree file then holds rank 0's structure; otherwise (a pipeline's stages,
-    each holding its own layers) the union's (``_stage_trees``)."""
+    """Whether every rank passes the same keys (paths), in one all-reduce of a CRC32 of
+    them and their count. A save's tree file then holds rank 0's structure, otherwise
+    (a pipeline's stages, each holding its own layers) the union's (``_stage_trees``);
+    a load's checksum check shares the ranges among the ranks only then."""
     crc, n = zlib.crc32("\n".join(keys).encode()), len(keys)
     t = torch.tensor([crc, -crc, n, -n], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
