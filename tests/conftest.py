@@ -198,3 +198,39 @@ def run(_pools, request):
                 pool.close(force=True)
                 _pools.pop(world, None)
     return _run
+
+
+# FUNCTP_TEST_CPU=FILE: each test's CPU seconds appended to FILE ("nodeid seconds"),
+# this process's and every process under it (a gloo pool's ranks, a torchrun job's),
+# for finding where the suite's time goes: on 2 cores two workers contend, so a
+# test's wall time (--durations) says more about its neighbours than about itself
+def _tree_cpu() -> float:
+    """CPU seconds of this process and every live process under it, the reaped ones'
+    included (their parents' cutime)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats, children = {}, {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(pid)] = sum(map(int, fields[11:15]))     # utime stime cutime cstime
+            children.setdefault(int(fields[1]), []).append(int(pid))
+    total, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, 0)
+        todo += children.get(pid, [])
+    return total / tick
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get("FUNCTP_TEST_CPU")
+    start = _tree_cpu() if path else 0.0
+    yield
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{item.nodeid} {_tree_cpu() - start:.2f}\n")
