@@ -330,7 +330,18 @@ def test_tp_inside_each_stage(run):
 
 # -- ranks that disagree: the same error on every rank, no hang -------------------------------
 
-def _error_body(case):
+def _error_body(case, debug=None):
+    """``debug=False``: the check mode off, so that processes agree by point-to-point
+    messages (``_transfer.gather_rows_later``), not by the check mode's all-gather."""
+    prev = functp.set_debug(debug) if debug is not None else None
+    try:
+        return _disagreeing(case)
+    finally:
+        if debug is not None:
+            functp.set_debug(prev)
+
+
+def _disagreeing(case):
     mesh = functp.make_mesh((2,), ("pp",))
     r = functp.process_index()
     p = _stage_params(_model(), r, 2)
@@ -371,9 +382,11 @@ def _error_body(case):
     ("loss", r"loss_fn returned shape \(2, 3\)"),
     ("chunks", "must be a list of 2 chunks"),
 ])
-def test_disagreeing_ranks_raise_on_every_rank(run, case, says):
+@pytest.mark.parametrize("ranks", ["simulated", "processes"])
+def test_disagreeing_ranks_raise_on_every_rank(run, case, says, ranks):
     import re
-    out = run(2, _error_body, case)
+    out = (run(2, _error_body, case) if ranks == "simulated" else
+           run(2, _error_body, case, False, gloo=True, timeout=120))
     assert out[-1][0] is not None and re.search(says, out[-1][0]), out
     if case != "chunks":
         assert out[0] == out[1], "the same message on every rank"

@@ -126,8 +126,11 @@ def _record(op: str, g: AxisGroup, x: torch.Tensor, how: str = "",
         _comm_log.record(op, g.axes, x.numel() * x.element_size())
 
 
-def _wait(t: torch.Tensor, op: str, g: AxisGroup) -> torch.Tensor:
-    if _world.SIMULATING:
+def _wait(t: torch.Tensor, op: str, g: AxisGroup, works: list | None = None) -> torch.Tensor:
+    """``t`` once its collective ``op`` over ``g`` is complete (with ``works``: once
+    those point-to-point works are: ``wait_works``), the wait watched
+    (``runtime/_watch``) and a failure named."""
+    if _world.SIMULATING and works is None:
         try:
             return _world.wait(t)
         except RuntimeError as e:     # a timeout or a peer gone: say which collective
@@ -145,11 +148,21 @@ def _wait(t: torch.Tensor, op: str, g: AxisGroup) -> torch.Tensor:
         if w.thread is None:
             _watch.start()
     try:
-        return _ops.wait_tensor(t)
+        if works is None:
+            return _ops.wait_tensor(t)
+        for work in works:
+            work.wait()
+        return t
     except RuntimeError as e:
         raise _crosscheck.failed(op, g, e, _watch.cause()) from e
     finally:
         w.wait = None
+
+
+def wait_works(works: list, op: str, g: AxisGroup) -> None:
+    """Waits for point-to-point ``works`` that together make the collective ``op``
+    over ``g`` (a pipeline's agreement), watched and named as a collective's wait."""
+    _wait(None, op, g, works)
 
 
 def _blocks_to_group_order(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
@@ -214,6 +227,19 @@ def all_gather(x: torch.Tensor, g: AxisGroup, dim: int, lazy: bool = False) -> t
         return _blocks_from_group_order(_wait(y, "all_gather", g), g).movedim(0, dim)
     return _finish(y, "all_gather", g, lambda y: _blocks_from_group_order(y, g).movedim(0, dim),
                    view=g.order is None)
+
+
+def all_gather_later(x: torch.Tensor, g: AxisGroup) -> Callable[[], torch.Tensor]:
+    """:func:`all_gather` of ``x`` on dimension 0, launched now: **returns** a function
+    that waits for it and returns the result, so that the caller's work until then
+    overlaps the exchange (a pipeline's agreement, read once its first stage has run
+    a forward). Inside a deferred region it is gathered at once."""
+    if g.size == 1 or _defer.pending is not None:
+        y = all_gather(x, g, 0)
+        return lambda: y
+    _record("all_gather", g, x)
+    y = _ops.all_gather_into_tensor(x.contiguous(), g.size, g.group_name)
+    return lambda: _blocks_from_group_order(_wait(y, "all_gather", g), g)
 
 
 def reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int, lazy: bool = False) -> torch.Tensor:

@@ -4,9 +4,11 @@ itself (``_stage``), activations and gradients moved at tick ends (``_transfer``
 
 A call, in order:
 
-1. the agreement: one all-gather of six numbers per rank (microbatches, schedule,
-   virtual stages, batch size, this rank's chunk count, a local error), so ranks that
-   disagree raise the same ``ShardingError`` before any transfer;
+1. the agreement: one all-gather of seven numbers per rank (microbatches, schedule,
+   virtual stages, batch size, this rank's chunk count, a local error, a key of its
+   shapes), so ranks that disagree raise the same ``ShardingError`` before any
+   transfer. It is launched first and read at the end of the first tick, whose one
+   action (the first stage's first forward) needs no peer: the exchange overlaps it;
 2. the ticks of the table: at each, this rank starts its action, if any; then the
    tick's transfers (point-to-point between the pairs the table names, waited for
    where a received tensor is read; one all-to-all in the check mode). At the tick of
@@ -19,6 +21,9 @@ A call, in order:
 3. the closing all-gather: the loss (from the last stage) and any error a rank met
    during the ticks (a stage's output of another shape than its first), so that
    every rank returns the same loss or raises the same error.
+
+(Between processes these all-gathers are point-to-point messages through the axis's
+first rank: ``_transfer.gather_rows_later``.)
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from ..runtime import _world
 from ..runtime._errors import ShardingError
 from ._schedule import FORWARD, SCHEDULES, Schedule, pipeline_schedule
 from ._run import Run
-from ._transfer import gather_rows
+from ._transfer import gather_rows_later
 
 __all__ = ["pipeline", "Pipeline"]
 
@@ -148,17 +153,25 @@ class Pipeline:
         chunks = params if self.schedule.schedule == "interleaved" else [params]
         n = _batch_size(inputs)
         local = _local_error(t, chunks, n)
-        rows = gather_rows([float(m), float(_CODES.index(t.schedule)), float(v),
-                            float(n), float(len(chunks)) if isinstance(chunks, list) else -1.0,
-                            float(local is not None), _shape_key(chunks, inputs, targets)], g)
-        _agree(rows, local)
-        keys = tuple(r[6] for r in rows)
+        rows = gather_rows_later(
+            [float(m), float(_CODES.index(t.schedule)), float(v), float(n),
+             float(len(chunks)) if isinstance(chunks, list) else -1.0,
+             float(local is not None), _shape_key(chunks, inputs, targets)], g)
+
+        def agreed():
+            """The rows read (after the first tick's forward, which overlaps their
+            exchange: no transfer comes before them), checked: every rank's shape key,
+            and the headers of the last call that ended well where those keys are its."""
+            got = rows()
+            _agree(got, local)
+            keys = tuple(r[6] for r in got)
+            known = self._known.pop((me, t.schedule), None)
+            return keys, (known[1:] if known is not None and known[0] == keys else None)
+        if local is not None:
+            agreed()                        # (raises: this rank cannot cut the batch)
         if _world.dry_run() is not None:    # (estimate's bubble: _host_time.StepTime)
             _world.dry_run().pipelined.append((sum(a.ticks for a in t.actions[me]), t.ticks))
-        known = self._known.pop((me, t.schedule), None)
-        run = Run(self, t, g, chunks, inputs, targets, n,
-                  known[1:] if known is not None and known[0] == keys else None)
-        run.keys = keys
+        run = Run(self, t, g, chunks, inputs, targets, n, agreed)
         run.ticks()
         return run
 

@@ -61,7 +61,7 @@ class Run:
     """The state of one call: inputs cut into microbatches, what each forward saved,
     what arrived and waits to be sent, the gradients summed so far."""
 
-    def __init__(self, step, t, g, chunks, inputs, targets, n: int, known=None):
+    def __init__(self, step, t, g, chunks, inputs, targets, n: int, agreed=None):
         self.t = t                     # the table: the step's, or evaluate's forwards
         self.step, self.g, self.chunks, self.me = step, g, chunks, g.index
         self.last = t.stages * t.virtual_stages - 1
@@ -86,8 +86,8 @@ class Run:
             plan = step._plans[(self.me, t.schedule)] = (
                 *_transfers(t), {a.tick: a for a in t.actions[self.me]})
         self.moves, self.firsts, self.mine = plan
-        if known is not None:          # the headers of an earlier call (Pipeline.__call__)
-            self.trail, self.dtype, self.firsts = dict(known[0]), known[1], {}
+        self.agreed = agreed           # the agreement, read by _agree(self)
+        self.keys = None
         step.peak_saved = step.peak_sending = 0
 
     def ticks(self) -> None:
@@ -99,6 +99,8 @@ class Run:
                 except Exception as e:  # noqa: BLE001 - told to every rank at close()
                     a = mine[tick]
                     self.failed = (a, self.me + a.chunk * self.t.stages, e)
+            if self.agreed is not None:
+                _agree(self)            # (before the first transfer or header)
             if tick in self.firsts and _agree_shapes(self, self.firsts[tick]):
                 return                  # a stage failed before its first send: close
             if tick in self.moves:
@@ -169,7 +171,6 @@ class Run:
         if self.error is None:
             self.error = (what, vs, mb, tuple(shape))
 
-
     def shape_of(self, key) -> tuple:
         kind, vs, mb = key
         return (self.rows[mb], *self.trail[vs - 1 if kind == "F" else vs])
@@ -195,6 +196,7 @@ class Run:
 
     def close(self) -> torch.Tensor:
         """The closing all-gather: the loss to every rank, any rank's error to all."""
+        _agree(self)
         self.drain()
         err = self.error
         shape = list(err[3])[:4] if err else []
@@ -223,6 +225,18 @@ class Run:
         if self.loss is not None:
             return self.loss
         return _scalar(rows[self.last % self.t.stages][0], self.dtype)
+
+
+def _agree(run: Run) -> None:
+    """Reads the agreement (``Pipeline._run``'s: it raises where the ranks differ) and
+    takes the headers of an earlier call where every rank's shapes are that call's
+    (the keys, kept by ``Pipeline.__call__``)."""
+    if run.agreed is None:
+        return
+    run.keys, known = run.agreed()
+    run.agreed = None
+    if known is not None:
+        run.trail, run.dtype, run.firsts = dict(known[0]), known[1], {}
 
 
 def _release(run: Run) -> None:

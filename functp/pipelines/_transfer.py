@@ -14,6 +14,8 @@ fingerprinted in the check mode like any other.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -24,7 +26,7 @@ from ..runtime import _world
 from ..ops import _primitives as prim
 from ..runtime._torch_compat import c10d_functional as _c10d
 
-__all__ = ["exchange", "start", "ready", "gather_rows"]
+__all__ = ["exchange", "start", "ready", "gather_rows", "gather_rows_later"]
 
 
 def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, tuple]],
@@ -142,5 +144,43 @@ def _all_to_all(sends, recvs, g: AxisGroup, dtype) -> list[torch.Tensor]:
 def gather_rows(row: list[float], g: AxisGroup) -> list[list[float]]:
     """Every rank's ``row`` (a few numbers, the same count everywhere), by axis index:
     one all-gather of float64 (exact for ints below 2**53)."""
+    return gather_rows_later(row, g)()
+
+
+def gather_rows_later(row: list[float], g: AxisGroup) -> Callable[[], list[list[float]]]:
+    """:func:`gather_rows` launched now: **returns** the function that waits for the
+    rows. Between processes (outside the check mode and ``functp.simulate``, as the
+    transfers) a star of point-to-point messages: every rank's row to axis index 0,
+    the table back from it. On gloo that is two messages deep where its all-gather
+    is a ring, ``pp - 1`` deep: on 4 CPU processes 0.56 ms against 4.0 ms, and the
+    pipeline makes two a step (the agreement, the close). Elsewhere an all-gather
+    (``prim.all_gather_later``)."""
+    if g.size == 1:
+        return lambda: [row]
     x = torch.tensor([row], dtype=torch.float64)
-    return prim.all_gather(x, g, 0).tolist() if g.size > 1 else [row]
+    if _crosscheck.ENABLED or _world.SIMULATING or _world.dry_run() is not None:
+        later = prim.all_gather_later(x, g)
+        return lambda: later().tolist()
+    if _comm_log._local.active:
+        _comm_log.record("all_gather", g.axes, x.numel() * x.element_size())
+    pg = g.pg()
+    table = torch.empty(g.size, len(row), dtype=torch.float64)
+
+    def peer(i: int) -> int:
+        return dist.get_global_rank(pg, g.group_rank(i))
+    if g.index != 0:
+        works = [dist.isend(x, peer(0), group=pg), dist.irecv(table, peer(0), group=pg)]
+
+        def rows() -> list[list[float]]:
+            prim.wait_works(works, "all_gather", g)
+            return table.tolist()
+        return rows
+    table[0] = x[0]
+    got = [dist.irecv(table[i:i + 1], peer(i), group=pg) for i in range(1, g.size)]
+
+    def table_rows() -> list[list[float]]:
+        prim.wait_works(got, "all_gather", g)
+        prim.wait_works([dist.isend(table, peer(i), group=pg) for i in range(1, g.size)],
+                        "all_gather", g)
+        return table.tolist()
+    return table_rows
