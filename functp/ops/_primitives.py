@@ -126,11 +126,11 @@ def _record(op: str, g: AxisGroup, x: torch.Tensor, how: str = "",
         _comm_log.record(op, g.axes, x.numel() * x.element_size())
 
 
-def _wait(t: torch.Tensor, op: str, g: AxisGroup, works: list | None = None) -> torch.Tensor:
-    """``t`` once its collective ``op`` over ``g`` is complete (with ``works``: once
-    those point-to-point works are: ``wait_works``), the wait watched
-    (``runtime/_watch``) and a failure named."""
-    if _world.SIMULATING and works is None:
+def _wait(t: torch.Tensor, op: str, g: AxisGroup, block: Callable | None = None) -> torch.Tensor:
+    """``t`` once its collective ``op`` over ``g`` is complete (with ``block``: once
+    ``block()`` has returned: :func:`watched`), the wait watched (``runtime/_watch``)
+    and a failure named."""
+    if _world.SIMULATING and block is None:
         try:
             return _world.wait(t)
         except RuntimeError as e:     # a timeout or a peer gone: say which collective
@@ -148,10 +148,9 @@ def _wait(t: torch.Tensor, op: str, g: AxisGroup, works: list | None = None) -> 
         if w.thread is None:
             _watch.start()
     try:
-        if works is None:
+        if block is None:
             return _ops.wait_tensor(t)
-        for work in works:
-            work.wait()
+        block()
         return t
     except RuntimeError as e:
         raise _crosscheck.failed(op, g, e, _watch.cause()) from e
@@ -159,10 +158,11 @@ def _wait(t: torch.Tensor, op: str, g: AxisGroup, works: list | None = None) -> 
         w.wait = None
 
 
-def wait_works(works: list, op: str, g: AxisGroup) -> None:
-    """Waits for point-to-point ``works`` that together make the collective ``op``
-    over ``g`` (a pipeline's agreement), watched and named as a collective's wait."""
-    _wait(None, op, g, works)
+def watched(block: Callable[[], None], op: str, g: AxisGroup) -> None:
+    """Runs ``block`` (it waits for point-to-point works that together make the
+    collective ``op`` over ``g``: a pipeline's agreement), watched and named as that
+    collective's wait."""
+    _wait(None, op, g, block)
 
 
 def _blocks_to_group_order(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:

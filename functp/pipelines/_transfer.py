@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..mesh._mesh import AxisGroup
 from ..runtime import _comm_log
 from ..runtime import _crosscheck
+from ..runtime import _star
 from ..runtime import _world
 from ..ops import _primitives as prim
 from ..runtime._torch_compat import c10d_functional as _c10d
@@ -150,11 +151,9 @@ def gather_rows(row: list[float], g: AxisGroup) -> list[list[float]]:
 def gather_rows_later(row: list[float], g: AxisGroup) -> Callable[[], list[list[float]]]:
     """:func:`gather_rows` launched now: **returns** the function that waits for the
     rows. Between processes (outside the check mode and ``functp.simulate``, as the
-    transfers) a star of point-to-point messages: every rank's row to axis index 0,
-    the table back from it. On gloo that is two messages deep where its all-gather
-    is a ring, ``pp - 1`` deep: on 4 CPU processes 0.56 ms against 4.0 ms, and the
-    pipeline makes two a step (the agreement, the close). Elsewhere an all-gather
-    (``prim.all_gather_later``)."""
+    transfers) point-to-point messages through axis index 0 (``runtime/_star``: on
+    gloo two messages deep where its all-gather is ``pp - 1``; the pipeline makes
+    two a step), the waits watched; elsewhere an all-gather."""
     if g.size == 1:
         return lambda: [row]
     x = torch.tensor([row], dtype=torch.float64)
@@ -164,23 +163,7 @@ def gather_rows_later(row: list[float], g: AxisGroup) -> Callable[[], list[list[
     if _comm_log._local.active:
         _comm_log.record("all_gather", g.axes, x.numel() * x.element_size())
     pg = g.pg()
-    table = torch.empty(g.size, len(row), dtype=torch.float64)
-
-    def peer(i: int) -> int:
-        return dist.get_global_rank(pg, g.group_rank(i))
-    if g.index != 0:
-        works = [dist.isend(x, peer(0), group=pg), dist.irecv(table, peer(0), group=pg)]
-
-        def rows() -> list[list[float]]:
-            prim.wait_works(works, "all_gather", g)
-            return table.tolist()
-        return rows
-    table[0] = x[0]
-    got = [dist.irecv(table[i:i + 1], peer(i), group=pg) for i in range(1, g.size)]
-
-    def table_rows() -> list[list[float]]:
-        prim.wait_works(got, "all_gather", g)
-        prim.wait_works([dist.isend(table, peer(i), group=pg) for i in range(1, g.size)],
-                        "all_gather", g)
-        return table.tolist()
-    return table_rows
+    ranks = tuple(dist.get_global_rank(pg, g.group_rank(i)) for i in range(g.size))
+    table = _star.gather(x, pg, ranks, g.index,
+                         lambda block: prim.watched(block, "all_gather", g))
+    return lambda: table().tolist()

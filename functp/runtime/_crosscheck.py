@@ -35,12 +35,14 @@ import sys
 import zlib
 
 import torch
+import torch.distributed as dist
 
 from . import _compile
+from . import _star
 from . import _world
 from ._errors import ShardingError, first_line
 from ._torch_compat import (FakeTensor, c10d_functional as _c10d, current_graph_task_id,
-                            sequence_number)
+                            resolve_process_group, sequence_number)
 
 __all__ = ["set_debug", "debug_enabled"]
 
@@ -126,7 +128,11 @@ def is_agreed(e: BaseException) -> bool:
 
 def _gather(t: torch.Tensor, check, what: str) -> torch.Tensor:
     try:
-        return _world.wait(_c10d.all_gather_into_tensor(t, check.size, check.group_name))
+        if _world.SIMULATING or check.device.type != "cpu":
+            return _world.wait(_c10d.all_gather_into_tensor(t, check.size, check.group_name))
+        # (gloo: through the group's first rank, not its ring all-gather: _star)
+        pg = resolve_process_group(check.group_name)
+        return _star.gather(t, pg, check.ranks, check.ranks.index(dist.get_rank()))()
     except RuntimeError as e:
         raise agreed(ShardingError(
             f"{what}: not every rank of the mesh reached it within the mesh's timeout "

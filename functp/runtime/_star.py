@@ -1,0 +1,72 @@
+"""A small all-gather between processes by point-to-point messages through the
+group's first rank: every rank sends it its rows, it sends the whole table back.
+
+For the few numbers functp's agreements exchange (the check mode's fingerprints
+before every collective, a pipeline's agreement and close), latency is all that
+counts, and gloo's all-gather is a ring, ``size - 1`` messages deep, each a wakeup
+of the next process. Measured on 4 CPU processes on this project's 2-core machine
+(7 float64 numbers a rank, 300 calls): the all-gather 4.0 ms and 1.5 ms of CPU a
+rank and call, the star 0.56 ms and 0.14-0.44 ms. It keeps the all-gather's order
+(the table's rows are the group's ranks in order) and its timeout (each wait is the
+process group's). Not under ``functp.simulate`` (its groups are not torch's
+point-to-point peers) and not for NCCL groups, whose all-gather is a kernel.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ._torch_compat import backend_timeout
+
+__all__ = ["gather"]
+
+
+def gather(t: torch.Tensor, pg, ranks: tuple[int, ...], index: int,
+           wait: Callable[[Callable[[], None]], None] = lambda block: block(),
+           ) -> Callable[[], torch.Tensor]:
+    """Starts gathering ``t`` (the same shape on every rank) from the ranks of ``pg``.
+
+    **Arguments:** ``pg`` – the process group; ``ranks`` – its members' global
+    ranks in group order; ``index`` – this rank's place in ``ranks``; ``wait`` –
+    runs the function that waits (the caller's, to watch or name the wait). Each
+    work is waited for with the group's timeout (gloo's point-to-point waits
+    otherwise keep the one it was made with, not a mesh's ``timeout=``).
+
+    **Returns:** a function that waits and returns every rank's ``t`` concatenated
+    on dimension 0 in group order, as ``all_gather_into_tensor`` would. Every rank
+    must call it before its next exchange over ``pg``.
+
+    Example (every process of a 2-process gloo job)::
+
+        pg = torch.distributed.group.WORLD
+        table = gather(torch.tensor([[float(rank)]]), pg, (0, 1), rank)()
+        # tensor([[0.], [1.]])
+    """
+    t = t.contiguous()
+    n = t.shape[0]
+    timeout = backend_timeout(pg, "cpu")
+
+    def until(works) -> Callable[[], None]:
+        def block() -> None:
+            for w in works:
+                w.wait(timeout)
+        return block
+    table = t.new_empty((len(ranks) * n, *t.shape[1:]))
+    if index != 0:
+        works = [dist.isend(t, ranks[0], group=pg), dist.irecv(table, ranks[0], group=pg)]
+
+        def received() -> torch.Tensor:
+            wait(until(works))
+            return table
+        return received
+    table[:n] = t
+    got = [dist.irecv(table[i * n:(i + 1) * n], r, group=pg)
+           for i, r in enumerate(ranks) if i]
+
+    def sent() -> torch.Tensor:
+        wait(until(got))
+        wait(until([dist.isend(table, r, group=pg) for r in ranks[1:]]))
+        return table
+    return sent
