@@ -176,7 +176,7 @@ def apply_grads(params: dict, grads: dict, opt) -> None:
     opt.step()
 
 
-def main() -> None:
+def main() -> bool:
     torch.set_default_dtype(torch.float32 if BF16 else torch.float64)
     torch.set_num_threads(1)
     mesh = functp.make_mesh((2, 2), ("dp", "tp"))
@@ -232,12 +232,12 @@ def main() -> None:
         print(f"max |param difference| after {STEPS} steps: {err:.2e}")
         print(("bf16 " if BF16 else "") + ("training matches the unsharded model" if ok
                                            else "MISMATCH"))
-    shutdown(ok)
+    return ok
 
 
 if __name__ == "__main__":
     if "RANK" in os.environ:
-        main()
+        shutdown(main())
     else:
         from torch.distributed.run import main as torchrun
         torchrun(["--standalone", "--nproc-per-node", "4", os.path.abspath(__file__),

@@ -272,6 +272,34 @@ def _one_pair(n):
 
 # -- the examples --------------------------------------------------------------------------------
 
+def example_main(script: str, argv: list[str] | None = None, attrs: dict | None = None):
+    """``examples/<script>``'s ``main(argv)`` (``main()`` without ``argv``) on this rank
+    of a gloo pool (``run(n, example_main, ..., gloo=True)``), as under torchrun: the
+    check mode off, ``attrs`` set on the module first (a flag it reads from
+    ``sys.argv`` at import), the default dtype and thread count restored after.
+    **Returns:** ``(main's result, what it printed)``. For runs that check values
+    after a run of the same example launched as a user launches it: a pool's
+    processes exist already (a launch costs ~2.5 CPU-s a process)."""
+    path = os.path.join(ROOT, "examples", script)
+    sys.path.insert(0, os.path.dirname(path))
+    dtype, threads, out = torch.get_default_dtype(), torch.get_num_threads(), io.StringIO()
+    prev = functp.set_debug(False)
+    try:
+        spec = importlib.util.spec_from_file_location(f"example_{script[:-3]}_pooled", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for k, v in (attrs or {}).items():
+            setattr(module, k, v)
+        with contextlib.redirect_stdout(out):
+            ok = module.main(*([] if argv is None else [argv]))
+    finally:
+        functp.set_debug(prev)
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(threads)
+        sys.path.remove(os.path.dirname(path))
+    return ok, out.getvalue()
+
+
 def _run_example(script: str, nproc: int | None = None, simulate: bool = False,
                  args: list[str] = ()) -> str:
     """Runs ``examples/<script>`` as a user would: directly (it launches its own

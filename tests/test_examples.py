@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import functp
-from _programs import ROOT, _run_example
+from _programs import ROOT, _run_example, example_main
 
 
 def test_train_2d_launches_itself_and_matches_unsharded():
@@ -96,14 +96,16 @@ def _run_with_args(script: str, *args: str) -> str:
     return out.stdout
 
 
-def test_train_llama_full_matches_unsharded_in_float64_and_bf16():
+def test_train_llama_full_matches_unsharded_in_float64_and_bf16(run):
     # remat, microbatches with one dp reduction, clipping, AdamW, save on (2, 2) and
     # resume on (1, 4): every step against the unsharded run
     out = _run_with_args("train_llama_full.py")
     assert "training matches the unsharded model" in out and out.count("   match") == 6, out
     assert "resumed on (dp=1, tp=4)" in out, out
-    out = _run_with_args("train_llama_full.py", "--bf16")
-    assert "bf16 training matches the unsharded model" in out, out
+    # (bf16: the same program on the 4 processes of a gloo pool, not launched again)
+    ok, out = zip(*run(4, example_main, "train_llama_full.py", None, {"BF16": True},
+                       gloo=True, timeout=300))
+    assert all(ok) and "bf16 training matches the unsharded model" in out[0], out[0]
 
 
 def test_transformers_llama_with_its_own_plan_matches_unsharded():
@@ -131,7 +133,7 @@ def _eval_fall(stdout: str) -> tuple[float, float]:
     return float(m.group(1)), float(m.group(2))
 
 
-def test_train_lm_loss_falls_and_resumes_on_another_mesh_in_a_fresh_process(tmp_path):
+def test_train_lm_loss_falls_and_resumes_on_another_mesh_in_a_fresh_process(run, tmp_path):
     first, again = tmp_path / "first", tmp_path / "again"
     # as the README runs it: the script launches its 4 processes on (dp=2, tp=2)
     out = _run_with_args("train_lm.py", *_LM_SMALL, "--out", str(first))
@@ -143,11 +145,13 @@ def test_train_lm_loss_falls_and_resumes_on_another_mesh_in_a_fresh_process(tmp_
     with open(first / "loss.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
-    # a fresh process on (dp=1, tp=4), from the step-8 checkpoint: a fresh AdamW given
-    # its state, then the same batches as the uninterrupted run
-    resumed = _run_example("train_lm.py", nproc=4, args=[
+    # other processes (a gloo pool's 4) on (dp=1, tp=4), from the step-8 checkpoint: a
+    # fresh AdamW given its state, then the same batches as the uninterrupted run
+    ok, resumed = zip(*run(4, example_main, "train_lm.py", [
         *_LM_SMALL, "--mesh", "1x4", "--resume", str(first / "step_000008"),
-        "--out", str(again)])
+        "--out", str(again)], gloo=True, timeout=300))
+    assert all(ok), resumed[0]
+    resumed = resumed[0]
     assert "at step 8 on (dp=1, tp=4)" in resumed, resumed
     a, b = _metrics(first), _metrics(again)
     assert sorted(b) == list(range(17)), sorted(b)    # the history up to 8, then 9..16
@@ -249,12 +253,12 @@ def test_train_lm_with_pp_trains_to_the_losses_without(lm_two_layers, tmp_path, 
     _same_losses(got, lm_two_layers, rel=_F64)
 
 
-def test_train_lm_compiled_whole_step_trains_to_the_eager_losses(lm_without_flags, tmp_path):
-    # two torchrun processes: gradients, clip_by_global_norm and functp.adamw(donate=
+def test_train_lm_compiled_whole_step_trains_to_the_eager_losses(run, lm_without_flags, tmp_path):
+    # two gloo processes: gradients, clip_by_global_norm and functp.adamw(donate=
     # True) as one torch.compile(fullgraph=True) graph (aot_eager here: Inductor's
     # compile takes minutes on 2 cores; in float32 it was seen within 5e-7 of eager
     # over 6 steps), against the eager step with torch.optim.AdamW
-    out = _run_example("train_lm.py", nproc=2, args=[
-        *_LM_TINY, "--compile", "aot_eager", "--out", str(tmp_path)])
-    assert "compiled the whole step in" in out, out
+    ok, out = zip(*run(2, example_main, "train_lm.py", [
+        *_LM_TINY, "--compile", "aot_eager", "--out", str(tmp_path)], gloo=True, timeout=300))
+    assert all(ok) and "compiled the whole step in" in out[0], out[0]
     _same_losses(_metrics(tmp_path), lm_without_flags, rel=_F64)
