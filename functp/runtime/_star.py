@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from ._torch_compat import backend_timeout
 
@@ -29,7 +28,8 @@ def gather(t: torch.Tensor, pg, ranks: tuple[int, ...], index: int,
     """Starts gathering ``t`` (the same shape on every rank) from the ranks of ``pg``.
 
     **Arguments:** ``pg`` – the process group; ``ranks`` – its members' global
-    ranks in group order; ``index`` – this rank's place in ``ranks``; ``wait`` –
+    ranks in group order (group rank ``i`` is ``ranks[i]``); ``index`` – this
+    rank's place in ``ranks``; ``wait`` –
     runs the function that waits (the caller's, to watch or name the wait). Each
     work is waited for with the group's timeout (gloo's point-to-point waits
     otherwise keep the one it was made with, not a mesh's ``timeout=``).
@@ -54,19 +54,20 @@ def gather(t: torch.Tensor, pg, ranks: tuple[int, ...], index: int,
                 w.wait(timeout)
         return block
     table = t.new_empty((len(ranks) * n, *t.shape[1:]))
+    # (the group's own send and recv, by group rank: ``dist.isend``'s checks and rank
+    # translation cost ~150 Python calls a message)
     if index != 0:
-        works = [dist.isend(t, ranks[0], group=pg), dist.irecv(table, ranks[0], group=pg)]
+        works = [pg.send([t], 0, 0), pg.recv([table], 0, 0)]
 
         def received() -> torch.Tensor:
             wait(until(works))
             return table
         return received
     table[:n] = t
-    got = [dist.irecv(table[i * n:(i + 1) * n], r, group=pg)
-           for i, r in enumerate(ranks) if i]
+    got = [pg.recv([table[i * n:(i + 1) * n]], i, 0) for i in range(1, len(ranks))]
 
     def sent() -> torch.Tensor:
         wait(until(got))
-        wait(until([dist.isend(table, r, group=pg) for r in ranks[1:]]))
+        wait(until([pg.send([table], i, 0) for i in range(1, len(ranks))]))
         return table
     return sent
