@@ -158,6 +158,9 @@ class Sink:
     def __init__(self, local: list, paths: list) -> None:
         self.layout = Buckets(local, paths)
         self.n = len(local)
+        # weak references to the autograd nodes (the graph owns them: a Sink holding
+        # them closed a cycle through the C++ graph, which the garbage collector does
+        # not see, and every call's Sink, its graph and the entry's tensors leaked)
         self.node = None        # the entry's autograd node
         self.outs: list = []    # weak references to the entry's outputs (their vma tags)
         self.nodes: dict = {}    # group key -> {input: the grad_ready node it passes}
@@ -185,15 +188,19 @@ class Sink:
         if nodes is None:
             self.layout.enrol(key, [r() for r in self.outs])
             nodes = self.nodes[key] = {}
+        ref = weakref.ref(node)
         for j in js:
-            nodes[j] = node
+            nodes[j] = ref
+
+    def _runs(self) -> bool:
+        node = self.node() if self.node is not None else None
+        return node is not None and will_engine_execute_node(node)
 
     def _defers(self, ct: torch.Tensor | None) -> bool:
         if ct is None:      # (no gradient reached this rank's launch points)
-            return (_level_ok() and will_engine_execute_node(self.node)
+            return (_level_ok() and self._runs()
                     and (not torch.is_grad_enabled() or peek_interpreter_stack() is not None))
-        return (not _ops._differentiated(ct) and _level_ok()
-                and will_engine_execute_node(self.node))
+        return not _ops._differentiated(ct) and _level_ok() and self._runs()
 
     def defer(self, j: int, ct: torch.Tensor, launch) -> bool:
         """Launches ``launch()`` (a collective of ``ct``, the gradient of input ``j``)
@@ -245,6 +252,7 @@ class Sink:
             for j in js:
                 self.where[(j, key)] = b
                 node = nodes.get(j)
+                node = node() if node is not None else None
                 if node is not None and (ran := runs.get(id(node))) is None:
                     ran = runs[id(node)] = will_engine_execute_node(node)
                 if (j, key) in self.got or node is None or not ran:
@@ -414,7 +422,8 @@ def enter(local: list, among: list | None = None) -> Sink | None:
         outs = overlap_entry([local[i] for i in idx], token)
     finally:
         del _by_token[token]
-    sink.node = outs[0].grad_fn
+    node = outs[0].grad_fn
+    sink.node = weakref.ref(node) if node is not None else None
     sink.outs = [weakref.ref(y) for y in outs]
     for j, (i, y) in enumerate(zip(idx, outs)):
         y.__dict__[SINK] = (sink, j)
