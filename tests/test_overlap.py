@@ -464,7 +464,7 @@ def test_deferring_waits_once_and_hands_out_the_unfinished_result():
 
 
 def _sinks_alive(how, steps):
-    """Sinks alive in this process after ``steps`` dp steps of a parallelized
+    """Sinks made and still alive in this process after ``steps`` dp steps of a parallelized
     transformers Llama (replayed after the first, on the same parameter tensors) on
     each rank and a collection,
     every rank past its steps (a psum on each side of the count); the last step's
@@ -491,6 +491,10 @@ def _sinks_alive(how, steps):
     together = functp.shard_map(lambda t: functp.psum(t, "dp"), mesh, in_specs=P("dp"),
                                 out_specs=P())
     local_ids = functp.shard(ids, mesh, P("dp"))
+    together(torch.ones(2))
+    gc.collect()            # (those of earlier tests in this process: not this one's)
+    before = {id(o) for o in gc.get_objects() if type(o) is Sink}
+    together(torch.ones(2))
     # the same parameters every step, as a training loop passes them; buckets of one
     # 16 x 16 weight (several buckets: their launch points are autograd nodes)
     q = {k: v.detach().clone().requires_grad_(how == "tape") for k, v in params.items()}
@@ -506,7 +510,7 @@ def _sinks_alive(how, steps):
     del q, g
     together(torch.ones(2))
     gc.collect()
-    alive = sum(type(o) is Sink for o in gc.get_objects())
+    alive = sum(type(o) is Sink and id(o) not in before for o in gc.get_objects())
     together(torch.ones(2))
     return alive
 
