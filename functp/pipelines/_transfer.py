@@ -55,9 +55,9 @@ def start(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, tuple]],
     ``functp.simulate`` (whose groups torch's point-to-point calls do not know) one
     all-to-all, complete on return; so too in ``functp.estimate``'s trace, whose
     fake collectives stand for the transfers."""
-    dry = _world.dry_run() is not None
-    if not (_crosscheck.ENABLED or _world.SIMULATING or dry):
+    if _point_to_point():
         return _pairs(sends, recvs, g, dtype)
+    dry = _world.dry_run() is not None
     got = _all_to_all(sends, recvs, g, dtype)
     # (estimate's trace: each send's tensor held as the point-to-point path holds it,
     # until the sender has heard from its peer since: the pipeline's _release)
@@ -142,6 +142,13 @@ def _all_to_all(sends, recvs, g: AxisGroup, dtype) -> list[torch.Tensor]:
     return out
 
 
+def _point_to_point() -> bool:
+    """Whether this rank's exchanges are point-to-point: between processes, outside
+    the check mode (its fingerprint is a collective over the group) and
+    ``functp.estimate``'s trace (fake collectives)."""
+    return not (_crosscheck.ENABLED or _world.SIMULATING or _world.dry_run() is not None)
+
+
 def gather_rows(row: list[float], g: AxisGroup) -> list[list[float]]:
     """Every rank's ``row`` (a few numbers, the same count everywhere), by axis index:
     one all-gather of float64 (exact for ints below 2**53)."""
@@ -150,20 +157,18 @@ def gather_rows(row: list[float], g: AxisGroup) -> list[list[float]]:
 
 def gather_rows_later(row: list[float], g: AxisGroup) -> Callable[[], list[list[float]]]:
     """:func:`gather_rows` launched now: **returns** the function that waits for the
-    rows. Between processes (outside the check mode and ``functp.simulate``, as the
-    transfers) point-to-point messages through axis index 0 (``runtime/_star``: on
+    rows. Between processes (:func:`_point_to_point`, as the transfers)
+    point-to-point messages through the group's first rank (``runtime/_star``: on
     gloo two messages deep where its all-gather is ``pp - 1``; the pipeline makes
     two a step), the waits watched; elsewhere an all-gather."""
     if g.size == 1:
         return lambda: [row]
     x = torch.tensor([row], dtype=torch.float64)
-    if _crosscheck.ENABLED or _world.SIMULATING or _world.dry_run() is not None:
+    if not _point_to_point():
         later = prim.all_gather_later(x, g)
         return lambda: later().tolist()
     if _comm_log._local.active:
         _comm_log.record("all_gather", g.axes, x.numel() * x.element_size())
-    pg = g.pg()
-    ranks = tuple(dist.get_global_rank(pg, g.group_rank(i)) for i in range(g.size))
-    table = _star.gather(x, pg, ranks, g.index,
-                         lambda block: prim.watched(block, "all_gather", g))
-    return lambda: table().tolist()
+    table = _star.gather(x, g.pg(), lambda block: prim.watched(block, "all_gather", g))
+    # (the table is in group-rank order; the rows are wanted by axis index)
+    return lambda: prim._blocks_from_group_order(table(), g).tolist()

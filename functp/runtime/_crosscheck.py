@@ -35,7 +35,6 @@ import sys
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from . import _compile
 from . import _star
@@ -131,8 +130,7 @@ def _gather(t: torch.Tensor, check, what: str) -> torch.Tensor:
         if _world.SIMULATING or check.device.type != "cpu":
             return _world.wait(_c10d.all_gather_into_tensor(t, check.size, check.group_name))
         # (gloo: through the group's first rank, not its ring all-gather: _star)
-        pg = resolve_process_group(check.group_name)
-        return _star.gather(t, pg, check.ranks, check.ranks.index(dist.get_rank()))()
+        return _star.gather(t, resolve_process_group(check.group_name))()
     except RuntimeError as e:
         raise agreed(ShardingError(
             f"{what}: not every rank of the mesh reached it within the mesh's timeout "

@@ -22,30 +22,28 @@ from ._torch_compat import backend_timeout
 __all__ = ["gather"]
 
 
-def gather(t: torch.Tensor, pg, ranks: tuple[int, ...], index: int,
+def gather(t: torch.Tensor, pg,
            wait: Callable[[Callable[[], None]], None] = lambda block: block(),
            ) -> Callable[[], torch.Tensor]:
     """Starts gathering ``t`` (the same shape on every rank) from the ranks of ``pg``.
 
-    **Arguments:** ``pg`` – the process group; ``ranks`` – its members' global
-    ranks in group order (group rank ``i`` is ``ranks[i]``); ``index`` – this
-    rank's place in ``ranks``; ``wait`` –
-    runs the function that waits (the caller's, to watch or name the wait). Each
-    work is waited for with the group's timeout (gloo's point-to-point waits
-    otherwise keep the one it was made with, not a mesh's ``timeout=``).
+    **Arguments:** ``pg`` – the process group (its first rank, group rank 0, is the
+    centre); ``wait`` – runs the function that waits (the caller's, to watch or name
+    the wait). Each work is waited for with the group's timeout (gloo's
+    point-to-point waits otherwise keep the one it was made with, not a mesh's
+    ``timeout=``).
 
     **Returns:** a function that waits and returns every rank's ``t`` concatenated
-    on dimension 0 in group order, as ``all_gather_into_tensor`` would. Every rank
-    must call it before its next exchange over ``pg``.
+    on dimension 0 in group-rank order, as ``all_gather_into_tensor`` would. Every
+    rank must call it before its next exchange over ``pg``.
 
     Example (every process of a 2-process gloo job)::
 
-        pg = torch.distributed.group.WORLD
-        table = gather(torch.tensor([[float(rank)]]), pg, (0, 1), rank)()
+        table = gather(torch.tensor([[float(rank)]]), torch.distributed.group.WORLD)()
         # tensor([[0.], [1.]])
     """
     t = t.contiguous()
-    n = t.shape[0]
+    n, size = t.shape[0], pg.size()
     timeout = backend_timeout(pg, "cpu")
 
     def until(works) -> Callable[[], None]:
@@ -53,10 +51,10 @@ def gather(t: torch.Tensor, pg, ranks: tuple[int, ...], index: int,
             for w in works:
                 w.wait(timeout)
         return block
-    table = t.new_empty((len(ranks) * n, *t.shape[1:]))
+    table = t.new_empty((size * n, *t.shape[1:]))
     # (the group's own send and recv, by group rank: ``dist.isend``'s checks and rank
     # translation cost ~150 Python calls a message)
-    if index != 0:
+    if pg.rank() != 0:
         works = [pg.send([t], 0, 0), pg.recv([table], 0, 0)]
 
         def received() -> torch.Tensor:
@@ -64,10 +62,10 @@ def gather(t: torch.Tensor, pg, ranks: tuple[int, ...], index: int,
             return table
         return received
     table[:n] = t
-    got = [pg.recv([table[i * n:(i + 1) * n]], i, 0) for i in range(1, len(ranks))]
+    got = [pg.recv([table[i * n:(i + 1) * n]], i, 0) for i in range(1, size)]
 
     def sent() -> torch.Tensor:
         wait(until(got))
-        wait(until([pg.send([table], i, 0) for i in range(1, len(ranks))]))
+        wait(until([pg.send([table], i, 0) for i in range(1, size)]))
         return table
     return sent
