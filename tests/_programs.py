@@ -272,6 +272,25 @@ def _one_pair(n):
 
 # -- the examples --------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _example(script: str, suffix: str = ""):
+    """``examples/<script>`` imported as a module of its own (its folder on
+    ``sys.path`` meanwhile, for its ``_example`` helpers), the thread count its
+    ``main()`` sets restored after."""
+    folder = os.path.join(ROOT, "examples")
+    sys.path.insert(0, folder)
+    threads = torch.get_num_threads()
+    try:
+        spec = importlib.util.spec_from_file_location(f"example_{script[:-3]}{suffix}",
+                                                      os.path.join(folder, script))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(folder)
+        torch.set_num_threads(threads)
+
+
 def example_main(script: str, argv: list[str] | None = None, attrs: dict | None = None):
     """``examples/<script>``'s ``main(argv)`` (``main()`` without ``argv``) on this rank
     of a gloo pool (``run(n, example_main, ..., gloo=True)``), as under torchrun: the
@@ -280,23 +299,17 @@ def example_main(script: str, argv: list[str] | None = None, attrs: dict | None 
     **Returns:** ``(main's result, what it printed)``. For runs that check values
     after a run of the same example launched as a user launches it: a pool's
     processes exist already (a launch costs ~2.5 CPU-s a process)."""
-    path = os.path.join(ROOT, "examples", script)
-    sys.path.insert(0, os.path.dirname(path))
-    dtype, threads, out = torch.get_default_dtype(), torch.get_num_threads(), io.StringIO()
+    dtype, out = torch.get_default_dtype(), io.StringIO()
     prev = functp.set_debug(False)
     try:
-        spec = importlib.util.spec_from_file_location(f"example_{script[:-3]}_pooled", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        for k, v in (attrs or {}).items():
-            setattr(module, k, v)
-        with contextlib.redirect_stdout(out):
-            ok = module.main(*([] if argv is None else [argv]))
+        with _example(script, "_pooled") as module:
+            for k, v in (attrs or {}).items():
+                setattr(module, k, v)
+            with contextlib.redirect_stdout(out):
+                ok = module.main(*([] if argv is None else [argv]))
     finally:
         functp.set_debug(prev)
         torch.set_default_dtype(dtype)
-        torch.set_num_threads(threads)
-        sys.path.remove(os.path.dirname(path))
     return ok, out.getvalue()
 
 
@@ -314,17 +327,9 @@ def _run_example(script: str, nproc: int | None = None, simulate: bool = False,
         assert not torch.distributed.is_initialized(), (
             "a test before this one left a process group initialized in the pytest "
             "process: run its program under functp.simulate, or destroy the group")
-        sys.path.insert(0, os.path.dirname(path))
-        spec = importlib.util.spec_from_file_location(f"example_{script[:-3]}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        threads, out = torch.get_num_threads(), io.StringIO()
-        try:
-            with contextlib.redirect_stdout(out):
-                results = functp.simulate(module.main, nproc or module.NPROC)
-        finally:
-            sys.path.remove(os.path.dirname(path))
-            torch.set_num_threads(threads)        # main() sets one thread
+        out = io.StringIO()
+        with _example(script) as module, contextlib.redirect_stdout(out):
+            results = functp.simulate(module.main, nproc or module.NPROC)
         assert all(results), out.getvalue()
         assert "MISMATCH" not in out.getvalue(), out.getvalue()
         return out.getvalue()
