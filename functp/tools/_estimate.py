@@ -14,6 +14,7 @@ prediction from a hardware profile (``_hardware``), with two bounds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import os
@@ -72,34 +73,54 @@ class _OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        facts = _FACTS.get(func) or _facts(func)
+        name, formula, decomposes, moves, may_compute = facts
         # FlopCounterMode's rule: an operator without a formula (as it looks one up)
         # is decomposed where torch can, its parts dispatched here again
-        if func not in flop_registry and func is not torch.ops.prim.device.default:
+        if decomposes:
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        name = str(packet)
-        formula = flop_registry.get(packet)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         if formula is not None:
+            packet = func._overloadpacket
             self.flops[packet] = self.flops.get(packet, 0) + flops
         tensors = [t for t in optree.tree_leaves((args, kwargs, out), none_is_leaf=True)
                    if isinstance(t, torch.Tensor)]
-        # a view moves nothing; a collective's time is the comm model's, not memory's
-        nbytes = (0 if func.is_view or func.namespace != "aten" else
-                  sum(t.numel() * t.element_size() for t in tensors))
-        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "float32"
+        nbytes = sum(t.numel() * t.element_size() for t in tensors) if moves else 0
+        dtype = _dtype_name(tensors[0].dtype) if tensors else "float32"
         self.calls.append((name, flops, nbytes, dtype))
         if flops and self.host is not None and self.host.start is None:
             self.host.begin(len(self.calls) - 1)
-        if (formula is None and not func.is_view and func.namespace == "aten"
-                and name not in _NO_COMPUTE
-                and any(isinstance(t, torch.Tensor) for t in optree.tree_leaves(args))):
+        if may_compute and any(isinstance(t, torch.Tensor) for t in optree.tree_leaves(args)):
             self.uncounted[name] = self.uncounted.get(name, 0) + 1
         return out
+
+
+# what the recorder needs of an operator, which does not change, found at its first
+# call: (name, FLOP formula or None, decomposed first?, counts the bytes it reads and
+# writes?, computes without a formula?)
+_FACTS: dict[Any, tuple] = {}
+
+
+def _facts(func) -> tuple:
+    packet = func._overloadpacket
+    name = str(packet)
+    formula = flop_registry.get(packet)
+    decomposes = (func not in flop_registry and func is not torch.ops.prim.device.default
+                  and func._can_decompose())
+    # a view moves nothing; a collective's time is the comm model's, not memory's
+    moves = not func.is_view and func.namespace == "aten"
+    may_compute = formula is None and moves and name not in _NO_COMPUTE
+    _FACTS[func] = facts = (name, formula, decomposes, moves, may_compute)
+    return facts
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 # collective ops that make no buffer (waiting returns its argument), those that write

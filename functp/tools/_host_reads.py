@@ -27,6 +27,7 @@ and how it was answered, in ``est[r].reads`` and in the estimate's printout.
 """
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sys
@@ -212,10 +213,14 @@ class Values(TorchDispatchMode):
 
     def _follow(self, func, args, kwargs, out) -> None:
         """Computes ``out`` for real where its inputs are known and it is small."""
-        outs = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if not outs or func.namespace not in ("aten", "prims", "_c10d_functional"):
+        if func.namespace not in ("aten", "prims", "_c10d_functional"):
             return
-        if any(t.numel() > LIMIT for t in outs):
+        outs = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outs:
+            return
+        # (most of a trace's operators read an activation, whose value is not known:
+        # found without leaving the modes, which costs an operator more than this)
+        if any(t.numel() > LIMIT for t in outs) or not _all_known((args, kwargs)):
             return self._forget(func, args)
         got = self._reals(args, kwargs, default=False)
         if got is None:
@@ -234,11 +239,9 @@ class Values(TorchDispatchMode):
 
     def _forget(self, func, args) -> None:
         # an op that writes into a known tensor with unknown values: no longer known
-        if func._schema.is_mutable:
-            for a, t in zip(func._schema.arguments, args):
-                if a.alias_info is not None and a.alias_info.is_write and \
-                        isinstance(t, torch.Tensor):
-                    t.__dict__.pop(_KEY, None)
+        for i in _written(func):
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                args[i].__dict__.pop(_KEY, None)
 
     def _from_values(self, func, args, kwargs):
         """An operator whose output (or its shape) depends on values: run for real on
@@ -284,6 +287,22 @@ class Values(TorchDispatchMode):
         with disable_current_modes():
             _know(idx, _picks(tuple(idx.shape), dim, counts))
         self.note("aten.topk", how, counts)
+
+
+def _all_known(tree) -> bool:
+    """Whether every fake tensor of ``tree`` has a known value."""
+    return all(_KEY in t.__dict__ for t in optree.tree_leaves(tree, none_is_leaf=True)
+               if isinstance(t, FakeTensor))
+
+
+@functools.lru_cache(maxsize=None)
+def _written(func) -> tuple[int, ...]:
+    """The positions of the arguments ``func`` writes into (an operator's schema
+    does not change: read once)."""
+    if not func._schema.is_mutable:
+        return ()
+    return tuple(i for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _know(fake: torch.Tensor, real: torch.Tensor) -> None:
