@@ -225,6 +225,9 @@ DataDependentOutputException = _need(
     "torch._subclasses.fake_tensor.DataDependentOutputException", "functp.estimate's errors")
 DynamicOutputShapeException = _need(
     "torch._subclasses.fake_tensor.DynamicOutputShapeException", "functp.estimate's errors")
+# whether torch decomposes an operator (its CompositeImplicitAutograd kernel), asked once
+# per operator: FlopCounterMode's rule, without calling decompose to learn it cannot
+can_decompose = _need("torch._ops.OpOverload._can_decompose", "functp.estimate's FLOPs")
 # (resolved at the first estimate: torch.distributed._tools imports its runtime
 # estimator and Inductor's utilities with it, which import functp need not pay)
 _WHY_MEM = "functp.estimate's memory"

@@ -222,10 +222,7 @@ class Values(TorchDispatchMode):
         # found without leaving the modes, which costs an operator more than this)
         if any(t.numel() > LIMIT for t in outs) or not _all_known((args, kwargs)):
             return self._forget(func, args)
-        got = self._reals(args, kwargs, default=False)
-        if got is None:
-            return self._forget(func, args)
-        (rargs, rkwargs), _ = got
+        (rargs, rkwargs), _ = self._reals(args, kwargs, default=False)
         try:
             with disable_current_modes():
                 real = (_collective(func, rargs) if func.namespace == "_c10d_functional"

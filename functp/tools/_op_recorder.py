@@ -10,7 +10,7 @@ import optree
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from ..runtime._torch_compat import TorchDispatchMode
+from ..runtime._torch_compat import TorchDispatchMode, can_decompose
 
 __all__ = ["_OpRecorder"]
 
@@ -41,8 +41,7 @@ class _OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        facts = _FACTS.get(func) or _facts(func)
-        name, formula, decomposes, moves, may_compute = facts
+        name, formula, decomposes, moves, may_compute = _facts(func)
         # FlopCounterMode's rule: an operator without a formula (as it looks one up)
         # is decomposed where torch can, its parts dispatched here again
         if decomposes:
@@ -67,23 +66,20 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
 
-# what the recorder needs of an operator, which does not change, found at its first
-# call: (name, FLOP formula or None, decomposed first?, counts the bytes it reads and
-# writes?, computes without a formula?)
-_FACTS: dict[Any, tuple] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _facts(func) -> tuple:
+    """What the recorder needs of an operator, which does not change, found at its
+    first call: (name, FLOP formula or None, decomposed first?, counts the bytes it
+    reads and writes?, computes without a formula?)."""
     packet = func._overloadpacket
     name = str(packet)
     formula = flop_registry.get(packet)
     decomposes = (func not in flop_registry and func is not torch.ops.prim.device.default
-                  and func._can_decompose())
+                  and can_decompose(func))
     # a view moves nothing; a collective's time is the comm model's, not memory's
     moves = not func.is_view and func.namespace == "aten"
     may_compute = formula is None and moves and name not in _NO_COMPUTE
-    _FACTS[func] = facts = (name, formula, decomposes, moves, may_compute)
-    return facts
+    return name, formula, decomposes, moves, may_compute
 
 
 @functools.lru_cache(maxsize=None)
