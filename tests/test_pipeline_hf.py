@@ -129,6 +129,46 @@ def test_data_parallel_and_tensor_parallel_beside_pp(run, names):
             assert err < 1e-10, (names, rank, sched, tied, mode, err)
 
 
+def test_fsdp_beside_pp(run):
+    # (pp, fsdp) and (fsdp, pp, tp): each stage's blocks split over fsdp, whose ranks
+    # pipe their own rows of the batch; gathered once a step, reduce-scattered once
+    cases = [("1f1b", True, None, "tape", 3), ("interleaved", False, [1, 1, 1, 1], "func", 3)]
+    for rank, rows in enumerate(run(4, _body, cases, (2, 2), ("pp", "fsdp"))):
+        for (sched, tied, mode, err, held) in rows:
+            assert err < 1e-10, (rank, sched, tied, mode, err)
+            assert ("model.embed_tokens.weight" in held) == (rank // 2 == 0), (rank, held)
+    for rank, rows in enumerate(run(8, _body, [("zero_bubble", True, None, "func", 3)],
+                                    (2, 2, 2), ("fsdp", "pp", "tp"))):
+        assert rows[0][3] < 1e-10, (rank, rows)
+
+
+def _fsdp_collectives_body(m):
+    """A (pp, fsdp) 1F1B step of ``m`` microbatches: its collectives over fsdp, and
+    the local and the whole shapes of this rank's first layer's q_proj."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _hf._build("llama", num_hidden_layers=2)
+    ids, tgt = _data(4)
+    mesh = functp.make_mesh((2, 2), ("pp", "fsdp"))
+    apply, params, specs = functp.parallelize(model, mesh, "auto")
+    step = apply.pipeline(microbatches=m, loss_fn=_hf._lm_loss, schedule="1f1b")
+    with functp.comm_log() as log:
+        _, grads = step(params, ids, tgt)
+    name = next(k for k in params if ".q_proj." in k)
+    return (sorted(e.op for e in log.events if "fsdp" in e.axes), tuple(grads[name].shape),
+            tuple(apply.unshard(grads)[name].shape), specs[name])
+
+
+def test_fsdp_beside_pp_gathers_and_reduces_once_a_step(run):
+    # one all-gather of the stage's blocks and one reduce-scatter of their gradients
+    # (float weights split over fsdp: one dtype), whatever the microbatch count; the
+    # norms' (32,) weights split too (32 is a multiple of 2), so nothing is all-reduced
+    for m in (1, 2):
+        for ops, local, whole, spec in run(4, _fsdp_collectives_body, m):
+            assert ops == ["all_gather", "all_reduce", "reduce_scatter"], (m, ops)
+            assert (local, whole, spec) == ((16, 32), (32, 32), P("fsdp")), (local, whole, spec)
+
+
 def _dp_collectives_body():
     """The collectives over dp of a (dp, pp, tp) step of 3 microbatches: the rows'
     loss and their gradients, one all-reduce per dtype and split (none per
@@ -199,7 +239,8 @@ def test_the_global_norm_of_a_pipelines_gradients_is_the_whole_models(run, kind)
     # then trained to other losses from its second step; over apply.stage_mesh that
     # norm is refused)
     for shape, names, schedule in [((2, 2, 2), ("dp", "pp", "tp"), "1f1b"),
-                                   ((2,), ("pp",), "zero_bubble")]:
+                                   ((2,), ("pp",), "zero_bubble"),
+                                   ((2, 2), ("pp", "fsdp"), "gpipe")]:
         for rank in run(math.prod(shape), _norms_body, shape, names, kind, schedule):
             for what, err in rank:
                 assert err <= 1e-12, (shape, what, err)
@@ -281,7 +322,7 @@ def _trained(tied: bool):
 
 def _checkpoint_body(path: str, tied: bool):
     """Saves pp2 x tp2's stages (each its own layers), then loads the checkpoint on
-    pp4, on dp2 x tp2 without a pipeline and whole on one process: the largest
+    pp4, on dp2 x tp2 without a pipeline, on pp2 x fsdp2 and whole on one process: the largest
     difference from the model's own tensors in each, and the keys each held."""
     model = _trained(tied)
     mesh = functp.make_mesh((2, 2), ("pp", "tp"))
@@ -289,7 +330,7 @@ def _checkpoint_body(path: str, tied: bool):
     functp.save(path, {"params": params, "step": 5}, mesh, {"params": specs, "step": P()})
     want = dict(model.state_dict())
     out = []
-    for shape, names in (((4,), ("pp",)), ((2, 2), ("dp", "tp"))):
+    for shape, names in (((4,), ("pp",)), ((2, 2), ("dp", "tp")), ((2, 2), ("pp", "fsdp"))):
         other = functp.make_mesh(shape, names)
         apply, blocks, their = functp.parallelize(model, other, "auto")
         like = {"params": {k: torch.zeros_like(v) for k, v in blocks.items()}, "step": 0}
@@ -314,14 +355,16 @@ def _checkpoint_body(path: str, tied: bool):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_checkpoint_of_stages_loads_on_another_pp_size_and_without_pp(run, tmp_path, tied):
-    # pp2 x tp2 -> pp4 (each rank one layer), -> dp2 x tp2, -> one process, and as a
+    # pp2 x tp2 -> pp4 (each rank one layer), -> dp2 x tp2, -> pp2 x fsdp2, -> one process, and as a
     # transformers folder: equal to the model's tensors bit for bit (float64, moved)
     model = _trained(tied)
     names = sorted(model.state_dict())
     results = run(4, _checkpoint_body, str(tmp_path / "ckpt"), tied, gloo=True)
     for rank, rows in enumerate(results):
-        (_, s4, keys4, e4), (_, s2, keys2, e2), (_, _, whole, ew), hf = rows
-        assert (s4, s2, e4, e2, ew) == (5, 5, 0.0, 0.0, 0.0), (rank, rows)
+        (_, s4, keys4, e4), (_, s2, keys2, e2), (_, sf, keysf, ef), (_, _, whole, ew), hf = rows
+        assert (s4, s2, sf, e4, e2, ef, ew) == (5, 5, 5, 0.0, 0.0, 0.0, 0.0), (rank, rows)
+        # (pp2 x fsdp2: each rank its half of its stage's blocks, read from tp's halves)
+        assert ("model.layers.3.mlp.up_proj.weight" in keysf) == (rank >= 2), (rank, keysf)
         # save_pretrained: every stage's weights, the tied one once
         assert (list(hf[0]), list(hf[1]), hf[2], hf[3]) == ([], [], names, 0.0), (rank, hf)
         assert whole == names, (rank, whole)               # every stage's keys
@@ -337,7 +380,7 @@ def _error_body(case):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = _hf._build("llama", num_hidden_layers=4)
-    mesh = (functp.make_mesh((2, 2), ("pp", case)) if case in ("fsdp", "ep") else
+    mesh = (functp.make_mesh((2, 2), ("pp", case)) if case in ("cp", "ep") else
             functp.make_mesh((2, 2), ("dp", "pp")) if case == "uneven" else
             functp.make_mesh((2,), ("pp",)))
     try:
@@ -349,7 +392,7 @@ def _error_body(case):
             functp.parallelize(model, mesh, "auto", stages=[1] * 8)
         elif case == "no_plan":
             functp.parallelize(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh, {})
-        elif case in ("fsdp", "ep"):
+        elif case in ("cp", "ep"):
             functp.parallelize(model, mesh, "auto")
         elif case == "uneven":
             apply, params, _ = functp.parallelize(model, mesh, "auto")
@@ -371,8 +414,9 @@ def _error_body(case):
     ("count", r"stages=\[4, 0, 0\] must list the decoder layers of each pipeline stage: pp=2"),
     ("too_few", r"stages=\[1, 1, 1, 1, 1, 1, 1, 1\] must give .* summing to the model's 4"),
     ("no_plan", r"Sequential has no transformers pipeline plan .* functp.pipeline"),
-    ("fsdp", r"may have the plan's 'tp' .* and data-parallel axes .* \['fsdp'\]: FSDP"),
-    ("ep", r"may have the plan's 'tp' .* \['ep'\]: FSDP, expert and context parallelism"),
+    ("cp", r"may have the plan's 'tp' .* and data-parallel axes .* \['cp'\]: expert"),
+    ("ep", r"may have the plan's 'tp' .* \['ep'\]: expert and context parallelism .*"
+           r"\('fsdp' is\)"),
     ("uneven", r"batch's 5 sequences .* must split evenly over the data-parallel axes "
                r"\['dp'\] \(2 rows"),
     ("interleaved", r"schedule='interleaved'.*1 virtual stage.*stages=\) with pp x v"),
@@ -380,5 +424,5 @@ def _error_body(case):
 ])
 def test_refused_on_every_rank(run, case, says):
     import re
-    out = run(4 if case in ("fsdp", "ep", "uneven") else 2, _error_body, case)
+    out = run(4 if case in ("cp", "ep", "uneven") else 2, _error_body, case)
     assert all(o is not None and re.search(says, o) for o in out), out

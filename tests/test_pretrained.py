@@ -158,11 +158,12 @@ def _staged(path, shape, names, schedule):
 
 @pytest.mark.parametrize("kind,shape,names,schedule", [
     ("llama", (2,), ("pp",), "1f1b"), ("gemma", (2, 2), ("pp", "tp"), "zero_bubble"),
-    ("llama", (2, 2), ("dp", "pp"), "gpipe")])
+    ("llama", (2, 2), ("dp", "pp"), "gpipe"), ("gemma", (2, 2), ("fsdp", "pp"), "1f1b")])
 def test_loads_onto_a_pipeline_reading_only_its_stage(run, tmp_path, kind, shape, names,
                                                        schedule):
     # two decoder layers, one a stage; gemma ties its embedding to its head: the last
-    # stage reads the head from the embedding's stored tensor
+    # stage reads the head from the embedding's stored tensor (beside fsdp: read as the
+    # plan's blocks, then cut into this rank's block over fsdp)
     path = _save(tmp_path, kind)
     for rank, (worst, held, read) in enumerate(run(2 * len(shape), _staged, path, shape,
                                                    names, schedule, gloo=True)):

@@ -17,6 +17,9 @@ pipes its own rows of the batch; the stages' backward leaves their gradients
 unreduced over those axes (``shard_map(..., unreduced=)``), and the step sums them
 once at its end, a bucket per dtype and split.
 
+An ``fsdp`` axis beside ``pp`` is a data-parallel axis whose ranks also split each
+stage's parameters: gathered once a step, reduce-scattered once (``_pp_fsdp.py``).
+
 A tied embedding lives on two stages (the first's embedding, the last's head): each
 computes its own use's gradient, and the step adds the two (one exchange between the
 first and last rank of ``pp``), so both hold the gradient the unsplit model has.
@@ -37,14 +40,16 @@ from ..pipelines._pipeline import pipeline as _pipeline
 from ..pipelines._transfer import exchange, gather_rows
 from ..runtime._errors import ShardingError
 from ..mapping._param_swap import ParamSwap
-from ..mapping._sharding import shard
+from ..mapping._sharding import shard, unshard
+from . import _pp_fsdp as _fsdp
 
 __all__ = ["PipelineStages", "split_layers", "lay_out_stages", "pipelined"]
 
 _ORDER = ("first", "layers", "last")
-# axes whose ranks hold their own tokens but not whole parameters (FSDP shards them,
-# expert parallelism its experts) or their own part of each sequence: not beside pp yet
-_NOT_BESIDE = ("fsdp", "dp_shard", "ep", "cp")
+# axes whose ranks hold their own tokens but not whole parameters (expert parallelism
+# its experts; dp_shard is transformers' config name, not a mesh's here) or their own
+# part of each sequence: not beside pp yet. ``fsdp`` is: _pp_fsdp.py
+_NOT_BESIDE = ("dp_shard", "ep", "cp")
 
 
 def pipelined(mesh: Mesh, stages: Any, verify: bool, distributed_config: Any) -> bool:
@@ -205,8 +210,8 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
         raise ShardingError(
             f"parallelize: a mesh with a 'pp' axis may have the plan's {axis!r} (tensor "
             f"parallel) and data-parallel axes beside it, today; {mesh} has "
-            f"{[a for a in others if a in _NOT_BESIDE]}: FSDP, expert and context "
-            f"parallelism beside a pipeline are not built yet")
+            f"{[a for a in others if a in _NOT_BESIDE]}: expert and context "
+            f"parallelism beside a pipeline are not built yet ('fsdp' is)")
     me = mesh.coordinate["pp"]
     inner = _stage_mesh(mesh)
     applies, params, specs, modules = [], [], [], []
@@ -215,7 +220,11 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
         _check_layer_kinds(model, spans[vs])
         module, replaced = _stage_module(model, parts, spans[vs], vs == 0, vs == total - 1)
         if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
-            families = _filtered(_families(module, inner, plan, axis, None), module, replaced)
+            # (FSDP beside pp shards the stage's blocks itself, gathered once a step:
+            # not per microbatch, as the FullyShard family would)
+            families = [f for f in _families(module, inner, plan, axis, None)
+                        if f[0] != "fsdp"]
+            families = _filtered(families, module, replaced)
             apply, local, spec = _lay_out(module, inner, families, keep_module)
         else:
             apply, local = _plain(module)
@@ -233,10 +242,12 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
     out = PipelineStages(model, mesh, inner, applies, spans, axis, specs)
     out.batch_axes = tuple(a for a in mesh.axis_names if a in others)
     out.modules = modules
+    if "fsdp" in others:
+        params = _fsdp.cut(out, params)
     out._check_tied(params)
     if len(applies) == 1:
-        return out, params[0], specs[0]
-    return out, params, specs
+        return out, params[0], out.specs[0]
+    return out, params, out.specs
 
 
 def _summed(grads: Any, specs: Any, axes: tuple, scale: float) -> Any:
@@ -334,7 +345,9 @@ class PipelineStages:
     :class:`Parallelized` each (or a plain function without a tensor-parallel axis);
     ``specs`` – their parameter specs; ``tied`` – the embedding's and head's names of
     a tied embedding, or None; ``batch_axes`` – the data-parallel axes beside ``pp``
-    (each of their rows pipes its own rows of the batch), or ``()``; ``modules`` –
+    (each of their rows pipes its own rows of the batch; ``fsdp`` among them also
+    splits the blocks), or ``()``; ``fsdp_dims`` – per chunk, each parameter's
+    dimension split over ``fsdp`` (None: whole), or None; ``modules`` –
     the stage modules (the model's shallow copies holding the chunks' layers).
 
     ``apply.pipeline(microbatches=M, loss_fn=..., schedule=...)`` gives the step:
@@ -350,6 +363,9 @@ class PipelineStages:
         self.virtual_stages = len(applies)
         self.tied = _tied_names(model, _parts(model))
         self.batch_axes = ()
+        #: per chunk, each parameter's dimension split over ``fsdp`` (or None), or None
+        #: without an ``fsdp`` axis (``_pp_fsdp.py``)
+        self.fsdp_dims: list | None = None
         self._transformers = hasattr(model, "config") and hasattr(model, "generation_config")
 
     def __repr__(self) -> str:
@@ -432,20 +448,24 @@ class PipelineStages:
         rows = self.stage_mesh.axis_size(dp) if dp else 1
         spec = self.specs if v > 1 else self.specs[0]
 
+        # (fsdp beside pp: the stage's whole weights once a step, and the gradients'
+        # one reduce-scatter)
+        whole, reduce = _fsdp.around_step(self, spec, lambda g: _summed(g, spec, dp, 1 / rows))
+
         def body(params, ids, labels):
-            loss, grads = inner(params, ids, labels)
-            grads = self._sum_tied(grads)
+            loss, grads = inner(whole(params), ids, labels)
+            grads = _sum_tied(self, grads)
             if dp:
                 # each data-parallel row piped its own rows of the batch: the batch's
                 # loss and gradients are the rows' means, the gradients left unreduced
                 # by the stages' backward and summed here once (a bucket per dtype)
                 # (pvary: the pipeline's closing exchange over pp returns them untyped)
                 loss = psum(pvary(loss, dp), dp) / rows
-                grads = _summed(pvary(grads, dp), spec, dp, 1 / rows)
+                grads = reduce(pvary(grads, dp))
             return loss, grads
 
         def evaluated(params, ids, labels):        # (forward only: Pipeline.evaluate)
-            loss = inner.evaluate(params, ids, labels)
+            loss = inner.evaluate(whole(params), ids, labels)
             return psum(pvary(loss, dp), dp) / rows if dp else loss
 
         if self.stage_mesh is None:
@@ -461,33 +481,38 @@ class PipelineStages:
         step.evaluate = _by_rows(mapped_eval, self.stage_mesh, dp, rows)
         return step
 
-    def _sum_tied(self, grads):
-        """The tied embedding's two gradients added, on both of its holders."""
-        if self.tied is None:
-            return grads
-        chunks = grads if self.virtual_stages > 1 else [grads]
-        g = self.mesh.axis_group("pp", "functp.pipeline")
-        (r0, j0), (r1, j1) = self._tied_holders()
-        sends, recvs, mine = [], [], None
-        if self.stage in (r0, r1):
-            j, name = (j0, self.tied[0]) if self.stage == r0 else (j1, self.tied[1])
-            mine = (j, name)
-            t = chunks[j][name]
-            peer = r1 if self.stage == r0 else r0
-            sends, recvs = [(peer, t.detach())], [(peer, tuple(t.shape))]
-        # (every rank of pp joins the exchange, in one dtype: its parameters')
-        dtype = next((t.dtype for c in chunks for t in optree.tree_leaves(c)
-                      if isinstance(t, torch.Tensor) and t.is_floating_point()),
-                     torch.get_default_dtype())
-        got = exchange(sends, recvs, g, dtype)
-        if mine:
-            chunks[mine[0]] = dict(chunks[mine[0]])
-            chunks[mine[0]][mine[1]] = chunks[mine[0]][mine[1]] + got[0]
-        return chunks if self.virtual_stages > 1 else chunks[0]
-
     def unshard(self, local):
         """This rank's blocks (or their gradients) -> full tensors, per chunk."""
         chunks = local if self.virtual_stages > 1 else [local]
+        if self.fsdp_dims is not None:      # the fsdp blocks -> the plan's blocks first
+            chunks = [unshard(c, self.stage_mesh, _fsdp.only_fsdp(d, "fsdp"))
+                      for c, d in zip(chunks, self.fsdp_dims)]
         out = [a.unshard(c) if hasattr(a, "unshard") else dict(c)
                for a, c in zip(self.chunks, chunks)]
         return out if self.virtual_stages > 1 else out[0]
+
+
+def _sum_tied(self: PipelineStages, grads):
+    """The tied embedding's two gradients added, on both of its holders (``self``: the
+    stages)."""
+    if self.tied is None:
+        return grads
+    chunks = grads if self.virtual_stages > 1 else [grads]
+    g = self.mesh.axis_group("pp", "functp.pipeline")
+    (r0, j0), (r1, j1) = self._tied_holders()
+    sends, recvs, mine = [], [], None
+    if self.stage in (r0, r1):
+        j, name = (j0, self.tied[0]) if self.stage == r0 else (j1, self.tied[1])
+        mine = (j, name)
+        t = chunks[j][name]
+        peer = r1 if self.stage == r0 else r0
+        sends, recvs = [(peer, t.detach())], [(peer, tuple(t.shape))]
+    # (every rank of pp joins the exchange, in one dtype: its parameters')
+    dtype = next((t.dtype for c in chunks for t in optree.tree_leaves(c)
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()),
+                 torch.get_default_dtype())
+    got = exchange(sends, recvs, g, dtype)
+    if mine:
+        chunks[mine[0]] = dict(chunks[mine[0]])
+        chunks[mine[0]][mine[1]] = chunks[mine[0]][mine[1]] + got[0]
+    return chunks if self.virtual_stages > 1 else chunks[0]

@@ -166,6 +166,9 @@ def _load_stages(folder: Folder, stages: PipelineStages, device: torch.device):
     found = [_sources(folder, module, *names) for module in stages.modules]
     out = [_read(folder, chunk if isinstance(chunk, Parallelized) else None, full, sources,
                  device) for chunk, (full, sources) in zip(stages.chunks, found)]
+    if stages.fsdp_dims is not None:     # (read as the plan's blocks, then cut over fsdp)
+        from ._pp_fsdp import cut
+        out = cut(stages, out)
     return out if stages.virtual_stages > 1 else out[0]
 
 
