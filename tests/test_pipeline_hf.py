@@ -272,6 +272,14 @@ def test_estimate_of_a_transformers_pipeline_with_dp_and_tp(backward):
     summary = est.comm.summary()
     assert summary[("all_reduce", ("dp",))] == 3 and summary[("permute", ("pp",))] > 0, summary
     assert all(est[r].peak_bytes > 0 and est[r].seconds.idle > 0 for r in est.ranks)
+    if backward == "tape":      # fsdp beside pp: its gather and reduce-scatter predicted
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            est = functp.estimate(_estimated_step, 8, (2, 2, 2), ("fsdp", "pp", "tp"), backward)
+        summary = est.comm.summary()
+        # (once a step each, for the tp-split blocks and the others: two buffers)
+        assert (summary[("all_gather", ("fsdp",))], summary[("reduce_scatter", ("fsdp",))],
+                summary[("all_reduce", ("fsdp",))]) == (2, 2, 1), summary
 
 
 def _blocks_body():

@@ -106,7 +106,8 @@ def _groups(tree: dict, specs: dict, dims: dict) -> dict:
     for k, d in dims.items():
         t = tree[k]
         if isinstance(t, torch.Tensor) and t.is_floating_point():
-            out.setdefault((t.dtype, d is not None, specs[k].axes), []).append(k)
+            # (colwise P("tp", "fsdp") and rowwise P("fsdp", "tp") vary alike: one buffer)
+            out.setdefault((t.dtype, d is not None, frozenset(specs[k].axes)), []).append(k)
     return out
 
 
