@@ -46,10 +46,10 @@ from . import _pp_fsdp as _fsdp
 __all__ = ["PipelineStages", "split_layers", "lay_out_stages", "pipelined"]
 
 _ORDER = ("first", "layers", "last")
-# axes whose ranks hold their own tokens but not whole parameters (expert parallelism
-# its experts; dp_shard is transformers' config name, not a mesh's here) or their own
-# part of each sequence: not beside pp yet. ``fsdp`` is: _pp_fsdp.py
-_NOT_BESIDE = ("dp_shard", "ep", "cp")
+# axes whose ranks hold their own part of each sequence (cp), or transformers' config
+# name for FSDP (dp_shard; a mesh's is fsdp): not beside pp yet. ``fsdp`` is
+# (_pp_fsdp.py), and ``ep``: its ranks pipe their own rows, each its own experts
+_NOT_BESIDE = ("dp_shard", "cp")
 
 
 def pipelined(mesh: Mesh, stages: Any, verify: bool, distributed_config: Any) -> bool:
@@ -206,12 +206,18 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
     total = len(stages) if stages is not None else pp
     spans = split_layers(n, total, stages)
     others = [a for a in mesh.axis_names if a != "pp" and a != axis and mesh.axis_size(a) > 1]
+    if "ep" in others and axis in mesh.axis_names and mesh.axis_size(axis) > 1:
+        raise ShardingError(
+            f"parallelize: a mesh with a 'pp' axis may have 'ep' or the plan's {axis!r} "
+            f"(tensor parallel) beside it, not both, today; {mesh} has both: expert "
+            f"parallelism with tensor-parallel experts beside a pipeline is not built yet "
+            f"(give the experts' ranks to 'ep', or drop 'ep')")
     if [a for a in others if a in _NOT_BESIDE]:
         raise ShardingError(
             f"parallelize: a mesh with a 'pp' axis may have the plan's {axis!r} (tensor "
             f"parallel) and data-parallel axes beside it, today; {mesh} has "
-            f"{[a for a in others if a in _NOT_BESIDE]}: expert and context "
-            f"parallelism beside a pipeline are not built yet ('fsdp' is)")
+            f"{[a for a in others if a in _NOT_BESIDE]}: context parallelism beside a "
+            f"pipeline is not built yet ('fsdp' and 'ep' are)")
     me = mesh.coordinate["pp"]
     inner = _stage_mesh(mesh)
     applies, params, specs, modules = [], [], [], []
@@ -219,7 +225,7 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
         vs = me + j * pp
         _check_layer_kinds(model, spans[vs])
         module, replaced = _stage_module(model, parts, spans[vs], vs == 0, vs == total - 1)
-        if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
+        if any(a in mesh.axis_names and mesh.axis_size(a) > 1 for a in (axis, "ep")):
             # (FSDP beside pp shards the stage's blocks itself, gathered once a step:
             # not per microbatch, as the FullyShard family would)
             families = [f for f in _families(module, inner, plan, axis, None)
@@ -233,7 +239,8 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
         modules.append(module)
         params.append(local)
         specs.append(spec)
-    split = sorted({a for spec in specs for sp in spec.values() for a in sp.axes} & set(others))
+    split = sorted({a for spec in specs for sp in spec.values() for a in sp.axes}
+                   & set(others) - {"ep"})
     if split:
         raise ShardingError(
             f"parallelize: the plan splits parameters over {split}, which a pipeline takes "
@@ -260,8 +267,11 @@ def _summed(grads: Any, specs: Any, axes: tuple, scale: float) -> Any:
     for i, (t, spec) in enumerate(zip(leaves, kinds)):
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             by_kind.setdefault((t.dtype, spec.axes), []).append(i)
-    for idx in by_kind.values():
-        flat = psum(torch.cat([leaves[i].reshape(-1) for i in idx]), axes) * scale
+    for (_, split), idx in by_kind.items():
+        # (a block split over a batch axis, an expert over ep, holds its whole gradient)
+        over = tuple(a for a in axes if a not in split)
+        flat = torch.cat([leaves[i].reshape(-1) for i in idx])
+        flat = (psum(flat, over) if over else flat) * scale
         for i, piece in zip(idx, flat.split([leaves[i].numel() for i in idx])):
             leaves[i] = piece.view(leaves[i].shape)
     return optree.tree_unflatten(treedef, leaves)
@@ -346,7 +356,7 @@ class PipelineStages:
     ``specs`` – their parameter specs; ``tied`` – the embedding's and head's names of
     a tied embedding, or None; ``batch_axes`` – the data-parallel axes beside ``pp``
     (each of their rows pipes its own rows of the batch; ``fsdp`` among them also
-    splits the blocks), or ``()``; ``fsdp_dims`` – per chunk, each parameter's
+    splits the blocks, ``ep`` the experts), or ``()``; ``fsdp_dims`` – per chunk, each parameter's
     dimension split over ``fsdp`` (None: whole), or None; ``modules`` –
     the stage modules (the model's shallow copies holding the chunks' layers).
 

@@ -138,10 +138,13 @@ def reduced(grads: dict, specs: dict, dims: dict, axis: str, size: int, batch: t
     all-reduce over the other ``batch`` axes, on 1/size of the bytes, HSDP's order) for
     the split blocks, an all-reduce over ``batch`` for the parameters left whole."""
     out = dict(grads)
-    rest = tuple(a for a in batch if a != axis)
-    for (_, split, _), names in _groups(grads, specs, dims).items():
+    for (_, split, axes), names in _groups(grads, specs, dims).items():
+        # (a block split over a batch axis, an expert over ep, holds its whole gradient
+        # over it already)
+        rest = tuple(a for a in batch if a not in axes)
         if not split:
-            flat = psum(torch.cat([grads[k].reshape(-1) for k in names]), batch) * scale
+            flat = torch.cat([grads[k].reshape(-1) for k in names])
+            flat = (psum(flat, rest) if rest else flat) * scale
             for k, piece in zip(names, flat.split([grads[k].numel() for k in names])):
                 out[k] = piece.view(grads[k].shape)
             continue
