@@ -206,12 +206,6 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
     total = len(stages) if stages is not None else pp
     spans = split_layers(n, total, stages)
     others = [a for a in mesh.axis_names if a != "pp" and a != axis and mesh.axis_size(a) > 1]
-    if "ep" in others and axis in mesh.axis_names and mesh.axis_size(axis) > 1:
-        raise ShardingError(
-            f"parallelize: a mesh with a 'pp' axis may have 'ep' or the plan's {axis!r} "
-            f"(tensor parallel) beside it, not both, today; {mesh} has both: expert "
-            f"parallelism with tensor-parallel experts beside a pipeline is not built yet "
-            f"(give the experts' ranks to 'ep', or drop 'ep')")
     if [a for a in others if a in _NOT_BESIDE]:
         raise ShardingError(
             f"parallelize: a mesh with a 'pp' axis may have the plan's {axis!r} (tensor "

@@ -94,9 +94,9 @@ def _stage_axes(tree: Any, pipeline: Any) -> tuple[list, list, list]:
             axes.append(tuple(a for a in pipeline.mesh.axis_names if a in split or a == "pp")
                         if isinstance(x, torch.Tensor) else None)
     mesh, tp = pipeline.mesh, pipeline.axis
-    # (the axes a stage's blocks may be split over: the plan's tp, and fsdp beside pp;
-    # a group for each combination, in one order on every stage)
-    can = [a for a in (tp, "fsdp") if a in mesh.axis_names and mesh.axis_size(a) > 1]
+    # (the axes a stage's blocks may be split over: the plan's tp, fsdp and a MoE's ep
+    # beside pp; a group for each combination, in one order on every stage)
+    can = [a for a in (tp, "fsdp", "ep") if a in mesh.axis_names and mesh.axis_size(a) > 1]
     order = [tuple(a for a in mesh.axis_names if a == "pp" or a in combo)
              for n in range(len(can) + 1) for combo in itertools.combinations(can, n)]
     for x, a in zip(leaves, axes):
