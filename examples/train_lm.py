@@ -29,7 +29,9 @@ they go through torch.distributed's default group, which simulated ranks lack.
 A resumed run continues exactly where the checkpoint left off: the batches are a
 function of the step number, and the optimizer is rebuilt fresh on the new mesh and
 given its state by ``functp.init_optimizer_state`` + ``functp.optimizer_specs`` (the
-spec tree ``functp.load`` needs), so with the same ``--steps`` (the learning-rate
+spec tree ``functp.load`` needs; AdamW's moments are saved by parameter name, so a
+pipeline's checkpoint, whose stages each number their own from 0, resumes with or
+without ``--pp``), so with the same ``--steps`` (the learning-rate
 schedule follows it) its losses are the uninterrupted run's up to float32 rounding
 (the sums run in another order on another mesh).
 
@@ -54,9 +56,10 @@ the loss and gradients are the unpipelined model's. The clip's norm is the whole
 model's (``functp.clip_by_global_norm(grads, 1.0, pipeline=apply)``: every stage's
 gradients in it), so the run trains to the losses of the run without ``--pp`` up to
 float32 rounding (``--float64``: ~1e-12). Evaluation is the step's forward only
-(``step.evaluate``: no activations kept, no backward); checkpoints of a
-pipeline are not written yet (``--resume`` and ``--ckpt-every`` are refused/skipped
-with ``--pp``), nor are ``--cp`` and ``--compile`` beside it.
+(``step.evaluate``: no activations kept, no backward). Its checkpoint is the
+stages' union (``functp.save``: one checkpoint of the whole model), which
+``--resume`` reads on any mesh, with a pipeline or without. ``--cp`` and ``--compile``
+are not built beside ``--pp`` yet.
 
 ``--compile [BACKEND]`` runs the whole step, ``functp.value_and_grad`` of the loss,
 ``functp.clip_by_global_norm`` and ``functp.adamw(...).update(..., donate=True)`` (the
@@ -131,8 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  f"{2 * args.cp}")
     if args.pp < 1 or args.microbatches < 1:
         ap.error("--pp and --microbatches: at least 1")
-    if args.pp > 1 and (args.cp > 1 or args.compile or args.resume):
-        ap.error("--pp: --cp, --compile and --resume beside a pipeline are not built yet")
+    if args.pp > 1 and (args.cp > 1 or args.compile):
+        ap.error("--pp: --cp and --compile beside a pipeline are not built yet")
     if args.pp > args.layers:
         ap.error(f"--pp {args.pp}: more stages than the model's {args.layers} layers")
     args.nproc = args.dp * args.cp * args.pp * args.tp
@@ -373,13 +376,27 @@ def main(argv=None) -> bool:
         opt = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     optimizer = "functp.adamw" if args.compile else "torch.optim.AdamW"
 
+    def adamw_by_name():
+        """torch.optim.AdamW's state and its specs by parameter name: its state_dict()
+        numbers the parameters from 0 on each pipeline stage, so a checkpoint of the
+        stages, which keeps their union, holds the moments under the names instead
+        (and so loads on a mesh with or without pp)."""
+        names = list(params)                   # (opt was built over params.values())
+        by_index = functp.optimizer_specs(opt, params, specs)["state"]
+        return ({k: opt.state[params[k]] for k in names if opt.state.get(params[k])},
+                {names[i]: s for i, s in by_index.items()})
+
     start, metrics = 0, []
     if args.resume:
+        like = None
         if not args.compile:
             # a fresh optimizer on this mesh: give it the state a step would make, so
             # that optimizer_specs can describe it and functp.load fill it
             functp.init_optimizer_state(opt)
-            opt_specs = functp.optimizer_specs(opt, params, specs)
+            moments, opt_specs = adamw_by_name()
+            # (which keys this rank reads: a pipeline stage's own)
+            like = {"params": {k: v.detach() for k, v in params.items()}, "opt": moments,
+                    "step": 0, "metrics": ""}
         saved_by = "torch.optim.AdamW"          # (a checkpoint from before --compile)
         if os.path.exists(os.path.join(args.resume, "optimizer.txt")):
             with open(os.path.join(args.resume, "optimizer.txt")) as f:
@@ -388,20 +405,23 @@ def main(argv=None) -> bool:
             raise SystemExit(f"{args.resume} holds {saved_by} state; resume it "
                              f"{'with' if saved_by == 'functp.adamw' else 'without'} --compile")
         layout = {"params": specs, "opt": opt_specs, "step": P(), "metrics": P()}
-        state = functp.load(args.resume, mesh, layout)
+        state = functp.load(args.resume, mesh, layout, like=like)
         with torch.no_grad():
             for k, v in params.items():
                 v.copy_(state["params"][k])
         if args.compile:
             opt_state = state["opt"]
         else:
-            opt.load_state_dict(state["opt"])
+            for k, moments in state["opt"].items():
+                opt.state[params[k]] = moments
         start, metrics = int(state["step"]), json.loads(state["metrics"])
-        kept = len(state["opt"]["exp_avg"] if args.compile else state["opt"]["state"])
+        kept = len(state["opt"]["exp_avg"] if args.compile else state["opt"])
         if rank0:
             print(f"resumed from {args.resume} at step {start} on (dp={args.dp}, "
-                  f"{f'cp={args.cp}, ' if cp else ''}tp={args.tp}): parameters, and "
-                  f"{'AdamW' if not args.compile else optimizer} state for {kept} of them")
+                  f"{f'cp={args.cp}, ' if cp else ''}{f'pp={args.pp}, ' if pp else ''}"
+                  f"tp={args.tp}): parameters, and "
+                  f"{'AdamW' if not args.compile else optimizer} state for {kept} of them"
+                  f"{' (stage 0)' if pp else ''}")
 
     def evaluate() -> float:
         with torch.no_grad():
@@ -415,11 +435,14 @@ def main(argv=None) -> bool:
         if args.compile:
             opt_now, specs_now = opt_state, opt_specs
         else:
-            opt_now, specs_now = opt.state_dict(), functp.optimizer_specs(opt, params, specs)
+            opt_now, specs_now = adamw_by_name()
         layout = {"params": specs, "opt": specs_now, "step": P(), "metrics": P()}
+        # rank 0's history on every rank (each rank times its own tokens/s; the stages
+        # of a pipeline must save the same values)
+        history = [json.dumps(metrics)]
+        torch.distributed.broadcast_object_list(history, src=0)
         functp.save(path, {"params": {k: v.detach() for k, v in params.items()},
-                           "opt": opt_now, "step": step,
-                           "metrics": json.dumps(metrics)}, mesh, layout)
+                           "opt": opt_now, "step": step, "metrics": history[0]}, mesh, layout)
         if rank0:         # which optimizer's state it is (a resume must use the same)
             with open(os.path.join(path, "optimizer.txt"), "w") as f:
                 f.write(optimizer + "\n")
@@ -483,10 +506,7 @@ def main(argv=None) -> bool:
                 f.write(json.dumps(row) + "\n")
         bar.update(step, row["loss"], tok_s)
         if step % args.ckpt_every == 0:
-            if pp:
-                if step == args.ckpt_every:
-                    bar.write("(checkpoints of a pipeline's stages are not written yet)")
-            elif simulated:
+            if simulated:
                 if step == args.ckpt_every:
                     bar.write("(checkpoints are skipped under --simulate: functp.save needs "
                               "torchrun's process group)")

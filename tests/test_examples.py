@@ -253,6 +253,28 @@ def test_train_lm_with_pp_trains_to_the_losses_without(lm_two_layers, tmp_path, 
     _same_losses(got, lm_two_layers, rel=_F64)
 
 
+def test_train_lm_pipeline_checkpoint_resumes_without_the_pipeline(run, tmp_path):
+    # pp2 x tp2's stages save one checkpoint (their union: AdamW's moments by parameter
+    # name, each stage numbering its own from 0); dp2 without a pipeline resumes it to
+    # the uninterrupted run's losses in float64 (without the moments: off by ~1e-2)
+    first, again = tmp_path / "first", tmp_path / "again"
+    args = [*_LM_TINY, "--layers", "2", "--ckpt-every", "2"]
+    ok, out = zip(*run(4, example_main, "train_lm.py", [
+        *args, "--mesh", "1x2", "--pp", "2", "--out", str(first)], gloo=True, timeout=300))
+    assert all(ok) and "saved" in out[0], out[0]
+    assert sorted(os.listdir(first)) == ["loss.png", "metrics.jsonl", "step_000002",
+                                        "step_000004"], os.listdir(first)
+    ok, out = zip(*run(2, example_main, "train_lm.py", [
+        *args, "--mesh", "2x1", "--resume", str(first / "step_000002"), "--out", str(again)],
+        gloo=True, timeout=300))
+    assert all(ok) and "at step 2 on (dp=2, tp=1): parameters, and AdamW state for 19" in out[0]
+    a, b = _metrics(first), _metrics(again)
+    assert sorted(b) == list(range(5)), sorted(b)     # the history up to 2, then 3..4
+    for step in (3, 4):
+        assert math.isclose(a[step]["loss"], b[step]["loss"], rel_tol=_F64), (a[step], b[step])
+    assert math.isclose(a[4]["eval_loss"], b[4]["eval_loss"], rel_tol=_F64)
+
+
 def test_train_lm_compiled_whole_step_trains_to_the_eager_losses(run, lm_without_flags, tmp_path):
     # two gloo processes: gradients, clip_by_global_norm and functp.adamw(donate=
     # True) as one torch.compile(fullgraph=True) graph (aot_eager here: Inductor's
