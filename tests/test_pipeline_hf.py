@@ -423,6 +423,36 @@ def test_a_checkpoint_of_stages_loads_on_another_pp_size_and_without_pp(run, tmp
 
 # -- what is refused, with the reason, on every rank -----------------------------------------
 
+def _verify_body():
+    """parallelize(verify=True) on (pp, tp): the collectives over tp it runs (the plan
+    checked on the whole model) and those without verify=, and the error of a plan
+    that leaves o_proj out (attention's heads split, its output projection whole)."""
+    from functp.parallel._hf import _auto_plan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _hf._build("llama", num_hidden_layers=4)
+    mesh = functp.make_mesh((2, 2), ("pp", "tp"))
+    counts = []
+    for verify in (True, False):
+        with functp.comm_log() as log:
+            functp.parallelize(model, mesh, "auto", verify=verify)
+        counts.append(len([e for e in log.events if e.axes == ("tp",)]))
+    bad = {k: v for k, v in _auto_plan(model).items() if not k.endswith("o_proj")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")              # (o_proj: no rule covers it)
+        functp.parallelize(model, mesh, bad)         # (laid out: it fails in the step)
+        with pytest.raises(functp.ShardingError) as e:
+            functp.parallelize(model, mesh, bad, verify=True)
+    return counts, str(e.value)
+
+
+def test_verify_checks_the_plan_beside_a_pipeline(run):
+    for counts, message in run(4, _verify_body):
+        assert counts[0] > 0 and counts[1] == 0, counts
+        assert ("module 'model.layers.0.self_attn.o_proj' (Linear) raised RuntimeError "
+                "under the plan") in message, message
+
+
 def _error_body(case):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -448,8 +478,6 @@ def _error_body(case):
         elif case == "interleaved":
             apply, params, _ = functp.parallelize(model, mesh, "auto")
             apply.pipeline(microbatches=2, loss_fn=_hf._lm_loss, schedule="interleaved")
-        elif case == "verify":
-            functp.parallelize(model, mesh, "auto", verify=True)
     except functp.ShardingError as e:
         return str(e)
     return None
@@ -466,7 +494,6 @@ def _error_body(case):
     ("uneven", r"batch's 5 sequences .* must split evenly over the data-parallel axes "
                r"\['dp'\] \(2 rows"),
     ("interleaved", r"schedule='interleaved'.*1 virtual stage.*stages=\) with pp x v"),
-    ("verify", r"verify= and distributed_config= are not built for pipelines"),
 ])
 def test_refused_on_every_rank(run, case, says):
     import re

@@ -41,7 +41,9 @@ def parallelize(module: nn.Module, mesh: Mesh | None = None, plan: dict[str, Any
     the tensor-parallel family; ``verify`` – first run :func:`functp.verify_plan`
     on random token ids (a transformers language model): a plan that makes any
     module's output or any gradient differ from the unsharded module raises a
-    ``ShardingError`` naming the first such module; ``distributed_config`` –
+    ``ShardingError`` naming the first such module (with a ``pp`` axis: the plan on
+    the whole model over the other axes, before the split into stages);
+    ``distributed_config`` –
     transformers' ``DistributedConfig`` (or a dict of its fields) instead of a mesh:
     without ``ep_size`` the mesh is ``("dp_replicate", "fsdp", "tp")``, with FSDP over
     ``fsdp`` (HSDP with ``dp_replicate``); with ``ep_size`` > 1 it is
@@ -101,8 +103,8 @@ def _laid_out(module, mesh, plan, axis, verify, distributed_config, keep_module,
     """parallelize's steps: the mesh; pipeline stages on a ``pp`` axis (``_pp``), else
     the plan verified when asked and laid out."""
     mesh, _ = _checked_mesh(module, mesh, distributed_config)
-    if pipelined(mesh, stages, verify, distributed_config):
-        return lay_out_stages(module, mesh, plan, axis, stages, keep_module)
+    if pipelined(mesh, stages, distributed_config):
+        return lay_out_stages(module, mesh, plan, axis, stages, keep_module, verify)
     if verify:
         verify_plan(module, mesh, plan, axis=axis, distributed_config=distributed_config)
     return guard_kept(*lay_out_plan(module, mesh, plan, axis, distributed_config, keep_module))

@@ -52,14 +52,14 @@ _ORDER = ("first", "layers", "last")
 _NOT_BESIDE = ("dp_shard", "cp")
 
 
-def pipelined(mesh: Mesh, stages: Any, verify: bool, distributed_config: Any) -> bool:
+def pipelined(mesh: Mesh, stages: Any, distributed_config: Any) -> bool:
     """Whether ``parallelize`` splits the model into stages: a ``pp`` axis of more
     than one rank (or ``stages`` given); raises for what pipelines do not take yet."""
     if "pp" not in mesh.axis_names or (mesh.axis_size("pp") == 1 and stages is None):
         return False
-    if verify or distributed_config is not None:
-        raise ShardingError("parallelize on a mesh with a 'pp' axis: verify= and "
-                            "distributed_config= are not built for pipelines yet")
+    if distributed_config is not None:
+        raise ShardingError("parallelize on a mesh with a 'pp' axis: distributed_config= "
+                            "is not built for pipelines yet; give the mesh and the plan")
     return True
 
 
@@ -191,7 +191,7 @@ def _filtered(families: list, module: nn.Module, replaced: list[str]) -> list:
 
 
 def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
-                   stages: Sequence[int] | None, keep_module: bool
+                   stages: Sequence[int] | None, keep_module: bool, verify: bool = False
                    ) -> tuple["PipelineStages", Any, Any]:
     """:func:`functp.parallelize` on a mesh with a ``pp`` axis of more than one rank:
     this rank's stage(s) of ``model``, laid out by ``plan`` over the other axes."""
@@ -214,6 +214,12 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
             f"pipeline is not built yet ('fsdp' and 'ep' are)")
     me = mesh.coordinate["pp"]
     inner = _stage_mesh(mesh)
+    if verify and inner is not None:
+        # (the plan on the whole model over the stage's axes, before the split: each
+        # stage's modules are the model's own, laid out by the same plan; the stages'
+        # sends and receives are exact by construction. On pp alone nothing is split)
+        from ._verify import verify_plan
+        verify_plan(model, inner, plan, axis=axis)
     applies, params, specs, modules = [], [], [], []
     for j in range(total // pp):
         vs = me + j * pp
