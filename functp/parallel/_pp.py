@@ -194,7 +194,8 @@ def lay_out_stages(model: nn.Module, mesh: Mesh, plan: Any, axis: str,
                    stages: Sequence[int] | None, keep_module: bool, verify: bool = False
                    ) -> tuple["PipelineStages", Any, Any]:
     """:func:`functp.parallelize` on a mesh with a ``pp`` axis of more than one rank:
-    this rank's stage(s) of ``model``, laid out by ``plan`` over the other axes."""
+    this rank's stage(s) of ``model``, laid out by ``plan`` over the other axes (with
+    ``verify``, the plan checked on the whole model over them first)."""
     from ._plans import _families, _lay_out
     parts = _parts(model)
     pp = mesh.axis_size("pp")
