@@ -11,8 +11,10 @@ loss (they must agree), functp's table bubble and activations held (rank 0), eac
 peak memory per stage (MemTracker's total over one more step, and what
 functp.estimate predicts; torch's schedules do not run under MemTracker) and
 the measured idle fraction of rank 0: 1 - (its stages' forward and backward of the M
-microbatches, timed alone, no transfer) / (the step's median). CPU gloo times are
-noisy and host-bound at these sizes: read ratios, not seconds.
+microbatches, timed alone, no transfer) / (the step's median), and the messages
+each rank posts in a step (sends + receives, cProfile's count of c10d's calls: the
+counts are stable where times are not). CPU gloo times are noisy and host-bound at
+these sizes: read ratios, not seconds.
 """
 from __future__ import annotations
 
@@ -103,6 +105,21 @@ def busy(ws, x, y) -> float:
     return statistics.median(ts)
 
 
+def messages(fn) -> tuple[int, int]:
+    """The point-to-point messages this rank posts in ``fn()``: (sends, receives),
+    counted by cProfile as calls of c10d's send and recv (stable where times are not;
+    on gloo here each costs ~0.3-0.4 ms of CPU, 4 processes sharing 2 cores)."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    calls = {name: n for (_, _, name), (_, n, *_) in pstats.Stats(prof).stats.items()}
+    return (calls.get("<built-in method torch._C._distributed_c10d.send>", 0),
+            calls.get("<built-in method torch._C._distributed_c10d.recv>", 0))
+
+
 def main() -> None:
     torch.set_num_threads(1)
     mesh = functp.make_mesh((functp.process_count(),), ("pp",))
@@ -150,10 +167,14 @@ def main() -> None:
         stands = next(r for r in est.ranks if rank in est.alike[r])
         dist.all_gather_object(peaks, (fpeak, est[stands].peak_bytes))
         compute = busy([b.w for b in mine], x, y)
+        dist.barrier()
+        counts = [None] * pp
+        dist.all_gather_object(counts, (messages(lambda: step(fw, x, y)), messages(
+            lambda: torch_step(sched, stages, x, y, pp, rank))))
         rows.append((name, med["functp"], med["torch"], floss.item(),
                      None if tloss is None else float(tloss.detach()), step.schedule.bubble,
                      step.peak_saved, peaks, 1 - compute / med["functp"],
-                     1 - compute / med["torch"]))
+                     1 - compute / med["torch"], counts))
     if rank == pp - 1:
         for r in rows:
             print(f"{r[0]:12s} loss functp {r[3]:.6f} torch {r[4]:.6f}", flush=True)
@@ -163,9 +184,12 @@ def main() -> None:
               f"{LAYERS_PER_VS} layers per virtual stage, {STEPS} rounds, medians")
         print(f"{'schedule':12s} {'functp ms':>10s} {'torch ms':>10s} {'ratio':>6s} "
               f"{'bubble':>7s} {'held':>5s} {'idle functp':>11s} {'idle torch':>10s}")
-        for name, f, t, _, _, bubble, held, _, fi, ti in rows:
+        for name, f, t, _, _, bubble, held, _, fi, ti, _ in rows:
             print(f"{name:12s} {f * 1e3:10.1f} {t * 1e3:10.1f} {f / t:6.2f} "
                   f"{bubble:7.3f} {held:5d} {fi:11.2f} {ti:10.2f}")
+        print("messages a step per rank, sends+receives (functp / torch):")
+        for name, counts in [(r[0], r[-1]) for r in rows]:
+            print(f"{name:12s} " + "  ".join(f"{sum(f)}/{sum(t)}" for f, t in counts))
         print("functp's peak memory per stage, KiB (MemTracker / functp.estimate):")
         for name, peaks in [(r[0], r[7]) for r in rows]:
             print(f"{name:12s} " + "  ".join(f"{a / 1024:.0f}/{b / 1024:.0f}"
