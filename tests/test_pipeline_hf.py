@@ -321,6 +321,31 @@ def test_estimate_of_a_transformers_pipeline_with_dp_and_tp(backward):
                 summary[("all_reduce", ("fsdp",))]) == (2, 2, 1), summary
 
 
+def _estimated_moe_step():
+    import transformers
+    config = _hf.CONFIG_MAPPING["qwen3_moe"](**{**_hf.TINY, **_hf.EXTRA.get("qwen3_moe", {}),
+                                                "num_hidden_layers": 2})
+    model = transformers.Qwen3MoeForCausalLM(config)    # (built in the trace: no .double())
+    apply, params, _ = functp.parallelize(
+        model, functp.make_mesh((2, 2, 2), ("pp", "ep", "tp")), "auto")
+    ids = torch.randint(3, _hf.VOCAB, (4, _hf.SEQ))
+    return apply.pipeline(microbatches=2, loss_fn=_hf._lm_loss, schedule="1f1b")(
+        params, ids, ids)
+
+
+def test_estimate_of_a_moe_pipeline_with_ep_and_tp():
+    # the experts' dispatch over ep within each stage, and the step's reductions over
+    # ep once a step: the loss and two gradient buffers (the tp-split dense blocks and
+    # the replicated ones), none for the experts (each rank holds its own whole)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = functp.estimate(_estimated_moe_step, 8)
+    summary = est.comm.summary()
+    assert summary[("ragged_all_to_all", ("ep",))] > 0, summary
+    assert summary[("all_reduce", ("ep",))] == 3, summary
+    assert all(est[r].peak_bytes > 0 for r in est.ranks)
+
+
 def _blocks_body():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
