@@ -102,13 +102,20 @@ def _types() -> list[str]:
     return out
 
 
-def _build(model_type: str, **fields):
-    # (fields: a test's own changes to TINY, passed here rather than set on the module,
-    # which simulated ranks share)
+def _built(model_type: str, **fields):
+    """The tiny model as transformers builds it, in the default dtype and unseeded: what
+    an estimate's trace builds (a module made under fake tensors cannot be converted
+    with .double()). (fields: a test's own changes to TINY, passed here rather than set
+    on the module, which simulated ranks share)"""
     config = CONFIG_MAPPING[model_type](**{**TINY, **EXTRA.get(model_type, {}), **fields})
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
-    torch.manual_seed(0)                         # the same weights on every rank
-    return cls(config).double().eval()
+    return cls(config).eval()
+
+
+def _build(model_type: str, **fields):
+    """The tiny model in float64, the same weights on every rank."""
+    torch.manual_seed(0)
+    return _built(model_type, **fields).double()
 
 
 def _lm_loss(logits, targets):

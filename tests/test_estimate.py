@@ -648,12 +648,9 @@ def _hf_step(model, params, *, mesh=None, specs=None, apply=None):
 def _hf_model(model_type, layers=2):
     import warnings
     import _hf as hf
-    config = hf.CONFIG_MAPPING[model_type](**{**hf.TINY, **hf.EXTRA.get(model_type, {}),
-                                              "num_hidden_layers": layers})
-    cls = getattr(hf.transformers, hf.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")         # transformers' notes about tiny configs
-        return cls(config).eval()
+        return hf._built(model_type, num_hidden_layers=layers)
 
 
 def _one_layer_or_two(model_type):

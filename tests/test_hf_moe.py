@@ -63,11 +63,7 @@ def _types() -> list[str]:
 
 
 def _build(model_type: str):
-    config = CONFIG_MAPPING[model_type](**{**hf.TINY, **hf.EXTRA.get(model_type, {}),
-                                           **EXTRA.get(model_type, {})})
-    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
-    torch.manual_seed(0)
-    return cls(config).double().eval()
+    return hf._build(model_type, **EXTRA.get(model_type, {}))
 
 
 def _forward(run_model, p, ids):

@@ -322,10 +322,7 @@ def test_estimate_of_a_transformers_pipeline_with_dp_and_tp(backward):
 
 
 def _estimated_moe_step():
-    import transformers
-    config = _hf.CONFIG_MAPPING["qwen3_moe"](**{**_hf.TINY, **_hf.EXTRA.get("qwen3_moe", {}),
-                                                "num_hidden_layers": 2})
-    model = transformers.Qwen3MoeForCausalLM(config)    # (built in the trace: no .double())
+    model = _hf._built("qwen3_moe", num_hidden_layers=2)   # (in the trace: no .double())
     apply, params, _ = functp.parallelize(
         model, functp.make_mesh((2, 2, 2), ("pp", "ep", "tp")), "auto")
     ids = torch.randint(3, _hf.VOCAB, (4, _hf.SEQ))
